@@ -1,0 +1,31 @@
+# slurmckpt: top-level targets. Everything runs as root (it installs packages and starts a Slurm test cluster).
+#   make setup [NODES=3]   packages, CRIU, venv, SPANK plugin, config, running cluster (scripts/setup.sh)
+#   make demo              setup, then scripts/demo.sh
+#   make test              setup, then the unit and integration tests
+#   make status | stop     cluster status / stop every daemon of the test cluster
+#   make clean             remove build artefacts from the tree (the cluster and installed files stay)
+NODES ?= 1
+PYTHON := /opt/slurmckpt/venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test status stop clean
+
+setup:
+	NODES=$(NODES) bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration
+
+status:
+	bash scripts/cluster.sh status
+
+stop:
+	bash scripts/cluster.sh stop
+
+clean:
+	-[ ! -f spank/Makefile ] || $(MAKE) -C spank clean
+	rm -rf build dist src/*.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,437 @@
+#!/usr/bin/env bash
+# slurmckpt set-up: packages, CRIU >= 4.1, Python venv, SPANK plugin, users, config, and a running Slurm test
+# cluster (munged, mariadbd, slurmdbd, slurmctld, slurmd). Idempotent; the second run is fast.
+#
+#   scripts/setup.sh              everything (what `make setup` runs)
+#   scripts/setup.sh STEP...      only the named steps, in the order given:
+#                                 packages criu python spank users files slurm-config cluster smoke
+# Environment:
+#   NODES=N                       1 (default): one slurmd on the host, node name node1, address 127.0.0.1.
+#                                 N>1: node1..nodeN, one slurmd per network namespace, 10.77.0.<i>/24 on
+#                                 bridge ckptbr0 (host side 10.77.0.254, where slurmctld listens).
+#   SLURMCKPT_DEV_ALLOW_MISSING=1 developer escape hatch: warn instead of failing when pyproject.toml or
+#                                 spank/Makefile is missing (the SPANK line in plugstack.conf is then commented out).
+set -euo pipefail
+umask 022
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=scripts/lib.sh
+. "$REPO/scripts/lib.sh"
+
+NODES=${NODES:-1}
+[[ "$NODES" =~ ^[1-9][0-9]?$ ]] || die "NODES must be a number from 1 to 99 (got '$NODES')"
+ALLOW_MISSING=${SLURMCKPT_DEV_ALLOW_MISSING:-0}
+CRIU_MIN=4.1
+CRIU_READY_FILE=/tmp/criu.ready
+export DEBIAN_FRONTEND=noninteractive
+# The caller's PATH may put pyenv/other pythons first; everything here uses Debian's tools.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+trap 'rc=$?; [ $rc -eq 0 ] || [ -n "${SLURMCKPT_DIED:-}" ] || printf "[slurmckpt-setup] FAILED (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' EXIT
+
+step_start() { STEP_T0=$(date +%s%N); log "== $1"; }
+step_done()  { local ms=$(( ($(date +%s%N) - STEP_T0) / 1000000 )); log "   done in $((ms / 1000)).$(( (ms % 1000) / 100 )) s"; }
+
+# --------------------------------------------------------------------------------------------------- packages
+PACKAGES=(
+  slurmctld slurmd slurm-client slurmdbd munge libslurm-dev mariadb-server
+  build-essential pkg-config python3 python3-venv python3-dev
+  iproute2 nftables iptables procps psmisc ca-certificates xz-utils
+  # CRIU build dependencies (DESIGN.md)
+  libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
+  libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev libnftables-dev libbsd-dev uuid-dev
+)
+
+missing_packages() {
+  local p st
+  for p in "$@"; do
+    st=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+    [ "$st" = installed ] || echo "$p"
+  done
+}
+
+# No init system here: keep package postinst scripts from starting daemons we start ourselves.
+with_no_daemon_start() {
+  local made=0 rc=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# slurmckpt setup: no daemon starts during apt-get install\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d; made=1
+  fi
+  "$@" || rc=$?
+  [ $made = 0 ] || rm -f /usr/sbin/policy-rc.d
+  return $rc
+}
+
+step_packages() {
+  step_start "apt packages"
+  local miss
+  miss=$(missing_packages "${PACKAGES[@]}")
+  if [ -z "$miss" ]; then
+    log "   all ${#PACKAGES[@]} packages already installed (no apt-get update)"
+  else
+    log "   missing: $(echo "$miss" | tr '\n' ' ')"
+    apt-get update || die "apt-get update failed"
+    # shellcheck disable=SC2086
+    with_no_daemon_start apt-get install -y -q --no-install-recommends $miss \
+      || die "apt-get install failed for: $(echo "$miss" | tr '\n' ' ')"
+    miss=$(missing_packages "${PACKAGES[@]}")
+    [ -z "$miss" ] || die "packages still not installed after apt-get install: $miss"
+  fi
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------------- criu
+criu_version() { "$1" --version 2>/dev/null | awk '/^Version:/ {print $2; exit}'; }
+
+# criu_ok BIN: BIN exists, is >= CRIU_MIN and passes `criu check`.
+criu_ok() {
+  local bin=$1 v
+  [ -x "$bin" ] || return 1
+  v=$(criu_version "$bin")
+  [ -n "$v" ] || { warn "$bin --version printed no version"; return 1; }
+  if ! dpkg --compare-versions "$v" ge "$CRIU_MIN"; then log "   $bin is CRIU $v (< $CRIU_MIN)"; return 1; fi
+  if ! "$bin" check >/tmp/slurmckpt-criu-check.log 2>&1; then
+    warn "$bin (CRIU $v) fails 'criu check':"; tail -n 5 /tmp/slurmckpt-criu-check.log >&2
+    return 1
+  fi
+  return 0
+}
+
+criu_ready() {
+  local bin=$1
+  CRIU_BIN=$bin
+  echo "$bin" >"$CRIU_READY_FILE"
+  log "   CRIU ready: $bin ($("$bin" --version | tr '\n' ' ')); 'criu check': $(tail -n1 /tmp/slurmckpt-criu-check.log)"
+}
+
+criu_install_cached() {
+  local dir=$1
+  install -D -m 0755 "$dir/criu" /usr/local/sbin/criu
+}
+
+criu_build() {
+  local src=$SLURMCKPT_CACHE/src list=/etc/apt/sources.list.d/slurmckpt-criu-src.sources tarball ver dir t0
+  mkdir -p "$src"
+  log "   fetching Debian's CRIU source tarball (deb-src trixie + sid)"
+  cat >"$list" <<'EOF'
+# Added by slurmckpt scripts/setup.sh only while fetching CRIU's source tarball; removed right after.
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: trixie sid
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+  # trixie/sid Release files carry a Valid-Until date; a mirror snapshot older than that (or a skewed clock)
+  # would make the whole update fail. The tarball is still checked against the signed .dsc's SHA256 below.
+  local aptopt=(-o Acquire::Check-Valid-Until=false -o Acquire::Check-Date=false)
+  if ! apt-get "${aptopt[@]}" update >"$src/apt-update.log" 2>&1; then
+    rm -f "$list"; cat "$src/apt-update.log" >&2; die "apt-get update with the deb-src entry failed"
+  fi
+  # The .debian.tar.xz may 404 on the mirror; the .orig tarball is all we need, so apt's exit code is ignored.
+  (cd "$src" && apt-get "${aptopt[@]}" source --download-only criu >"$src/apt-source.log" 2>&1) || true
+  rm -f "$list"
+  apt-get update >/dev/null 2>&1 || true   # drop the Sources lists again
+  tarball=$(ls -1 "$src"/criu_*.orig.tar.* 2>/dev/null | sort -V | tail -n1 || true)
+  [ -n "$tarball" ] || { cat "$src/apt-source.log" >&2; die "apt-get source --download-only criu fetched no orig tarball"; }
+  ver=$(basename "$tarball" | sed -E 's/^criu_([^.]+\.[^.]+(\.[0-9]+)?)\.orig\.tar\..*/\1/')
+  dpkg --compare-versions "$ver" ge "$CRIU_MIN" || die "Debian's newest CRIU source is $ver (< $CRIU_MIN)"
+  # Verify the tarball against the .dsc's SHA256 when the .dsc came along.
+  local dsc; dsc=$(ls -1 "$src"/criu_"$ver"-*.dsc 2>/dev/null | sort -V | tail -n1 || true)
+  if [ -n "$dsc" ]; then
+    local want; want=$(awk -v f="$(basename "$tarball")" '/^Checksums-Sha256:/ {s=1; next} /^[^ ]/ {s=0} s && $3==f {print $1}' "$dsc")
+    [ -z "$want" ] || [ "$(sha256sum "$tarball" | cut -d' ' -f1)" = "$want" ] || die "checksum mismatch for $tarball"
+  fi
+  dir=$SLURMCKPT_CACHE/criu-$ver
+  if [ -x "$dir/criu" ]; then log "   cache already holds CRIU $ver"; criu_install_cached "$dir"; return; fi
+  log "   building CRIU $ver from $(basename "$tarball") (make -j$(nproc) criu; ~40 s on 2 cores)"
+  rm -rf "$src/criu-$ver"
+  tar -C "$src" -xf "$tarball"
+  t0=$(date +%s)
+  if ! make -C "$src/criu-$ver" -j"$(nproc)" criu >"$src/build-$ver.log" 2>&1; then
+    tail -n 40 "$src/build-$ver.log" >&2; die "CRIU $ver build failed (full log: $src/build-$ver.log)"
+  fi
+  log "   CRIU $ver built in $(( $(date +%s) - t0 )) s"
+  mkdir -p "$dir"
+  install -m 0755 "$src/criu-$ver/criu/criu" "$dir/criu"
+  echo "$ver" >"$dir/VERSION"
+  rm -rf "$src/criu-$ver"
+  criu_install_cached "$dir"
+}
+
+step_criu() {
+  step_start "CRIU >= $CRIU_MIN"
+  rm -f "$CRIU_READY_FILE"
+  # 1. Already installed by an earlier run.
+  if criu_ok /usr/local/sbin/criu; then criu_ready /usr/local/sbin/criu; step_done; return; fi
+  # 2. The distribution's criu (Debian 13 ships 4.1.x; Debian 12's 3.17 fails on kernels >= 6.13).
+  if criu_ok /usr/sbin/criu; then criu_ready /usr/sbin/criu; step_done; return; fi
+  local cand
+  cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ {print $2}')
+  if [ -n "$cand" ] && [ "$cand" != "(none)" ] && dpkg --compare-versions "$cand" ge "$CRIU_MIN"; then
+    log "   installing the distribution's criu $cand"
+    if with_no_daemon_start apt-get install -y --no-install-recommends criu && criu_ok /usr/sbin/criu; then
+      criu_ready /usr/sbin/criu; step_done; return
+    fi
+    warn "the distribution's criu $cand does not qualify; building from source instead"
+  fi
+  # 3. A cached build (newest first).
+  local d
+  for d in $(ls -1d "$SLURMCKPT_CACHE"/criu-*/ 2>/dev/null | sort -V -r); do
+    if criu_ok "$d/criu"; then
+      log "   using cached build $d"; criu_install_cached "$d"
+      criu_ok /usr/local/sbin/criu && { criu_ready /usr/local/sbin/criu; step_done; return; }
+    fi
+  done
+  # 4. Build from Debian's source tarball.
+  criu_build
+  criu_ok /usr/local/sbin/criu || die "the CRIU built from source does not pass 'criu check' (see above)"
+  criu_ready /usr/local/sbin/criu
+  step_done
+}
+
+# ----------------------------------------------------------------------------------------------------- python
+# py_tree_installed SRC SITE: every .py file under SRC has an identical copy under SITE.
+py_tree_installed() {
+  local src=$1 site=$2 f rc=0
+  while IFS= read -r -d '' f; do
+    cmp -s "$src/$f" "$site/$f" || { echo "   differs: $f" >&2; rc=1; }
+  done < <(cd "$src" && find . -name __pycache__ -prune -o -type f -name '*.py' -print0)
+  return $rc
+}
+
+step_python() {
+  step_start "Python venv $SLURMCKPT_VENV"
+  local py=/usr/bin/python3 want have
+  want=$($py -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  have=$("$SLURMCKPT_VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)
+  if [ "$have" != "$want" ] || ! grep -q '^home = /usr/bin$' "$SLURMCKPT_VENV/pyvenv.cfg" 2>/dev/null; then
+    log "   creating venv from $py ($want)"
+    rm -rf "$SLURMCKPT_VENV"
+    mkdir -p "$SLURMCKPT_PREFIX"
+    $py -m venv "$SLURMCKPT_VENV" || die "python3 -m venv failed (is python3-venv installed?)"
+  fi
+  local pip=("$SLURMCKPT_VENV/bin/python" -m pip --disable-pip-version-check --no-input)
+  "$SLURMCKPT_VENV/bin/python" -c 'import pytest' 2>/dev/null || "${pip[@]}" install -q pytest 2> >(grep -v "is ignored" >&2) || die "pip install pytest failed"
+  if [ -f "$REPO/pyproject.toml" ]; then
+    # Non-editable: the installed copy is what Slurm runs. pip re-installs a local directory on every run;
+    # if the installed sources still differ from the tree, force it.
+    "${pip[@]}" install -q "$REPO" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) \
+      || die "pip install $REPO failed"
+    local site; site=$("$SLURMCKPT_VENV/bin/python" -c 'import slurmckpt, os; print(os.path.dirname(slurmckpt.__file__))')
+    if ! py_tree_installed "$REPO/src/slurmckpt" "$site"; then
+      log "   installed package differs from the tree: forcing a re-install"
+      "${pip[@]}" install -q --no-deps --force-reinstall "$REPO" || die "pip re-install of $REPO failed"
+      py_tree_installed "$REPO/src/slurmckpt" "$site" || die "installed package still differs from $REPO/src/slurmckpt (see above)"
+    fi
+  elif [ "$ALLOW_MISSING" = 1 ]; then
+    warn "$REPO/pyproject.toml missing: the slurmckpt package is NOT installed (SLURMCKPT_DEV_ALLOW_MISSING=1)"
+  else
+    die "$REPO/pyproject.toml missing: cannot install the slurmckpt package"
+  fi
+  chmod -R a+rX "$SLURMCKPT_PREFIX"
+  ln -sfn "$SLURMCKPT_VENV/bin/slurmckpt" /usr/local/bin/slurmckpt
+  if [ -f "$REPO/pyproject.toml" ]; then
+    local b; for b in slurmckpt slurmckpt-wrap; do
+      [ -x "$SLURMCKPT_VENV/bin/$b" ] || die "$SLURMCKPT_VENV/bin/$b missing after pip install (pyproject.toml [project.scripts])"
+    done
+  fi
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------------ spank
+SPANK_SO=/usr/local/lib/slurmckpt/slurmckpt_spank.so
+SPANK_INIT=/usr/local/libexec/slurmckpt/slurmckpt-init
+
+step_spank() {
+  step_start "SPANK plugin + slurmckpt-init"
+  if [ -f "$REPO/spank/Makefile" ]; then
+    make -C "$REPO/spank" >/tmp/slurmckpt-spank-build.log 2>&1 \
+      || { tail -n 40 /tmp/slurmckpt-spank-build.log >&2; die "make -C spank failed"; }
+    make -C "$REPO/spank" install DESTDIR= >>/tmp/slurmckpt-spank-build.log 2>&1 \
+      || { tail -n 40 /tmp/slurmckpt-spank-build.log >&2; die "make -C spank install failed"; }
+    [ -f "$SPANK_SO" ] || die "make -C spank install did not install $SPANK_SO"
+    [ -x "$SPANK_INIT" ] || die "make -C spank install did not install $SPANK_INIT"
+  elif [ "$ALLOW_MISSING" = 1 ]; then
+    warn "$REPO/spank/Makefile missing: SPANK plugin NOT built (SLURMCKPT_DEV_ALLOW_MISSING=1)"
+  else
+    die "$REPO/spank/Makefile missing: cannot build the SPANK plugin"
+  fi
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------------ users
+step_users() {
+  step_start "test users"
+  local u
+  mkdir -p /var/tmp/slurmckpt-work; chmod 0755 /var/tmp/slurmckpt-work
+  for u in ckptuser1 ckptuser2; do
+    if ! id -u "$u" >/dev/null 2>&1; then
+      useradd --create-home --shell /bin/bash --comment "slurmckpt test user" "$u" || die "useradd $u failed"
+      passwd -l "$u" >/dev/null   # no password login
+    fi
+    install -d -o "$u" -g "$(id -gn "$u")" -m 0755 "/var/tmp/slurmckpt-work/$u"
+  done
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------------ files
+step_files() {
+  step_start "slurmckpt config and directories"
+  install -d -m 0755 /etc/slurmckpt
+  if [ -f "$REPO/etc/slurmckpt.yaml" ]; then
+    install -m 0644 "$REPO/etc/slurmckpt.yaml" /etc/slurmckpt/slurmckpt.yaml
+  else
+    warn "$REPO/etc/slurmckpt.yaml missing: /etc/slurmckpt/slurmckpt.yaml not installed (package defaults apply)"
+  fi
+  install -d -m 0755 /var/lib/slurmckpt
+  install -d -o root -g root -m 0700 /var/lib/slurmckpt/images /var/log/slurmckpt
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------ slurm config
+# render TEMPLATE DEST MODE: replace every @KEY@ with the value of shell variable T_KEY (multi-line values OK).
+render() {
+  local tpl=$1 dest=$2 mode=$3 text key var val tmp
+  [ -f "$tpl" ] || die "template $tpl missing"
+  text=$(<"$tpl")
+  for key in $(grep -o '@[A-Z_][A-Z0-9_]*@' "$tpl" | sort -u | tr -d @); do
+    var=T_$key
+    declare -p "$var" >/dev/null 2>&1 || die "$tpl uses @$key@ but setup.sh does not define it"
+    val=${!var}
+    text=${text//@$key@/$val}
+  done
+  tmp=$(mktemp "$dest.XXXXXX")
+  printf '%s\n' "$text" >"$tmp"
+  chmod "$mode" "$tmp"
+  mv -f "$tmp" "$dest"
+}
+
+step_slurm_config() {
+  step_start "Slurm config in $SLURM_ETC (NODES=$NODES)"
+  local d
+  for d in state spool log dev; do install -d -m 0755 "$CLUSTER_DIR/$d"; done
+  # Fake GPUs: character devices like /dev/null (c 1 3); gres/gpu needs File= entries.
+  for d in 0 1; do
+    [ -c "$CLUSTER_DIR/dev/nvidia$d" ] || { rm -f "$CLUSTER_DIR/dev/nvidia$d"; mknod -m 0666 "$CLUSTER_DIR/dev/nvidia$d" c 1 3; }
+  done
+
+  # Hardware of this machine, as slurmd sees it.
+  local hw cpus boards sockets cores threads realmem i
+  hw=$(slurmd -C 2>/dev/null | head -n1) || true
+  cpus=$(nproc)
+  boards=$(sed -nE 's/.*Boards=([0-9]+).*/\1/p' <<<"$hw"); sockets=$(sed -nE 's/.*SocketsPerBoard=([0-9]+).*/\1/p' <<<"$hw")
+  cores=$(sed -nE 's/.*CoresPerSocket=([0-9]+).*/\1/p' <<<"$hw"); threads=$(sed -nE 's/.*ThreadsPerCore=([0-9]+).*/\1/p' <<<"$hw")
+  if [ -z "$boards" ] || [ -z "$sockets" ] || [ -z "$cores" ] || [ -z "$threads" ] \
+     || [ $((boards * sockets * cores * threads)) -ne "$cpus" ]; then
+    boards=1 sockets=1 cores=$cpus threads=1
+  fi
+  # RealMemory: 90% of MemTotal (capped by MemAvailable), rounded down to whole GiB so the value (and the
+  # config) stays the same from one run to the next; split between the nodes in multi-node mode.
+  local mem_total mem_avail
+  mem_total=$(awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo)
+  mem_avail=$(awk '/^MemAvailable:/ {print int($2/1024)}' /proc/meminfo)
+  realmem=$(( mem_total * 9 / 10 ))
+  [ "$realmem" -le "$mem_avail" ] || realmem=$mem_avail
+  realmem=$(( realmem / NODES / 1024 * 1024 ))
+  [ "$realmem" -ge 1024 ] || realmem=$(( mem_avail / NODES / 2 ))
+
+  local host; host=$(hostname -s)
+  T_CLUSTER_NAME=slurmckpt
+  T_CLUSTER_DIR=$CLUSTER_DIR
+  T_RUN_DIR=/run/slurmckpt
+  T_SLURM_ETC=$SLURM_ETC
+  T_CTLD_HOST=$host
+  T_NODE_LINES="" T_GRES_LINES=""
+  local nodelist
+  if [ "$NODES" -eq 1 ]; then
+    T_CTLD_ADDR=127.0.0.1
+    nodelist=node1
+    T_NODE_LINES="NodeName=node1 NodeHostname=$host NodeAddr=127.0.0.1 CPUs=$cpus Boards=$boards SocketsPerBoard=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads RealMemory=$realmem Gres=gpu:2 State=UNKNOWN"
+  else
+    T_CTLD_ADDR=$NET_HOST_IP
+    nodelist="node[1-$NODES]"
+    for i in $(seq 1 "$NODES"); do
+      T_NODE_LINES+="NodeName=node$i NodeHostname=node$i NodeAddr=$NET_PREFIX.$i CPUs=$cpus Boards=$boards SocketsPerBoard=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads RealMemory=$realmem Gres=gpu:2 State=UNKNOWN"$'\n'
+    done
+    T_NODE_LINES=${T_NODE_LINES%$'\n'}
+  fi
+  T_NODE_LIST=$nodelist
+  T_GRES_LINES="NodeName=$nodelist Name=gpu File=$CLUSTER_DIR/dev/nvidia[0-1]"
+
+  # SPANK plugin line (docs/contracts.md); commented out only in the developer escape-hatch mode.
+  T_SPANK_PREFIX=""
+  if [ ! -f "$SPANK_SO" ]; then
+    [ "$ALLOW_MISSING" = 1 ] || die "$SPANK_SO missing (run the spank step first)"
+    warn "$SPANK_SO missing: plugstack.conf line commented out (SLURMCKPT_DEV_ALLOW_MISSING=1)"
+    T_SPANK_PREFIX="# (not installed) "
+  fi
+
+  # slurmdbd's MariaDB password: generated once, kept root-only.
+  install -d -m 0700 "$CLUSTER_DIR/secret"
+  [ -s "$CLUSTER_DIR/secret/dbpass" ] || (umask 077; head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$CLUSTER_DIR/secret/dbpass")
+  T_DB_PASS=$(<"$CLUSTER_DIR/secret/dbpass")
+  T_DB_NAME=slurm_acct_db
+  T_DB_USER=slurm
+
+  install -d -m 0755 "$SLURM_ETC"
+  render "$REPO/etc/slurm.conf.in"      "$SLURM_ETC/slurm.conf"      0644
+  render "$REPO/etc/gres.conf.in"       "$SLURM_ETC/gres.conf"       0644
+  render "$REPO/etc/plugstack.conf.in"  "$SLURM_ETC/plugstack.conf"  0644
+  render "$REPO/etc/slurmdbd.conf.in"   "$SLURM_ETC/slurmdbd.conf"   0600
+  echo "$NODES" >"$CLUSTER_DIR/nodes"
+  log "   nodes: $nodelist, CPUs=$cpus each, RealMemory=$realmem MB, controller $host ($T_CTLD_ADDR)"
+  step_done
+}
+
+# ---------------------------------------------------------------------------------------------------- cluster
+step_cluster() {
+  step_start "cluster (re)start"
+  "$REPO/scripts/cluster.sh" restart || die "cluster start failed (see above)"
+  step_done
+}
+
+# ------------------------------------------------------------------------------------------------------ smoke
+step_smoke() {
+  step_start "smoke check"
+  local out rc=0 jid
+  out=$(cd /var/tmp/slurmckpt-work/ckptuser1 && timeout 120 runuser -u ckptuser1 -- srun -N1 -J slurmckpt-smoke bash -c 'echo "ok $SLURM_JOB_ID"' 2>&1) || rc=$?
+  if [ $rc -ne 0 ] || ! grep -q '^ok [0-9]' <<<"$out"; then
+    echo "$out" >&2
+    "$REPO/scripts/cluster.sh" logs >&2 || true
+    die "smoke job 'runuser -u ckptuser1 -- srun -N1 ...' failed (rc=$rc)"
+  fi
+  jid=$(awk '/^ok [0-9]/ {print $2; exit}' <<<"$out")
+  log "   srun as ckptuser1: job $jid ran"
+  local i
+  for i in $(seq 1 30); do
+    # The record is complete once slurmctld has sent the job's end to slurmdbd (user and state filled in).
+    if sacct -n -X -P -j "$jid" -o JobID,User,State,ExitCode 2>/dev/null | grep -qx "$jid|ckptuser1|COMPLETED|0:0"; then
+      log "   sacct: $(sacct -n -X -P -j "$jid" -o JobID,User,State,ExitCode)"
+      step_done; return
+    fi
+    sleep 1
+  done
+  sacct -n -X -j "$jid" >&2 || true
+  tail_log "$CLUSTER_DIR/log/slurmdbd.log"
+  die "sacct does not show job $jid of ckptuser1 as COMPLETED 0:0 after 30 s (accounting via slurmdbd broken?)"
+}
+
+# ------------------------------------------------------------------------------------------------------- main
+main() {
+  need_root
+  local steps=("$@") s t0
+  [ ${#steps[@]} -gt 0 ] || steps=(packages criu python spank users files slurm-config cluster smoke)
+  t0=$(date +%s)
+  log "slurmckpt setup in $REPO (NODES=$NODES): ${steps[*]}"
+  for s in "${steps[@]}"; do
+    case $s in
+      packages) step_packages ;; criu) step_criu ;; python) step_python ;; spank) step_spank ;;
+      users) step_users ;; files) step_files ;; slurm-config) step_slurm_config ;;
+      cluster) step_cluster ;; smoke) step_smoke ;;
+      *) die "unknown step '$s'" ;;
+    esac
+  done
+  log "setup finished in $(( $(date +%s) - t0 )) s"
+}
+
+main "$@"

@@ -1,0 +1,221 @@
+/*
+ * agent_spawn.c - start the task's root agent (slurm_spank_task_init_privileged).
+ *
+ * Runs as root in the task's process forked by slurmstepd, before it drops
+ * privileges. The agent stays a child of the task across the exec of the
+ * wrapper and talks to it only over the inherited socket
+ * (docs/contracts.md, "SPANK shim behaviour").
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "slurmckpt.h"
+
+#define AGENT_FD     3          /* the agent's socket end, after the exec */
+#define AGENT_ERR_FD 4          /* close-on-exec pipe reporting exec errors */
+#define AGENT_PATH   "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
+
+struct agent_cmd {
+	char fd[16], job[16], rank[16], uid[16], gid[16], restarts[16];
+	char conf[PATH_MAX + 16];
+	char *argv[19];
+	char *envp[3];
+};
+
+static void agent_cmd_build(struct agent_cmd *c, struct step_info *si)
+{
+	const char *conf = getenv("SLURM_CONF");
+	int n = 0;
+
+	snprintf(c->fd, sizeof(c->fd), "%d", AGENT_FD);
+	snprintf(c->job, sizeof(c->job), "%u", si->job_id);
+	snprintf(c->rank, sizeof(c->rank), "%u", si->rank);
+	snprintf(c->uid, sizeof(c->uid), "%u", (unsigned int)si->uid);
+	snprintf(c->gid, sizeof(c->gid), "%u", (unsigned int)si->gid);
+	snprintf(c->restarts, sizeof(c->restarts), "%u", si->restart_count);
+
+	c->argv[n++] = slurmckpt_args.agent;
+	c->argv[n++] = "agent";
+	c->argv[n++] = "--fd";
+	c->argv[n++] = c->fd;
+	c->argv[n++] = "--job";
+	c->argv[n++] = c->job;
+	c->argv[n++] = "--step";
+	c->argv[n++] = si->step;
+	c->argv[n++] = "--rank";
+	c->argv[n++] = c->rank;
+	c->argv[n++] = "--uid";
+	c->argv[n++] = c->uid;
+	c->argv[n++] = "--gid";
+	c->argv[n++] = c->gid;
+	c->argv[n++] = "--restart-count";
+	c->argv[n++] = c->restarts;
+	c->argv[n++] = "--init";
+	c->argv[n++] = slurmckpt_args.init;
+	c->argv[n] = NULL;
+
+	n = 0;
+	c->envp[n++] = AGENT_PATH;
+	if (conf != NULL && snprintf(c->conf, sizeof(c->conf), "SLURM_CONF=%s",
+				     conf) < (int)sizeof(c->conf))
+		c->envp[n++] = c->conf;
+	c->envp[n] = NULL;
+}
+
+static void close_from(int lowfd)
+{
+	int fd, max;
+
+	if (syscall(SYS_close_range, (unsigned int)lowfd, ~0U, 0) == 0)
+		return;
+	max = (int)sysconf(_SC_OPEN_MAX);
+	for (fd = lowfd; fd < max; fd++)
+		close(fd);
+}
+
+/* In the forked child: never returns. */
+static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd)
+{
+	sigset_t empty;
+	int sig, err, fd;
+
+	/* Move everything above the target numbers first, then place it. */
+	sock = fcntl(sock, F_DUPFD, 10);
+	nullfd = fcntl(nullfd, F_DUPFD, 10);
+	if (sock < 0 || nullfd < 0)
+		goto fail;
+	if ((fd = fcntl(errfd, F_DUPFD_CLOEXEC, 10)) < 0)
+		goto fail;
+	errfd = fd;
+	if (dup2(nullfd, 0) < 0 || dup2(nullfd, 1) < 0 || dup2(nullfd, 2) < 0 ||
+	    dup2(sock, AGENT_FD) < 0 || dup3(errfd, AGENT_ERR_FD, O_CLOEXEC) < 0)
+		goto fail;
+	errfd = AGENT_ERR_FD;
+	close_from(AGENT_ERR_FD + 1);
+
+	/* Root without the job user's supplementary groups. */
+	if (setgroups(0, NULL) < 0)
+		goto fail;
+	for (sig = 1; sig < NSIG; sig++)
+		signal(sig, SIG_DFL);
+	sigemptyset(&empty);
+	sigprocmask(SIG_SETMASK, &empty, NULL);
+	if (chdir("/") < 0)
+		goto fail;
+
+	execve(c->argv[0], c->argv, c->envp);
+fail:
+	err = errno;
+	if (write(errfd, &err, sizeof(err)) < 0)
+		err = 0;
+	_exit(127);
+}
+
+/* 0 when the agent exec'd, -1 (errno set) when it did not. */
+static int agent_wait_exec(pid_t pid, int errfd)
+{
+	ssize_t n;
+	int err = 0;
+
+	do
+		n = read(errfd, &err, sizeof(err));
+	while (n < 0 && errno == EINTR);
+	if (n == 0)
+		return (0);
+	if (n != (ssize_t)sizeof(err))
+		err = EIO;
+	while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+		;
+	errno = err;
+	return (-1);
+}
+
+static int set_env_long(spank_t sp, const char *name, long value)
+{
+	char buf[32];
+	spank_err_t rc;
+
+	snprintf(buf, sizeof(buf), "%ld", value);
+	rc = spank_setenv(sp, name, buf, 1);
+	if (rc != ESPANK_SUCCESS) {
+		slurm_error("slurmckpt: task_init_privileged: setenv %s: %s",
+			    name, spank_strerror(rc));
+		return (-1);
+	}
+	return (0);
+}
+
+int agent_spawn(spank_t sp, long interval)
+{
+	struct agent_cmd cmd;
+	struct step_info si;
+	int sv[2] = { -1, -1 };
+	int errpipe[2] = { -1, -1 };
+	int nullfd = -1;
+	pid_t pid;
+	int rv = -1;
+
+	if (step_info_get(sp, &si) < 0)
+		goto fail;
+	agent_cmd_build(&cmd, &si);
+
+	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) < 0) {
+		slurm_error("slurmckpt: task_init_privileged: socketpair: %s",
+			    strerror(errno));
+		goto fail;
+	}
+	if (fcntl(sv[1], F_SETFD, FD_CLOEXEC) < 0 ||
+	    pipe2(errpipe, O_CLOEXEC) < 0 ||
+	    (nullfd = open("/dev/null", O_RDWR | O_CLOEXEC)) < 0) {
+		slurm_error("slurmckpt: task_init_privileged: agent setup: %s",
+			    strerror(errno));
+		goto fail;
+	}
+
+	pid = fork();
+	if (pid < 0) {
+		slurm_error("slurmckpt: task_init_privileged: fork: %s",
+			    strerror(errno));
+		goto fail;
+	}
+	if (pid == 0)
+		agent_exec(&cmd, sv[1], nullfd, errpipe[1]);
+
+	close(errpipe[1]);
+	errpipe[1] = -1;
+	if (agent_wait_exec(pid, errpipe[0]) < 0) {
+		slurm_error("slurmckpt: task_init_privileged: exec agent %s: %s",
+			    cmd.argv[0], strerror(errno));
+		goto fail;
+	}
+	/* sv[0] stays open, without close-on-exec, for the wrapper. */
+	if (set_env_long(sp, "SLURMCKPT_AGENT_FD", sv[0]) < 0 ||
+	    set_env_long(sp, "SLURMCKPT_INTERVAL", interval) < 0)
+		goto fail;
+	slurm_debug("slurmckpt: job %u step %s rank %u: agent pid %d, fd %d",
+		    si.job_id, si.step, si.rank, (int)pid, sv[0]);
+	sv[0] = -1;
+	rv = 0;
+fail:
+	if (sv[0] >= 0)
+		close(sv[0]);
+	if (sv[1] >= 0)
+		close(sv[1]);
+	if (errpipe[0] >= 0)
+		close(errpipe[0]);
+	if (errpipe[1] >= 0)
+		close(errpipe[1]);
+	if (nullfd >= 0)
+		close(nullfd);
+	return (rv);
+}

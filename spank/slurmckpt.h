@@ -1,0 +1,45 @@
+/*
+ * slurmckpt.h - what the modules of the slurmckpt SPANK plugin share.
+ * The plugin holds no policy: it validates the option, starts the root
+ * agent and puts the wrapper in front of the task (docs/contracts.md).
+ */
+#ifndef SLURMCKPT_H
+#define SLURMCKPT_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <slurm/spank.h>
+
+#include "args.h"
+
+/* plugstack.conf arguments, parsed in slurm_spank_init (every context). */
+extern struct plugin_args slurmckpt_args;
+
+/* option.c: --checkpoint-interval */
+int option_register(spank_t sp);
+/* Interval in seconds for this step (0 = off); -1 (logged) when invalid. */
+int option_interval(spank_t sp, long *seconds);
+
+/* step.c: which step and task this is */
+struct step_info {
+	uint32_t job_id;
+	uint32_t rank;          /* global task id */
+	uint32_t restart_count;
+	uid_t uid;
+	gid_t gid;
+	char step[16];          /* "batch" or the step number */
+};
+/* 1 for the batch step and numbered steps, 0 for the rest, -1 on error. */
+int step_wrappable(spank_t sp);
+int step_info_get(spank_t sp, struct step_info *si);
+
+/* agent_spawn.c: fork+exec the root agent (task_init_privileged). */
+int agent_spawn(spank_t sp, long interval);
+
+/* task_wrap.c: wrapper becomes argv[0] of the task (task_init). */
+int task_wrap(spank_t sp);
+/* Drop SLURMCKPT_* inherited from an enclosing wrapped step. */
+int task_env_clear(spank_t sp);
+
+#endif

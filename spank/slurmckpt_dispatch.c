@@ -1,0 +1,62 @@
+/*
+ * slurmckpt_dispatch.c - every SPANK entry point of slurmckpt, routed by
+ * context. What runs where (docs/contracts.md, "SPANK shim behaviour"):
+ *   all contexts      init: parse plugstack.conf args, register the option
+ *   srun/sbatch/salloc the option callback validates --checkpoint-interval
+ *   slurmstepd, per task of the batch step and of numbered steps, when the
+ *   interval is not off:
+ *     task_init_privileged (root)  start the agent on a socketpair
+ *     task_init (user)             wrapper becomes argv[0]
+ */
+#include <slurm/spank.h>
+
+#include "slurmckpt.h"
+
+SPANK_PLUGIN(slurmckpt, 1)
+
+struct plugin_args slurmckpt_args;
+
+/* Per task: task_init_privileged and task_init run in the same process. */
+static int task_agent_started;
+
+int slurm_spank_init(spank_t sp, int ac, char **av)
+{
+	char err[256];
+
+	args_defaults(&slurmckpt_args);
+	if (args_parse(&slurmckpt_args, ac, av, err, sizeof(err)) < 0) {
+		slurm_error("slurmckpt: plugstack.conf: %s", err);
+		return (-1);
+	}
+	return (option_register(sp));
+}
+
+int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
+{
+	long interval = 0;
+	int wrappable;
+
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE)
+		return (0);
+	if ((wrappable = step_wrappable(sp)) < 0)
+		return (-1);
+	if (wrappable && option_interval(sp, &interval) < 0)
+		return (-1);
+	if (interval == 0)
+		return (task_env_clear(sp));
+	if (agent_spawn(sp, interval) < 0)
+		return (-1);
+	task_agent_started = 1;
+	return (0);
+}
+
+int slurm_spank_task_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE || !task_agent_started)
+		return (0);
+	return (task_wrap(sp));
+}

@@ -1,0 +1,137 @@
+/*
+ * slurmckpt-init - PID 1 of the workload's PID namespace.
+ *
+ *   slurmckpt-init -- PROG ARGS...
+ *
+ * Forwards HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH to the root child,
+ * reaps every child, and exits with the root child's code (128+N when it
+ * was killed by signal N). The root child starts with SIGTERM ignored
+ * (inherited across exec), every other signal at its default and an empty
+ * mask. Session, uids and fds are the agent's business, not init's
+ * (docs/contracts.md, "slurmckpt-init"). Works as well when it is not
+ * PID 1: it then becomes a child subreaper so orphans are reaped the same.
+ *
+ * The agent starts init as the job's user holding CAP_SYS_ADMIN (ambient) and nothing else: CRIU's
+ * parasite needs it in a PID namespace's init to open that namespace's /proc. The workload never gets
+ * it: the root child clears the ambient set, so exec leaves it with no capabilities.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const int forwarded[] = {
+	SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTERM, SIGCONT,
+	SIGWINCH,
+};
+#define NFORWARDED ((int)(sizeof(forwarded) / sizeof(forwarded[0])))
+
+static volatile pid_t root_child;
+
+static void forward(int sig)
+{
+	int saved = errno;
+
+	if (root_child > 0)
+		kill(root_child, sig);
+	errno = saved;
+}
+
+/*
+ * glibc refuses to touch the signals it reserves (32, 33): an inherited
+ * SIG_IGN there is reset with the raw system call. A zeroed kernel
+ * sigaction is SIG_DFL, no flags, empty mask, whatever the arch's layout.
+ */
+static void reset_signal(int sig, void (*handler)(int))
+{
+	unsigned long ksa[8] = { 0 };
+
+	if (signal(sig, handler) != SIG_ERR || errno != EINVAL ||
+	    sig == SIGKILL || sig == SIGSTOP || handler != SIG_DFL)
+		return;
+	syscall(SYS_rt_sigaction, sig, ksa, NULL, (size_t)(NSIG / 8));
+}
+
+static void child_exec(char **argv)
+{
+	sigset_t empty;
+	int sig;
+
+	for (sig = 1; sig < NSIG; sig++)
+		reset_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
+	sigemptyset(&empty);
+	sigprocmask(SIG_SETMASK, &empty, NULL);
+	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) {
+		fprintf(stderr, "slurmckpt-init: cannot drop capabilities: %s\n", strerror(errno));
+		_exit(126);
+	}
+	execvp(argv[0], argv);
+	fprintf(stderr, "slurmckpt-init: exec %s: %s\n", argv[0], strerror(errno));
+	_exit(errno == ENOENT ? 127 : 126);
+}
+
+static int exit_code(int status)
+{
+	if (WIFEXITED(status))
+		return (WEXITSTATUS(status));
+	if (WIFSIGNALED(status))
+		return (128 + WTERMSIG(status));
+	return (255);
+}
+
+int main(int argc, char **argv)
+{
+	struct sigaction sa;
+	sigset_t set;
+	pid_t pid;
+	int status, i;
+
+	if (argc > 1 && strcmp(argv[1], "--") == 0) {
+		argv++;
+		argc--;
+	}
+	if (argc < 2 || argv[1][0] == '-') {
+		fprintf(stderr, "usage: slurmckpt-init -- PROG [ARGS...]\n");
+		return (127);
+	}
+	if (getpid() != 1)
+		prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+
+	/* Signals that arrive before the child's pid is known wait blocked. */
+	sigemptyset(&set);
+	for (i = 0; i < NFORWARDED; i++)
+		sigaddset(&set, forwarded[i]);
+	sigprocmask(SIG_BLOCK, &set, NULL);
+	signal(SIGCHLD, SIG_DFL);       /* SIG_IGN would make waitpid() fail */
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = forward;
+	sa.sa_flags = SA_RESTART;
+	sigfillset(&sa.sa_mask);
+	for (i = 0; i < NFORWARDED; i++)
+		sigaction(forwarded[i], &sa, NULL);
+
+	pid = fork();
+	if (pid < 0) {
+		fprintf(stderr, "slurmckpt-init: fork: %s\n", strerror(errno));
+		return (127);
+	}
+	if (pid == 0)
+		child_exec(argv + 1);
+	root_child = pid;
+	sigprocmask(SIG_UNBLOCK, &set, NULL);
+
+	for (;;) {
+		pid = waitpid(-1, &status, 0);
+		if (pid == root_child)
+			return (exit_code(status));
+		if (pid < 0 && errno != EINTR) {
+			fprintf(stderr, "slurmckpt-init: waitpid: %s\n",
+				strerror(errno));
+			return (127);
+		}
+	}
+}

@@ -1,0 +1,45 @@
+#!/bin/sh
+# init_test.sh INIT - slurmckpt-init outside a PID namespace: exit codes,
+# signal forwarding, SIGTERM ignored in the child, orphans reaped.
+set -u
+INIT=${1:?usage: init_test.sh path/to/slurmckpt-init}
+fail=0
+check() { # name want got
+	if [ "$2" = "$3" ]; then echo "ok   $1"; else echo "FAIL $1: want $2, got $3"; fail=1; fi
+}
+
+"$INIT" -- sh -c 'exit 7'; check "exit code" 7 $?
+"$INIT" sh -c 'exit 3'; check "without --" 3 $?
+"$INIT" -- /nonexistent/prog 2>/dev/null; check "exec failure" 127 $?
+"$INIT" 2>/dev/null; check "usage" 127 $?
+"$INIT" -- sh -c 'kill -KILL $$'; check "killed child" 137 $?
+"$INIT" -- sh -c 'trap - TERM; kill -TERM $$; exit 0'; check "SIGTERM ignored in child" 0 $?
+"$INIT" -- grep -E '^Sig(Blk|Ign)' /proc/self/status >/tmp/init_test.$$ 2>&1
+check "child mask empty" "SigBlk:	0000000000000000" "$(grep SigBlk /tmp/init_test.$$)"
+check "child ignores only TERM" "SigIgn:	0000000000004000" "$(grep SigIgn /tmp/init_test.$$)"
+rm -f /tmp/init_test.$$
+
+# Forwarding: USR1 to init reaches the child (whose trap exits 42).
+"$INIT" -- sh -c 'trap "exit 42" USR1; while :; do sleep 0.1; done' &
+pid=$!; sleep 0.5; kill -USR1 $pid; wait $pid; check "USR1 forwarded" 42 $?
+# TERM reaches the child, which ignores it; HUP then kills it (128+1).
+"$INIT" -- sh -c 'while :; do sleep 0.1; done' &
+pid=$!; sleep 0.5; kill -TERM $pid; sleep 0.3
+kill -0 $pid 2>/dev/null; check "TERM ignored by child" 0 $?
+kill -HUP $pid; wait $pid; check "HUP forwarded" 129 $?
+# Orphans are reaped (init is a subreaper when it is not PID 1).
+out=$("$INIT" -- sh -c '(sleep 0.3 &) ; sleep 0.6; ps -o stat= --ppid $PPID' 2>&1)
+case "$out" in *Z*) check "orphan reaped" "no zombie" "$out" ;; *) check "orphan reaped" x x ;; esac
+
+# In a real PID namespace when unshare is allowed (root).
+if unshare --pid --fork true 2>/dev/null; then
+	unshare --pid --fork "$INIT" -- sh -c 'echo $$; exit 5' >/tmp/init_test.$$
+	check "PID namespace exit code" 5 $?
+	check "child is PID 2" 2 "$(cat /tmp/init_test.$$)"
+	unshare --pid --fork "$INIT" -- sh -c 'while :; do sleep 0.1; done' &
+	pid=$!; sleep 0.5
+	init=$(pgrep -P $pid -f slurmckpt-init); kill -INT "$init"; wait $pid
+	check "PID namespace INT forwarded" 130 $?
+	rm -f /tmp/init_test.$$
+fi
+exit $fail

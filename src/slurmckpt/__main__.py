@@ -1,0 +1,3 @@
+from slurmckpt.cli import main
+
+main()

@@ -1,0 +1,264 @@
+"""The per-task privileged agent (root). Started by the SPANK shim in slurm_spank_task_init_privileged as a
+child of the task, so job, step, rank and uid come from Slurm, not from the user.
+
+It serves exactly one peer, the task's wrapper, over an inherited socket, and acts only on the tree it
+started or restored itself and on this job's images: no request names a pid, a path or another job.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmckpt.channel import Channel
+from slurmckpt.config import Config
+from slurmckpt.criu import CriuDriver
+from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
+from slurmckpt.freezer import Freezer
+from slurmckpt.cuda.stage import PipelineGpu
+from slurmckpt.launch import Credentials, spawn_tree
+from slurmckpt.pipeline import RankPipeline, restore_rank
+from slurmckpt.storage import JobStore, atomic_write_json, rank_name
+
+log = logging.getLogger("slurmckpt.agent")
+
+
+@dataclass(frozen=True)
+class TaskIdentity:
+    """Trusted: from the SPANK shim's argv."""
+    cluster: str
+    job: int
+    step: str
+    rank: int
+    uid: int
+    gid: int
+    restart_count: int
+
+
+class Agent:
+    def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, wrapper_pid: int) -> None:
+        self.ident, self.channel, self.config, self.wrapper_pid = ident, channel, config, wrapper_pid
+        self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
+        self.store.ensure()
+        name = f"{ident.job}.{ident.step}.{ident.rank}.{ident.restart_count}"
+        self.freezer = Freezer.for_task(config.freezer_root, name)
+        self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.freezer,
+                                     CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s),
+                                     PipelineGpu(config.gpu_lock_timeout_ms,
+                                                 context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
+                                     None, wrapper_pid)  # type: ignore[arg-type]
+
+    def _task_credentials(self) -> Credentials:
+        """Read when needed: at agent start the task has not yet dropped to the job's user."""
+        self.pipeline.creds = Credentials.of_process(self.wrapper_pid, self.ident.uid)
+        return self.pipeline.creds
+
+    # ---- loop ----------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            try:
+                message, fds = self.channel.recv()
+            except EOFError:
+                break
+            except ProtocolError as e:
+                log.warning("rejected frame: %s", e)
+                self._reply_error(e)
+                continue
+            try:
+                handler = getattr(self, "op_" + str(message.get("op")), None)
+                if handler is None:
+                    raise ProtocolError(f"unknown operation {message.get('op')!r}")
+                reply = handler(message, fds) or {}
+                self.channel.send({"ok": True, **reply})
+            except SlurmckptError as e:
+                log.error("%s failed: %s", message.get("op"), e)
+                self._reply_error(e)
+            except Exception as e:  # the agent boundary: report, never die with the tree frozen
+                log.exception("%s crashed", message.get("op"))
+                self._reply_error(SlurmckptError(f"{type(e).__name__}: {e}"))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        self.shutdown()
+
+    def _reply_error(self, e: SlurmckptError) -> None:
+        try:
+            self.channel.send({"ok": False, "error": str(e), "error_type": type(e).__name__})
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """Wrapper gone: never leave a tree frozen."""
+        try:
+            self.freezer.thaw()
+        except OSError:
+            pass
+        self.freezer.remove()
+
+    # ---- operations ------------------------------------------------------------------------------------
+    def op_hello(self, m: dict, fds: list[int]) -> dict:
+        i = self.ident
+        return {"job": i.job, "step": i.step, "rank": i.rank, "cluster": i.cluster,
+                "restart_count": i.restart_count, "node": socket.gethostname()}
+
+    def op_plan(self, m: dict, fds: list[int]) -> dict:
+        """What this task should do: the committed epochs that hold it, newest first."""
+        me = rank_name(self.ident.step, self.ident.rank)
+        try:
+            epochs = self.store.committed()
+        except StorageError as e:
+            return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
+                    "warning": str(e)}
+        candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
+        completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
+        return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
+                "newest": epochs[0]["epoch"] if epochs else None}
+
+    def op_launch(self, m: dict, fds: list[int]) -> dict:
+        if self.pipeline.root_pid:
+            raise PermissionDenied("a tree was already started for this task")
+        argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
+                and isinstance(env, dict) and isinstance(cwd, str) and len(fds) == 3):
+            raise ProtocolError("launch needs argv (list of str), env (dict), cwd and 3 stdio fds")
+        env = {str(k): str(v) for k, v in env.items()}
+        # CUDA refuses to work in a PID namespace that sees the host's /proc, and a private /proc would need
+        # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
+        own_pidns = not uses_gpus(env)
+        pid = spawn_tree(argv, env, cwd, fds, self._task_credentials(), self.config.init_path, self.freezer,
+                         own_pidns)
+        self.pipeline.root_pid = pid
+        log.info("launched %s as pid %d", argv[0], pid)
+        return {"pid": pid}
+
+    def op_prepare(self, m: dict, fds: list[int]) -> dict:
+        return self.pipeline.prepare(_epoch(m))
+
+    def op_capture(self, m: dict, fds: list[int]) -> dict:
+        return self.pipeline.capture(_epoch(m))
+
+    def op_resume(self, m: dict, fds: list[int]) -> dict:
+        self.pipeline.resume(_epoch(m))
+        return {}
+
+    def op_abort(self, m: dict, fds: list[int]) -> dict:
+        self.pipeline.abort(_epoch(m))
+        return {}
+
+    def op_finish(self, m: dict, fds: list[int]) -> dict:
+        self.pipeline.finish(_epoch(m))
+        return {}
+
+    def op_commit(self, m: dict, fds: list[int]) -> dict:
+        ranks, reason = m.get("ranks"), str(m.get("reason", "unknown"))
+        if not isinstance(ranks, dict) or not all(isinstance(v, dict) for v in ranks.values()):
+            raise ProtocolError("commit needs ranks: {name: record}")
+        self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
+        log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
+        return {}
+
+    def op_restore(self, m: dict, fds: list[int]) -> dict:
+        if self.pipeline.root_pid:
+            raise PermissionDenied("a tree is already running for this task")
+        if len(fds) != 3:
+            raise ProtocolError("restore needs the 3 stdio fds")
+        self._task_credentials()
+        self.pipeline.gpu.visible_devices = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES")
+        start = time.monotonic()
+        pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
+        log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
+        return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
+
+    def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
+        address = {"host": str(m["host"]), "port": int(m["port"]), "token": str(m["token"]),
+                   "restart_count": self.ident.restart_count, "published_by": rank_name(self.ident.step,
+                                                                                         self.ident.rank)}
+        atomic_write_json(self._coordinator_file(str(m.get("scope", "job"))), address)
+        return {}
+
+    def op_lookup_coordinator(self, m: dict, fds: list[int]) -> dict:
+        """The job's coordinator address, from a root-owned file only this job's agents read."""
+        deadline = time.monotonic() + min(float(m.get("wait_s", 0)), 120.0)
+        path = self._coordinator_file(str(m.get("scope", "job")))
+        while True:
+            try:
+                address = json.loads(path.read_text())
+                if address["restart_count"] == self.ident.restart_count:
+                    return {"found": True, **address}
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.monotonic() >= deadline:
+                return {"found": False}
+            time.sleep(0.2)
+
+    def _coordinator_file(self, scope: str) -> Path:
+        if scope != "job" and not scope.isdigit():
+            raise ProtocolError(f"bad coordinator scope {scope!r}")
+        return self.store.job_dir / f"coordinator-{scope}.json"
+
+
+def uses_gpus(env: dict[str, str]) -> bool:
+    value = env.get("CUDA_VISIBLE_DEVICES", "")
+    return bool(value) and value not in ("NoDevFiles", "-1")
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def _epoch(m: dict) -> int:
+    epoch = m.get("epoch")
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 < epoch < 10**6:
+        raise ProtocolError(f"bad epoch {epoch!r}")
+    return epoch
+
+
+def cluster_name() -> str:
+    import subprocess
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
+        for line in out.splitlines():
+            if line.startswith("ClusterName"):
+                return line.split("=", 1)[1].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "cluster"
+
+
+def _restart_count(job: int) -> int:
+    from slurmckpt.slurm.control import CliSlurm
+    try:
+        return int(CliSlurm(timeout_s=20).job(job).get("restart_cnt", 0))
+    except (SlurmckptError, ValueError, TypeError):
+        return 0
+
+
+def run_agent(fd: int, job: int, step: str, rank: int, uid: int, gid: int, restart_count: int,
+              init: str | None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)    # Slurm signals every process of the step; we act on the wrapper's word
+    config = Config.load()
+    if init:
+        config = Config.from_mapping({**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                      "init_path": init})
+    if step != "batch" and not step.isdigit():
+        raise SystemExit(f"slurmckpt agent: bad step {step!r}")
+    Path(config.log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    logging.basicConfig(filename=f"{config.log_dir}/agent-{job}.{step}.{rank}.log", level=logging.INFO,
+                        format=f"%(asctime)s %(name)s job={job} step={step} rank={rank} pid=%(process)d "
+                               "%(levelname)s %(message)s")
+    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT: ask slurmctld, by the trusted job id.
+    restart_count = restart_count or _restart_count(job)
+    ident = TaskIdentity(cluster_name(), job, step, rank, uid, gid, restart_count)
+    agent = Agent(ident, Channel.from_fd(fd), config, os.getppid())
+    log.info("agent up for wrapper pid %d", agent.wrapper_pid)
+    agent.serve()

@@ -1,0 +1,189 @@
+"""`slurmckpt` command line: thin layer over the modules; the catch-all error boundary for users."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from slurmckpt.config import Config
+from slurmckpt.errors import SlurmckptError
+
+
+@click.group()
+def cli() -> None:
+    """Transparent checkpoint/restore for Slurm jobs."""
+
+
+@cli.command(hidden=True)
+@click.option("--fd", type=int, required=True)
+@click.option("--job", type=int, required=True)
+@click.option("--step", required=True)
+@click.option("--rank", type=int, required=True)
+@click.option("--uid", type=int, required=True)
+@click.option("--gid", type=int, required=True)
+@click.option("--restart-count", type=int, default=0)
+@click.option("--init", default=None)
+def agent(fd, job, step, rank, uid, gid, restart_count, init) -> None:
+    """Per-task privileged agent (started by the SPANK plugin only)."""
+    if os.geteuid() != 0:
+        raise click.ClickException("the agent runs as root, started by slurmstepd")
+    from slurmckpt.agent import run_agent
+    run_agent(fd, job, step, rank, uid, gid, restart_count, init)
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@click.option("--requeue", is_flag=True, help="Capture, then requeue the job (it resumes from the capture).")
+def checkpoint(job_id: int, requeue: bool) -> None:
+    """Capture JOB_ID now (it keeps running unless --requeue)."""
+    from slurmckpt.wrapper import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
+    sig = int(REQUEUE_SIGNAL if requeue else CHECKPOINT_SIGNAL)
+    # Slurm authorises the signal: only the job's owner (or an admin) can ask for its capture.
+    p = subprocess.run(["scancel", "--batch", f"--signal={sig}", str(job_id)], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise click.ClickException(f"scancel refused: {p.stderr.strip()}")
+    click.echo(f"checkpoint of job {job_id} requested{' (then requeue)' if requeue else ''}")
+
+
+def _store_root(config: Config) -> Path:
+    root = Path(config.storage_root)
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise click.ClickException(f"{root} is readable by root only (images belong to root); run as root")
+    return root
+
+
+@cli.command(name="list")
+@click.option("--json", "as_json", is_flag=True)
+def list_cmd(as_json: bool) -> None:
+    """Committed checkpoints of every job in the image store."""
+    from slurmckpt.storage import JobStore, list_jobs
+    config = Config.load()
+    root = _store_root(config)
+    rows = []
+    for cluster, job in list_jobs(root):
+        for e in JobStore(root, cluster, job).committed():
+            rows.append({"cluster": cluster, "job": job, "epoch": e["epoch"], "reason": e["reason"],
+                         "ranks": len(e["ranks"]), "committed_at": e["committed_at"]})
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'CLUSTER':<12} {'JOB':>8} {'EPOCH':>6} {'REASON':<15} {'RANKS':>5}")
+    for r in rows:
+        click.echo(f"{r['cluster']:<12} {r['job']:>8} {r['epoch']:>6} {r['reason']:<15} {r['ranks']:>5}")
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@click.option("--epoch", type=int, default=None, help="Default: the newest committed one.")
+def inspect(job_id: int, epoch: int | None) -> None:
+    """What a checkpoint holds: ranks, processes, files, output snapshots, sizes, timings."""
+    from slurmckpt.storage import JobStore, list_jobs
+    config = Config.load()
+    root = _store_root(config)
+    clusters = [c for c, j in list_jobs(root) if j == job_id]
+    if not clusters:
+        raise click.ClickException(f"no checkpoint for job {job_id}")
+    store = JobStore(root, clusters[0], job_id)
+    epochs = store.committed()
+    chosen = next((e for e in epochs if epoch in (None, e["epoch"])), None)
+    if chosen is None:
+        raise click.ClickException(f"job {job_id} has no committed epoch {epoch}")
+    click.echo(f"job {job_id} epoch {chosen['epoch']} ({chosen['reason']}), {len(chosen['ranks'])} rank(s)")
+    for name, record in sorted(chosen["ranks"].items()):
+        if record["kind"] == "completed":
+            click.echo(f"  {name}: completed before the capture, exit code {record['exit_code']}")
+            continue
+        step, _, rank = name.rpartition(".")
+        m = store.read_rank_manifest(chosen["epoch"], step, int(rank))
+        total = sum(f["size"] for f in m["files"].values())
+        click.echo(f"  {name}: {m['kind']} on {m.get('node')}, {m.get('processes')} process(es), "
+                   f"{total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {m.get('uid')}")
+        for o in m.get("outputs", []):
+            click.echo(f"    output fd {o['fd']}: {o['link']} ({o['size']} B snapshot)")
+        for t in m.get("truncate", []):
+            click.echo(f"    written file: {t['path']} at {t['size']} B")
+        if m.get("gpu"):
+            click.echo(f"    gpu: {json.dumps(m['gpu'])}")
+        click.echo(f"    timings: {json.dumps(m.get('timings', {}))}")
+
+
+@cli.command()
+@click.argument("job_id", type=int, required=False)
+def status(job_id: int | None) -> None:
+    """Jobs with checkpointing on: state, restarts, newest checkpoint (root sees epochs)."""
+    fmt = "%i|%u|%T|%R"
+    cmd = ["squeue", "-h", "-o", fmt] + (["-j", str(job_id)] if job_id else [])
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout
+    click.echo(f"{'JOB':>8} {'USER':<12} {'STATE':<12} NODES/REASON")
+    for line in out.splitlines():
+        job, user, state, reason = (line.split("|") + ["", "", ""])[:4]
+        click.echo(f"{job:>8} {user:<12} {state:<12} {reason}")
+    if os.geteuid() == 0 and job_id:
+        from slurmckpt.storage import JobStore, list_jobs
+        config = Config.load()
+        for cluster, job in list_jobs(Path(config.storage_root)):
+            if job == job_id:
+                epochs = JobStore(Path(config.storage_root), cluster, job).committed()
+                click.echo(f"newest checkpoint: epoch {epochs[0]['epoch']} ({epochs[0]['reason']})"
+                           if epochs else "no committed checkpoint")
+
+
+@cli.command()
+def doctor() -> None:
+    """Check what slurmckpt needs: kernel, CRIU, plugstack line, agent, store."""
+    from slurmckpt.criu import MIN_VERSION, CriuDriver
+    config = Config.load()
+    failures = 0
+
+    def report(ok: bool, what: str, detail: str = "") -> None:
+        nonlocal failures
+        failures += not ok
+        click.echo(f"[{'ok' if ok else 'FAIL'}] {what}{': ' + detail if detail else ''}")
+
+    kconfig = Path(f"/boot/config-{os.uname().release}")
+    report(Path("/proc/sys/kernel/ns_last_pid").exists(), "kernel: checkpoint/restore support",
+           "ns_last_pid present" if not kconfig.exists() else str(kconfig))
+    criu = CriuDriver(config.criu_path)
+    if shutil.which(config.criu_path) or Path(config.criu_path).exists():
+        try:
+            version = criu.version()
+            report(version >= MIN_VERSION, "criu version", ".".join(map(str, version)) +
+                   ("" if version >= MIN_VERSION else f" (need >= {'.'.join(map(str, MIN_VERSION))})"))
+        except SlurmckptError as e:
+            report(False, "criu version", str(e))
+        if os.geteuid() == 0:
+            ok, text = criu.check()
+            report(ok, "criu check", text.splitlines()[-1] if text else "")
+    else:
+        report(False, "criu", f"{config.criu_path} not found")
+    plug = Path("/etc/slurm/plugstack.conf")
+    lines = [l for l in (plug.read_text().splitlines() if plug.exists() else []) if "slurmckpt_spank" in l]
+    report(bool(lines), "plugstack.conf line", lines[0] if lines else f"none in {plug}")
+    so = lines[0].split()[1] if lines and len(lines[0].split()) > 1 else ""
+    report(bool(so) and Path(so).exists(), "SPANK plugin", so)
+    report(Path(config.init_path).exists(), "namespace init", config.init_path)
+    agent = shutil.which("slurmckpt") or sys.argv[0]
+    report(bool(agent), "agent entry point", agent)
+    report(Path("/sys/fs/cgroup/freezer").exists() or Path("/sys/fs/cgroup/cgroup.controllers").exists(),
+           "cgroup freezer", "v1" if Path("/sys/fs/cgroup/freezer").exists() else "v2")
+    store = Path(config.storage_root)
+    if store.exists():
+        mode = store.stat().st_mode & 0o777
+        report(store.stat().st_uid == 0 and mode & 0o077 == 0, "image store", f"{store} mode {mode:o}")
+    else:
+        report(False, "image store", f"{store} missing")
+    if failures:
+        raise click.ClickException(f"{failures} check(s) failed")
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=True)
+    except SlurmckptError as e:
+        click.echo(f"slurmckpt: {e}", err=True)
+        sys.exit(1)

@@ -1,0 +1,92 @@
+"""Configuration: YAML file -> frozen dataclass. Defaults live here; errors name the key.
+
+Environment overrides `SLURMCKPT_<KEY>` apply to user-side processes only: the root agent runs with a clean
+environment built by the SPANK shim, so a user cannot redirect where root writes images.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from slurmckpt.errors import ConfigError
+
+DEFAULT_PATH = Path("/etc/slurmckpt/slurmckpt.yaml")
+
+
+def _default_criu() -> str:
+    return "/usr/local/sbin/criu" if Path("/usr/local/sbin/criu").exists() else "criu"
+
+
+@dataclass(frozen=True)
+class Config:
+    storage_root: str = "/var/lib/slurmckpt/images"   # root-owned image store, shared across nodes
+    criu_path: str = field(default_factory=_default_criu)
+    init_path: str = "/usr/local/libexec/slurmckpt/slurmckpt-init"
+    log_dir: str = "/var/log/slurmckpt"
+    freezer_root: str = "/sys/fs/cgroup/freezer/slurmckpt"
+    keep_epochs: int = 2                 # committed epochs kept per job (restore falls back to the older)
+    prepare_timeout_s: float = 30.0      # every rank frozen (and GPUs locked) within this, else ABORT
+    capture_timeout_s: float = 600.0     # every rank dumped within this, else ABORT
+    walltime_margin_s: float = 45.0      # minimum lead before EndTime for the final capture
+    requeue_wait_s: float = 600.0        # how long a finished final capture waits for Slurm's requeue kill
+    gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
+    gpu_lock_rounds: int = 8
+    criu_extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, path: Path | None = None, environ: dict[str, str] | None = None) -> "Config":
+        values: dict[str, object] = {}
+        path = path or DEFAULT_PATH
+        if path.exists():
+            try:
+                loaded = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: expected a mapping of keys to values")
+            values.update(loaded)
+        for key in (environ or {}):
+            if key.startswith("SLURMCKPT_CFG_"):
+                values[key[len("SLURMCKPT_CFG_"):].lower()] = environ[key]  # type: ignore[index]
+        return cls.from_mapping(values, source=str(path))
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, object], source: str = "config") -> "Config":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, object] = {}
+        for key, raw in values.items():
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
+            kwargs[key] = _coerce(key, raw, fields[key].type, source)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _coerce(key: str, raw: object, typ: object, source: str) -> object:
+    try:
+        if typ in ("int", int):
+            value: object = int(raw)  # type: ignore[arg-type]
+            if value < 0:  # type: ignore[operator]
+                raise ValueError("must be >= 0")
+            return value
+        if typ in ("float", float):
+            value = float(raw)  # type: ignore[arg-type]
+            if value <= 0:  # type: ignore[operator]
+                raise ValueError("must be > 0")
+            return value
+        if str(typ).startswith("tuple"):
+            if isinstance(raw, str):
+                return tuple(raw.split())
+            return tuple(str(x) for x in raw)  # type: ignore[union-attr]
+        if not isinstance(raw, str):
+            raise ValueError("must be a string")
+        return raw
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: {e}") from e
+
+
+def load_user_config() -> Config:
+    return Config.load(environ=dict(os.environ))

@@ -1,0 +1,201 @@
+"""The job's coordinator: runs epochs across every registered rank.
+
+State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
+
+    IDLE -> PREPARING (all READY: trees frozen, GPUs locked) -> CAPTURING (all CAPTURED)
+         -> COMMITTING (committer writes the job manifest) -> RESUMING (periodic) | FINISHING (final) -> IDLE
+
+The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, challenge, parse_line
+from slurmckpt.errors import ProtocolError
+
+log = logging.getLogger("slurmckpt.coordinator")
+
+Committer = Callable[[int, dict, str], None]
+
+
+class EpochFailed(Exception):
+    def __init__(self, rank: str, stage: str, error: str) -> None:
+        super().__init__(f"rank {rank} failed in {stage}: {error}")
+        self.rank, self.stage, self.error = rank, stage, error
+
+
+@dataclass
+class RankConn:
+    name: str
+    node: str
+    interval: int
+    writer: asyncio.StreamWriter
+    sealer: Sealer
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def send(self, message: dict) -> None:
+        self.writer.write(self.sealer.seal(message))
+
+    async def expect(self, epoch: int, kind: str, command: str) -> dict:
+        while True:
+            msg = await self.inbox.get()
+            if msg["type"] == "vanished":
+                raise EpochFailed(self.name, command, "rank disconnected")
+            if msg.get("epoch") != epoch:
+                continue
+            if msg["type"] == "failed" and msg.get("phase") == command:
+                raise EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error", "?")))
+            if msg["type"] == kind:
+                return msg
+
+
+@dataclass
+class Coordinator:
+    token: str
+    committer: Committer
+    next_epoch: int
+    completed: dict[str, dict] = field(default_factory=dict)
+    prepare_timeout_s: float = 30.0
+    capture_timeout_s: float = 600.0
+    on_started: Callable[[str, str], Awaitable[None]] | None = None
+    on_trigger: Callable[[str, bool], None] | None = None
+    ranks: dict[str, RankConn] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self._epoch_lock = asyncio.Lock()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str = "0.0.0.0", port: int = 0) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_LINE + 1)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server:
+            self._server.close()
+        for rank in list(self.ranks.values()):
+            rank.writer.close()
+
+    # ---- connections -----------------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        hello = challenge()
+        nonce = parse_line(hello)["nonce"]
+        sealer = Sealer(self.token, nonce)
+        rank: RankConn | None = None
+        try:
+            writer.write(hello)
+            msg = sealer.open(await asyncio.wait_for(reader.readline(), 10))
+            if msg["type"] != "hello" or not isinstance(msg.get("rank"), str):
+                raise ProtocolError("expected hello")
+            rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), writer, sealer)
+            old = self.ranks.get(rank.name)
+            if old is not None:
+                old.inbox.put_nowait({"type": "vanished"})
+            self.ranks[rank.name] = rank
+            rank.send({"type": "welcome", "epoch": self.next_epoch})
+            log.info("rank %s joined from %s (node %s)", rank.name, peer, rank.node)
+            while line := await reader.readline():
+                msg = sealer.open(line)
+                await self._dispatch(rank, msg)
+        except (ProtocolError, ValueError, asyncio.TimeoutError, asyncio.LimitOverrunError) as e:
+            log.warning("connection from %s refused: %s", peer, e)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if rank is not None and self.ranks.get(rank.name) is rank:
+                del self.ranks[rank.name]
+                rank.inbox.put_nowait({"type": "vanished"})
+                log.info("rank %s left", rank.name)
+            writer.close()
+
+    async def _dispatch(self, rank: RankConn, msg: dict) -> None:
+        kind = msg["type"]
+        if kind in ("ready", "captured", "failed", "done"):
+            rank.inbox.put_nowait(msg)
+        elif kind == "exited":
+            self.completed[rank.name] = {"kind": "completed", "exit_code": int(msg.get("exit_code", 0)),
+                                         "node": rank.node}
+        elif kind == "trigger":
+            if self.on_trigger:
+                self.on_trigger(str(msg.get("reason", "rank")), bool(msg.get("final", False)))
+        elif kind == "started":
+            if self.on_started:
+                await self.on_started(rank.name, str(msg.get("action", "run")))
+            rank.send({"type": "ack", "ref": msg.get("seq")})
+        else:
+            raise ProtocolError(f"unexpected message type {kind!r}")
+
+    # ---- epochs ------------------------------------------------------------------------------------------
+    async def run_epoch(self, reason: str, final: bool) -> dict:
+        async with self._epoch_lock:
+            if self.finished:
+                return {"status": "skipped", "reason": reason, "why": "job already captured for requeue"}
+            epoch = self.next_epoch
+            self.next_epoch += 1
+            parts = list(self.ranks.values())
+            result = {"epoch": epoch, "reason": reason, "final": final, "ranks": len(parts)}
+            t0 = time.monotonic()
+            if not parts:
+                return {**result, "status": "aborted", "error": "no rank registered"}
+            try:
+                await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
+                result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
+                captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s)
+                records = {**self.completed}
+                for p, reply in zip(parts, captured):
+                    records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
+                await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
+            except EpochFailed as e:
+                log.error("epoch %d aborted: %s", epoch, e)
+                await self._abort(parts, epoch)
+                result.update(status="aborted", rank=e.rank, stage=e.stage, error=e.error)
+            except asyncio.TimeoutError:
+                await self._abort(parts, epoch)
+                result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
+            except Exception as e:  # committer failure
+                log.exception("epoch %d commit failed", epoch)
+                await self._abort(parts, epoch)
+                result.update(status="aborted", stage="commit", error=str(e))
+            else:
+                result["commit_s"] = time.monotonic() - t0
+                if final:
+                    self.finished = True
+                try:
+                    await self._phase(parts, "finish" if final else "resume", "done", epoch, 60)
+                except (EpochFailed, asyncio.TimeoutError) as e:
+                    log.warning("epoch %d committed but %s did not complete: %s",
+                                epoch, "finish" if final else "resume", e)
+                result.update(status="committed", total_s=time.monotonic() - t0,
+                              bytes=sum(int(r.get("bytes", 0)) for r in captured))
+            self.history.append(result)
+            return result
+
+    async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
+                     timeout: float) -> list[dict]:
+        for p in parts:
+            p.send({"type": command, "epoch": epoch})
+        tasks = [asyncio.ensure_future(p.expect(epoch, reply, command)) for p in parts]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _abort(self, parts: list[RankConn], epoch: int) -> None:
+        live = [p for p in parts if self.ranks.get(p.name) is p]
+        try:
+            await self._phase(live, "abort", "done", epoch, 30)
+        except (EpochFailed, asyncio.TimeoutError) as e:
+            log.warning("abort of epoch %d incomplete: %s", epoch, e)
+
+    @property
+    def interval_s(self) -> int:
+        values = [r.interval for r in self.ranks.values() if r.interval > 0]
+        return min(values, default=0)

@@ -1,0 +1,107 @@
+"""CRIU driver: the only module that builds criu command lines."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from slurmckpt.errors import CriuError
+
+MIN_VERSION = (4, 1)
+
+# Options every dump and restore shares. --tcp-established: loopback/peer TCP inside the tree is restored;
+# --ext-unix-sk: sockets to daemons outside (syslog, nscd); --file-locks; --link-remap: open unlinked files;
+# --manage-cgroups=ignore: the tree lives in our freezer cgroup, which the agent manages itself.
+COMMON = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
+
+
+@dataclass(frozen=True)
+class InheritedFd:
+    """A resource the restored tree keeps using from outside (stdio pipe to srun, the output file)."""
+    key: str        # criu's id: pipe:[123], socket:[45], or a path without the leading '/'
+    fd: int         # the fd, in the process that runs criu, that stands in for it
+
+
+class CheckpointEngine(Protocol):
+    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None) -> float: ...
+    def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None) -> int: ...
+
+
+@dataclass
+class CriuDriver:
+    binary: str = "criu"
+    extra_args: tuple[str, ...] = ()
+    timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=lambda: {"PATH": "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"})
+
+    def version(self) -> tuple[int, ...]:
+        out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, env=self.env).stdout
+        m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+        if not m:
+            raise CriuError(f"cannot read criu version from {out!r}", binary=self.binary)
+        return tuple(int(x) for x in m.groups() if x is not None)
+
+    def check(self) -> tuple[bool, str]:
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, env=self.env)
+        return p.returncode == 0, (p.stdout + p.stderr).strip()
+
+    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None) -> float:
+        """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu."""
+        args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON]
+        if leave_running:
+            args.append("--leave-running")
+        if freezer is not None:
+            args += ["--freeze-cgroup", str(freezer)]
+        return self._run(args, images, "dump.log", pid=pid)
+
+    def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
+                pidfile: Path | None = None) -> int:
+        """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
+        Returns the restored root's host PID."""
+        pidfile = pidfile or images / "restore.pid"
+        pidfile.unlink(missing_ok=True)        # criu refuses an existing pidfile
+        args = ["restore", "-D", str(images), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
+                *COMMON]
+        for item in inherit:
+            args += ["--inherit-fd", f"fd[{item.fd}]:{item.key}"]
+
+        def join_freezer() -> None:   # runs in the criu child: the restored tree inherits the cgroup
+            _default_signals()
+            if freezer is not None:
+                (freezer / "tasks").write_text(str(os.getpid()))
+
+        self._run(args, images, "restore.log", pass_fds=[i.fd for i in inherit], preexec=join_freezer)
+        return int(pidfile.read_text().strip())
+
+    def _run(self, args: list[str], images: Path, log: str, pid: int | None = None,
+             pass_fds: list[int] | None = None, preexec=None) -> float:
+        cmd = [self.binary, *args, *self.extra_args]
+        start = time.monotonic()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=self.timeout_s,
+                               pass_fds=pass_fds or [], preexec_fn=preexec or _default_signals)
+        except subprocess.TimeoutExpired as e:
+            raise CriuError(f"criu {args[0]} timed out after {self.timeout_s}s", _tail(images / log),
+                            pid=pid, images=str(images)) from e
+        if p.returncode != 0:
+            raise CriuError(f"criu {args[0]} failed with exit code {p.returncode}",
+                            _tail(images / log) or p.stderr[-2000:], pid=pid, images=str(images))
+        return time.monotonic() - start
+
+
+def _default_signals() -> None:
+    """criu must not inherit the agent's ignored signals: a restore then hangs after the tasks resumed."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

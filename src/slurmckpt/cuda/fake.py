@@ -1,0 +1,198 @@
+"""A GpuDriver without a GPU: the checkpoint state machine, lock timeouts and NCCL-like collectives.
+
+State machine (what driver 580 does, as far as it matters to us):
+    RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
+Any other transition fails with CUDA_ERROR_ILLEGAL_STATE and leaves the state alone; a pid the fake does not
+know fails with CUDA_ERROR_OPERATING_SYSTEM; a registered process without CUDA reports NO_CUDA.
+
+Lock waits for submitted GPU work. Work that can only finish when peers act is a collective: a process that
+entered a collective that not every member has entered yet has a kernel spinning on the GPU, so its lock waits
+`timeout_ms` (through the injected `sleep`) and then fails with CUDA_ERROR_NOT_READY, leaving it RUNNING. A
+locked (or checkpointed) process makes no progress, so it never enters a collective: one locked peer blocks the
+lock of every peer that already entered. `step()` lets every RUNNING process enter its next collective (the
+workload making progress between lock rounds). Thread-safe: lock rounds call it from several threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from slurmckpt.cuda.driver import (CUDA_ERROR_NOT_READY, CUDA_ERROR_OPERATING_SYSTEM, GpuDriverError, GpuInfo,
+                                   GpuPair, ProcessState)
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_ILLEGAL_STATE = 401
+
+OPS = {"lock": "cuCheckpointProcessLock", "checkpoint": "cuCheckpointProcessCheckpoint",
+       "restore": "cuCheckpointProcessRestore", "unlock": "cuCheckpointProcessUnlock",
+       "state": "cuCheckpointProcessGetState"}
+
+
+def fake_gpus(n: int, name: str = "NVIDIA H200", memory: int = 150_754_820_096, tag: int = 0) -> list[GpuInfo]:
+    return [GpuInfo(i, f"GPU-{tag:08x}-0000-4000-8000-{i:012x}", name, memory, f"0000:{0x18 + i:02X}:00.0")
+            for i in range(n)]
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    state: ProcessState = ProcessState.RUNNING
+    gpus: tuple[str, ...] = ()            # uuids the process's contexts live on
+    busy_until: float = 0.0               # plain kernel in flight until this clock time
+
+
+@dataclass
+class FakeCollective:
+    """One collective call (an all-reduce, say) over `members`; complete once every member entered it."""
+    name: str
+    members: tuple[int, ...]
+    entered: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return self.entered >= set(self.members)
+
+    def pending_for(self, pid: int) -> bool:
+        return pid in self.entered and not self.complete
+
+
+class FakeGpuDriver:
+    def __init__(self, gpus: Sequence[GpuInfo] | None = None, *, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._gpus = list(gpus if gpus is not None else fake_gpus(1))
+        self._sleep, self._clock = sleep, clock
+        self._procs: dict[int, FakeProcess] = {}
+        self._collectives: list[FakeCollective] = []
+        self._faults: dict[tuple[str, int], int] = {}
+        self._mutex = threading.RLock()
+        self.calls: list[tuple[str, int]] = []
+        self.restore_pairs: dict[int, list[GpuPair] | None] = {}
+
+    # ---- scenario set-up ----
+    def add_process(self, pid: int, *, cuda: bool = True, gpus: Sequence[str] | None = None,
+                    state: ProcessState = ProcessState.RUNNING) -> FakeProcess:
+        with self._mutex:
+            used = tuple(gpus) if gpus is not None else (self._gpus[0].uuid,) if cuda and self._gpus else ()
+            p = FakeProcess(pid, state if cuda else ProcessState.NO_CUDA, used)
+            self._procs[pid] = p
+            return p
+
+    def remove_process(self, pid: int) -> None:
+        with self._mutex:
+            self._procs.pop(pid, None)
+
+    def set_gpus(self, gpus: Sequence[GpuInfo]) -> None:
+        """The node's GPUs (a restore on another node or allocation)."""
+        with self._mutex:
+            self._gpus = list(gpus)
+
+    def busy(self, pid: int, seconds: float) -> None:
+        """A plain kernel that runs `seconds` more (lock succeeds if its timeout outlasts it)."""
+        with self._mutex:
+            self._procs[pid].busy_until = self._clock() + seconds
+
+    def collective(self, members: Sequence[int], name: str = "allreduce") -> FakeCollective:
+        with self._mutex:
+            c = FakeCollective(name, tuple(members))
+            self._collectives.append(c)
+            return c
+
+    def enter(self, coll: FakeCollective, pid: int) -> bool:
+        """`pid` reaches `coll` in its program. A process that is not RUNNING makes no progress: False."""
+        with self._mutex:
+            if self._procs[pid].state is not ProcessState.RUNNING:
+                return False
+            coll.entered.add(pid)
+            return True
+
+    def step(self) -> None:
+        """Every RUNNING process enters each incomplete collective it belongs to and has not entered yet."""
+        with self._mutex:
+            for c in self._collectives:
+                if c.complete:
+                    continue
+                for pid in c.members:
+                    if pid not in c.entered and self._procs[pid].state is ProcessState.RUNNING:
+                        c.entered.add(pid)
+
+    def fail_next(self, op: str, pid: int, code: int = 999) -> None:
+        """The next `op` ("lock", "checkpoint", "restore", "unlock") on `pid` fails with `code`; the state stays."""
+        with self._mutex:
+            self._faults[(op, pid)] = code
+
+    def states(self) -> dict[int, ProcessState]:
+        with self._mutex:
+            return {pid: p.state for pid, p in self._procs.items()}
+
+    # ---- GpuDriver ----
+    def state(self, pid: int) -> ProcessState:
+        with self._mutex:
+            return self._proc("state", pid).state
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        if timeout_ms <= 0:
+            raise ValueError("timeout_ms must be > 0")
+        with self._mutex:
+            p = self._enter("lock", pid, ProcessState.RUNNING)
+            if not self._has_work(p):
+                p.state = ProcessState.LOCKED
+                return
+        self._sleep(timeout_ms / 1000.0)             # wait for the work, without holding the mutex
+        with self._mutex:
+            p = self._proc("lock", pid)
+            if p.state is not ProcessState.RUNNING or self._has_work(p):
+                raise GpuDriverError(OPS["lock"], CUDA_ERROR_NOT_READY, pid=pid)
+            p.state = ProcessState.LOCKED
+
+    def checkpoint(self, pid: int) -> None:
+        with self._mutex:
+            self._enter("checkpoint", pid, ProcessState.LOCKED).state = ProcessState.CHECKPOINTED
+
+    def restore(self, pid: int, pairs: Sequence[GpuPair] | None = None) -> None:
+        with self._mutex:
+            p = self._enter("restore", pid, ProcessState.CHECKPOINTED)
+            here = {g.uuid for g in self._gpus}
+            if pairs:
+                remap = dict(pairs)
+                if not set(p.gpus) <= set(remap) or not set(remap.values()) <= here:
+                    raise GpuDriverError(OPS["restore"], CUDA_ERROR_INVALID_VALUE, pid=pid,
+                                         detail="GPU pairs must list every checkpointed GPU and name GPUs present")
+                p.gpus = tuple(remap[u] for u in p.gpus)
+            elif not set(p.gpus) <= here:
+                raise GpuDriverError(OPS["restore"], CUDA_ERROR_INVALID_VALUE, pid=pid,
+                                     detail="checkpointed GPU absent and no GPU pairs given")
+            self.restore_pairs[pid] = list(pairs) if pairs else None
+            p.state = ProcessState.LOCKED
+
+    def unlock(self, pid: int) -> None:
+        with self._mutex:
+            self._enter("unlock", pid, ProcessState.LOCKED).state = ProcessState.RUNNING
+
+    def devices(self) -> list[GpuInfo]:
+        with self._mutex:
+            return list(self._gpus)
+
+    # ---- internals ----
+    def _proc(self, op: str, pid: int) -> FakeProcess:
+        p = self._procs.get(pid)
+        if p is None:
+            raise GpuDriverError(OPS[op], CUDA_ERROR_OPERATING_SYSTEM, pid=pid)
+        return p
+
+    def _enter(self, op: str, pid: int, need: ProcessState) -> FakeProcess:
+        self.calls.append((op, pid))
+        p = self._proc(op, pid)
+        code = self._faults.pop((op, pid), None)
+        if code is not None:
+            raise GpuDriverError(OPS[op], code, pid=pid, detail="injected fault")
+        if p.state is ProcessState.NO_CUDA:
+            raise GpuDriverError(OPS[op], 3, pid=pid)
+        if p.state is not need:
+            raise GpuDriverError(OPS[op], CUDA_ERROR_ILLEGAL_STATE, pid=pid,
+                                 detail=f"process is {p.state.name}, needs {need.name}")
+        return p
+
+    def _has_work(self, p: FakeProcess) -> bool:
+        return p.busy_until > self._clock() or any(c.pending_for(p.pid) for c in self._collectives)

@@ -1,0 +1,168 @@
+"""What /proc tells about a tree's CUDA processes, without libcuda: which processes hold CUDA state, which
+use a GPU feature the CUDA checkpoint API cannot capture, which cannot run right now (stopped or frozen).
+
+What a GPU job must do to be checkpointable (driver 580): no MPS, no MIG instance, no managed (UVM) memory,
+no CUDA IPC / peer-to-peer mappings between processes; several GPUs or ranks per node with NCCL only with
+NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 (NCCL then moves intra-node traffic through host
+memory / the network instead of NVLink: on an NVLink node intra-node collectives get several times slower;
+inter-node traffic is unchanged). CUDA IPC between processes cannot be seen here: the driver refuses it at
+checkpoint time and the stage rolls back.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Sequence
+
+from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
+
+NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+
+
+def _read(path: str, mode: str = "r") -> Any:
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except OSError:
+        return b"" if "b" in mode else ""
+
+
+def _fd_links(pid: int, proc: str) -> list[str]:
+    try:
+        names = os.listdir(f"{proc}/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            out.append(os.readlink(f"{proc}/{pid}/fd/{name}"))
+        except OSError:
+            pass
+    return out
+
+
+def _map_paths(pid: int, proc: str) -> list[str]:
+    return [parts[5] for parts in (line.split(None, 5) for line in _read(f"{proc}/{pid}/maps").splitlines())
+            if len(parts) == 6]
+
+
+def process_environ(pid: int, proc: str = "/proc") -> dict[str, str]:
+    env = {}
+    for item in _read(f"{proc}/{pid}/environ", "rb").split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def ns_pid(pid: int, proc: str = "/proc") -> int | None:
+    """The pid in the innermost PID namespace (what stays the same across a CRIU restore)."""
+    for line in _read(f"{proc}/{pid}/status").splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return None
+
+
+def uses_nvidia(pid: int, proc: str = "/proc") -> bool:
+    """The process holds a /dev/nvidia* fd or mapping (every CUDA process does; a checkpointed one does not)."""
+    return any(p.startswith("/dev/nvidia") for p in _fd_links(pid, proc) + _map_paths(pid, proc))
+
+
+def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None, proc: str = "/proc") -> list[int]:
+    """The pids of `pids` holding CUDA state, in the given order. The /proc scan needs no libcuda; with a
+    driver, each candidate is confirmed with GetState (NO_CUDA: dropped; a vanished pid: dropped)."""
+    found = [pid for pid in pids if uses_nvidia(pid, proc)]
+    if driver is None:
+        return found
+    confirmed = []
+    for pid in found:
+        try:
+            if driver.state(pid) is not ProcessState.NO_CUDA:
+                confirmed.append(pid)
+        except GpuDriverError as e:
+            if e.code != 304:     # CUDA_ERROR_OPERATING_SYSTEM: the process is gone
+                raise
+    return confirmed
+
+
+def unsupported_reasons(pids: Sequence[int], proc: str = "/proc", nccl_env_required: bool = True) -> list[str]:
+    """What in these (CUDA) processes the driver cannot checkpoint, each reason naming the cause and pid."""
+    reasons: list[str] = []
+    for entry in (os.listdir(proc) if pids else []):
+        if entry.isdigit() and _read(f"{proc}/{entry}/comm").strip() in MPS_DAEMONS:
+            reasons.append(f"CUDA MPS daemon running (pid {entry}, {_read(f'{proc}/{entry}/comm').strip()}): "
+                           f"processes under MPS cannot be checkpointed; run the job without MPS")
+            break
+    for pid in pids:
+        env, maps, fds = process_environ(pid, proc), _map_paths(pid, proc), _fd_links(pid, proc)
+        if any(v.strip().upper().startswith("MIG-") for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",")) \
+                or any(_is_mig_access_cap(p) for p in fds + maps):
+            reasons.append(f"pid {pid} uses a MIG instance: MIG is not supported by the CUDA checkpoint API")
+        uvm = _uvm_mapping_sizes(pid, proc)
+        if len(uvm) > 1:
+            reasons.append(f"pid {pid} uses managed (UVM) memory ({len(uvm)} /dev/nvidia-uvm mappings, "
+                           f"{sum(uvm) >> 20} MiB): cudaMallocManaged memory is not supported by the CUDA "
+                           f"checkpoint API (driver 580 answers CUDA_ERROR_NOT_SUPPORTED)")
+        if any(p.startswith("/dev/shm/cuda.shm") for p in maps) or env.get("CUDA_MPS_PIPE_DIRECTORY"):
+            reasons.append(f"pid {pid} is an MPS client: MPS is not supported by the CUDA checkpoint API")
+        if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
+            reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
+        if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
+            missing = [f"{k}={v}" for k, v in NCCL_CHECKPOINT_ENV.items() if env.get(k) != v]
+            if missing:
+                reasons.append(f"pid {pid} loaded NCCL with several GPUs or ranks on this node but without "
+                               f"{' '.join(missing)}: NCCL's P2P/SHM/NVLS transports hold cross-GPU state the CUDA "
+                               f"checkpoint API refuses")
+    return reasons
+
+
+def _is_mig_access_cap(path: str) -> bool:
+    """/dev/nvidia-caps/nvidia-capN of a MIG GPU/compute instance. Minors 1 and 2 (mig/config, mig/monitor)
+    are opened by every CUDA process on driver 580, MIG or not (seen on the H200)."""
+    if not path.startswith("/dev/nvidia-caps/nvidia-cap"):
+        return False
+    minor = path.rsplit("nvidia-cap", 1)[1]
+    return not minor.isdigit() or int(minor) > 2
+
+
+def _uvm_mapping_sizes(pid: int, proc: str) -> list[int]:
+    """Sizes of the /dev/nvidia-uvm mappings. A plain CUDA process has one (torch and CuPy on driver 580: 2 MiB
+    at 0x204a00000); a managed allocation adds one of its size (seen: 64 MiB cudaMallocManaged -> 2 mappings)."""
+    out = []
+    for line in _read(f"{proc}/{pid}/maps").splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5] == "/dev/nvidia-uvm":
+            lo, _, hi = parts[0].partition("-")
+            out.append(int(hi, 16) - int(lo, 16))
+    return out
+
+
+def frozen_reason(pid: int, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> str | None:
+    """Why `pid` cannot run right now (stopped, or in a frozen cgroup), else None. The CUDA checkpoint API
+    works through a thread inside the target process: on driver 580 Lock (even with a timeout), Checkpoint,
+    Restore, Unlock and GetState hang on a SIGSTOPped or cgroup-frozen process (seen on the H200)."""
+    for line in _read(f"{proc}/{pid}/status").splitlines():
+        if line.startswith("State:") and line.split()[1] in ("T", "t"):
+            return f"process {pid} is stopped ({line.split(None, 1)[1].strip()})"
+    for line in _read(f"{proc}/{pid}/cgroup").splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            if "frozen 1" in _read(f"{cgroup_root}{path}/cgroup.events") or \
+                    _read(f"{cgroup_root}{path}/cgroup.freeze").strip() == "1":
+                return f"process {pid} is in frozen cgroup {path}"
+        elif "freezer" in controllers.split(","):
+            state = _read(f"{cgroup_root}/freezer{path}/freezer.state").strip()
+            if state in ("FROZEN", "FREEZING"):
+                return f"process {pid} is in {state} freezer cgroup {path}"
+    return None
+
+
+def _shares_node(env: dict[str, str]) -> bool:
+    """Could NCCL pick an intra-node transport (P2P, SHM, NVLS)? Only with >1 GPU visible to the process or
+    >1 task of the step on one node (torch maps libnccl in every CUDA process, used or not)."""
+    gpus = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    peers = [env.get("LOCAL_WORLD_SIZE", ""), env.get("SLURM_NTASKS_PER_NODE", "")]
+    peers += re.findall(r"\d+", re.sub(r"\(x\d+\)", "", env.get("SLURM_STEP_TASKS_PER_NODE", "")))
+    return len(gpus) > 1 or any(p.isdigit() and int(p) > 1 for p in peers)

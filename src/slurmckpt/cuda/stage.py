@@ -1,0 +1,324 @@
+"""The GPU step of the capture pipeline, for one rank's process tree.
+
+Capture (periodic):  lock_all -> checkpoint_all -> [CRIU dump --leave-running] -> restore_all -> unlock_all
+Capture (final):     lock_all -> checkpoint_all -> [CRIU dump, the tree exits]
+Restore:             [CRIU restore] -> adopt_restored -> restore_all(pairs) -> unlock_all
+GPU lock and checkpoint run while the tree is still running (the driver's helper thread inside each process
+does the work): they go before any freezer/CRIU freeze, and restore/unlock after the thaw.
+
+Every failure rolls back what this stage did: a process this stage checkpointed is restored, one it locked is
+unlocked, so nothing is left locked or checkpointed by us; a rollback that itself fails raises
+GpuRollbackError naming the processes left behind. Processes are restored in the order they were checkpointed.
+
+A tree with no process touching /dev/nvidia* gets a NullGpuStage, and libcuda is never loaded for it.
+
+What a GPU job must do to be checkpointable, and what is refused before anything is locked: procscan.py.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
+from slurmckpt.cuda.procscan import find_cuda_pids, frozen_reason, ns_pid, process_environ, unsupported_reasons
+from slurmckpt.cuda.remap import visible_gpus
+from slurmckpt.errors import GpuError
+
+log = logging.getLogger("slurmckpt.cuda")
+
+
+
+class GpuUnsupportedError(GpuError):
+    """The tree uses a GPU feature the CUDA checkpoint API cannot capture; nothing was locked or frozen."""
+    retryable = False
+
+    def __init__(self, reasons: Sequence[str], **context: object) -> None:
+        self.reasons = list(reasons)
+        super().__init__("GPU state cannot be checkpointed: " + "; ".join(self.reasons), **context)
+
+
+class GpuStateError(GpuError):
+    """A process is not in the state this step needs (locked or checkpointed by someone else)."""
+    retryable = False
+
+
+class GpuRollbackError(GpuError):
+    """Rolling back failed: `stuck` maps pid -> state it was left in. The tree must not be left running."""
+    retryable = False
+
+    def __init__(self, message: str, stuck: dict[int, str], **context: object) -> None:
+        self.stuck = stuck
+        super().__init__(f"{message}; left behind: " + ", ".join(f"pid {p} {s}" for p, s in stuck.items()),
+                         **context)
+
+
+def _refuse_frozen(pid: int, proc: str, cgroup_root: str, context: dict[str, Any] | None) -> None:
+    why = frozen_reason(pid, proc, cgroup_root)
+    if why:
+        raise GpuStateError(f"{why}: the CUDA checkpoint API hangs on a process that cannot run; lock and "
+                            f"checkpoint GPUs before freezing the tree, thaw it before GPU restore/unlock",
+                            pid=pid, **(context or {}))
+
+
+# ---- the stage --------------------------------------------------------------------------------------------
+
+@dataclass
+class GpuProcess:
+    pid: int
+    ns_pid: int | None
+    initial: ProcessState
+    locked: bool = False            # by this stage (LOCKED or CHECKPOINTED through us)
+    checkpointed: bool = False      # by this stage (or adopted after a CRIU restore)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "ns_pid": self.ns_pid, "initial": self.initial.name}
+
+
+@dataclass
+class GpuStage:
+    driver: GpuDriver
+    processes: list[GpuProcess]
+    gpus: list[GpuInfo] = field(default_factory=list)
+    cuda_visible_devices: str | None = None
+    adopted: bool = False
+    context: dict[str, Any] = field(default_factory=dict)
+    proc: str = "/proc"
+    cgroup_root: str = "/sys/fs/cgroup"
+    active = True
+
+    # ---- construction ----
+    @classmethod
+    def for_tree(cls, pids: Sequence[int], *, driver_factory: Callable[[], GpuDriver] = load_driver,
+                 proc: str = "/proc", nccl_env_required: bool = True, cgroup_root: str = "/sys/fs/cgroup",
+                 context: dict[str, Any] | None = None) -> GpuStage | NullGpuStage:
+        """Capture side, on the running (not yet frozen) tree. Refuses (GpuUnsupportedError, GpuStateError)
+        before anything is locked."""
+        candidates = find_cuda_pids(pids, proc=proc)
+        if not candidates:
+            return NullGpuStage()
+        reasons = unsupported_reasons(candidates, proc, nccl_env_required)
+        if reasons:
+            raise GpuUnsupportedError(reasons, **(context or {}))
+        for pid in candidates:
+            _refuse_frozen(pid, proc, cgroup_root, context)
+        driver = driver_factory()
+        procs = []
+        for pid in candidates:
+            try:
+                state = driver.state(pid)
+            except GpuDriverError as e:
+                if e.code == 304:
+                    continue
+                raise
+            if state is ProcessState.NO_CUDA:
+                continue
+            if state is not ProcessState.RUNNING:
+                raise GpuStateError(f"process {pid} is already {state.name} (another tool is checkpointing it)",
+                                    pid=pid, **(context or {}))
+            procs.append(GpuProcess(pid, ns_pid(pid, proc), state))
+        if not procs:
+            return NullGpuStage()
+        env = process_environ(procs[0].pid, proc)
+        cvd = env.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
+        return cls(driver, procs, gpus, cvd, context=dict(context or {}), proc=proc, cgroup_root=cgroup_root)
+
+    @classmethod
+    def adopt_restored(cls, driver: GpuDriver, record: dict[str, Any], tree_pids: Sequence[int],
+                       proc: str = "/proc", context: dict[str, Any] | None = None,
+                       cgroup_root: str = "/sys/fs/cgroup") -> GpuStage:
+        """Restore side: the processes of `record` (capture order), found among the CRIU-restored and thawed
+        tree by their PID-namespace pid (host pids change). Each must be CHECKPOINTED."""
+        by_ns = {ns_pid(p, proc): p for p in tree_pids}
+        procs = []
+        for item in record.get("processes", []):
+            host = by_ns.get(item["ns_pid"]) if item.get("ns_pid") is not None else item["pid"]
+            if host is None:
+                raise GpuStateError(f"restored tree has no process with namespace pid {item['ns_pid']}",
+                                    **(context or {}))
+            _refuse_frozen(host, proc, cgroup_root, context)
+            state = driver.state(host)
+            if state is not ProcessState.CHECKPOINTED:
+                raise GpuStateError(f"restored process {host} is {state.name}, expected CHECKPOINTED",
+                                    pid=host, **(context or {}))
+            procs.append(GpuProcess(host, item.get("ns_pid"), state, locked=True, checkpointed=True))
+        gpus = [GpuInfo.from_dict(g) for g in record.get("gpus", [])]
+        return cls(driver, procs, gpus, record.get("cuda_visible_devices"), adopted=True,
+                   context=dict(context or {}), proc=proc, cgroup_root=cgroup_root)
+
+    def record(self) -> dict[str, Any]:
+        """What the manifest keeps for the restore: processes in checkpoint order, the GPUs they saw."""
+        return {"processes": [p.to_dict() for p in self.processes], "gpus": [g.to_dict() for g in self.gpus],
+                "cuda_visible_devices": self.cuda_visible_devices}
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ---- the steps ----
+    def lock_all(self, timeout_ms: int) -> None:
+        self._each("lock", lambda p: not p.locked, lambda p: self._lock(p, timeout_ms))
+
+    def checkpoint_all(self) -> None:
+        for p in self.processes:
+            if not p.locked:
+                raise GpuStateError(f"checkpoint of process {p.pid} before it was locked", pid=p.pid)
+        self._each("checkpoint", lambda p: not p.checkpointed, self._checkpoint)
+
+    def restore_all(self, pairs: Sequence[GpuPair] | None = None) -> None:
+        """GPU state back onto the GPUs (full old->new `pairs` when remapped); processes stay LOCKED."""
+        if self.adopted:     # nothing of the previous run to go back to: the caller kills the tree on failure
+            for p in self.processes:
+                if p.checkpointed:
+                    self._call("restore", p, lambda: self.driver.restore(p.pid, pairs))
+                    p.checkpointed = False
+            return
+        self._each("restore", lambda p: p.checkpointed, lambda p: self._restore(p, pairs))
+
+    def unlock_all(self) -> None:
+        errors: list[GpuError] = []
+        for p in self.processes:
+            if p.locked and not p.checkpointed:
+                try:
+                    self._call("unlock", p, lambda: self.driver.unlock(p.pid))
+                    p.locked = False
+                except GpuError as e:
+                    errors.append(e)
+        if errors:
+            raise GpuRollbackError("unlock failed", self._stuck(), **self.context) from errors[0]
+
+    def rollback(self) -> None:
+        """Back to the initial state: restore what we checkpointed, unlock what we locked (driver's word on
+        each process's state, not ours: a failed call may have moved it). GpuRollbackError if any is stuck."""
+        for p in self.processes:
+            if not p.locked:
+                continue
+            try:
+                _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+                state = self.driver.state(p.pid)
+                if state is ProcessState.CHECKPOINTED:
+                    self.driver.restore(p.pid, None)
+                    state = ProcessState.LOCKED
+                if state is ProcessState.LOCKED:
+                    self.driver.unlock(p.pid)
+                    state = ProcessState.RUNNING
+                if state is ProcessState.RUNNING:
+                    p.locked = p.checkpointed = False
+            except GpuError as e:
+                log.error("GPU rollback of pid %d failed: %s", p.pid, e, extra={"pid": p.pid, **self.context})
+        stuck = self._stuck()
+        if stuck:
+            raise GpuRollbackError("GPU rollback failed", stuck, **self.context)
+
+    # ---- internals ----
+    def _lock(self, p: GpuProcess, timeout_ms: int) -> None:
+        self._call("lock", p, lambda: self.driver.lock(p.pid, timeout_ms))
+        p.locked = True
+
+    def _checkpoint(self, p: GpuProcess) -> None:
+        self._call("checkpoint", p, lambda: self.driver.checkpoint(p.pid))
+        p.checkpointed = True
+
+    def _restore(self, p: GpuProcess, pairs: Sequence[GpuPair] | None) -> None:
+        self._call("restore", p, lambda: self.driver.restore(p.pid, pairs))
+        p.checkpointed = False
+
+    def _call(self, op: str, p: GpuProcess, fn: Callable[[], None]) -> None:
+        _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+        log.debug("GPU %s pid %d", op, p.pid, extra={"pid": p.pid, **self.context})
+        fn()
+
+    def _each(self, op: str, wanted: Callable[[GpuProcess], bool], fn: Callable[[GpuProcess], None]) -> None:
+        """Run `fn` on each wanted process in order; on the first failure roll everything back and re-raise."""
+        for p in self.processes:
+            if not wanted(p):
+                continue
+            try:
+                fn(p)
+            except BaseException as e:
+                log.warning("GPU %s of pid %d failed (%s); rolling back", op, p.pid, e,
+                            extra={"pid": p.pid, **self.context})
+                try:
+                    self.rollback()
+                except GpuRollbackError as rb:
+                    raise rb from e
+                raise
+
+    def _stuck(self) -> dict[int, str]:
+        out = {}
+        for p in self.processes:
+            if p.locked:
+                try:
+                    _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+                    out[p.pid] = self.driver.state(p.pid).name
+                except GpuStateError:
+                    out[p.pid] = "FROZEN"
+                except GpuError:
+                    out[p.pid] = "UNKNOWN"
+        return out
+
+
+class NullGpuStage:
+    """The GPU step of a tree without CUDA state: every step is a no-op, libcuda is never loaded."""
+    active = False
+    processes: list[GpuProcess] = []
+    gpus: list[GpuInfo] = []
+    pids: list[int] = []
+
+    def lock_all(self, timeout_ms: int) -> None: ...
+    def checkpoint_all(self) -> None: ...
+    def restore_all(self, pairs: Sequence[GpuPair] | None = None) -> None: ...
+    def unlock_all(self) -> None: ...
+    def rollback(self) -> None: ...
+
+    def record(self) -> dict[str, Any]:
+        return {"processes": [], "gpus": [], "cuda_visible_devices": None}
+
+
+class PipelineGpu:
+    """slurmckpt.gpu.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
+    lock(pids) picks the CUDA stage or the null one; restore(record, pids) remaps onto the GPUs visible now:
+    `visible_devices` is the new task's CUDA_VISIBLE_DEVICES (the agent reads it from the wrapper's
+    environment; the restored processes still carry the old value); None: the value recorded at capture."""
+
+    def __init__(self, lock_timeout_ms: int = 2000, *, driver_factory: Callable[[], GpuDriver] = load_driver,
+                 proc: str = "/proc", nccl_env_required: bool = True, context: dict[str, Any] | None = None):
+        self.lock_timeout_ms, self.driver_factory, self.proc = lock_timeout_ms, driver_factory, proc
+        self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
+        self.stage: GpuStage | NullGpuStage = NullGpuStage()
+        self.visible_devices: str | None = None
+
+    def lock(self, pids: list[int]) -> None:
+        self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory, proc=self.proc,
+                                       nccl_env_required=self.nccl_env_required, context=self.context)
+        self.stage.lock_all(self.lock_timeout_ms)
+
+    def unlock(self) -> None:
+        self.stage.rollback()
+
+    def checkpoint(self) -> dict | None:
+        self.stage.checkpoint_all()
+        return self.stage.record() if self.stage.active else None
+
+    def resume(self) -> None:
+        try:
+            self.stage.restore_all(None)
+            self.stage.unlock_all()
+        except GpuError:
+            self.stage.rollback()
+            raise
+
+    def restore(self, record: dict | None, pids: list[int]) -> None:
+        if not record or not record.get("processes"):
+            return
+        from slurmckpt.cuda.remap import build_pairs
+        driver = self.driver_factory()
+        stage = GpuStage.adopt_restored(driver, record, pids, self.proc, self.context)
+        env = process_environ(stage.pids[0], self.proc) if stage.pids else {}
+        cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
+        now = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
+        pairs = build_pairs(stage.gpus, now)
+        self.stage = stage
+        stage.restore_all(pairs)
+        stage.unlock_all()

@@ -1,0 +1,55 @@
+"""One exception tree; every error carries the context needed to act on it."""
+from __future__ import annotations
+
+
+class SlurmckptError(Exception):
+    """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known."""
+
+    def __init__(self, message: str, **context: object) -> None:
+        self.context = {k: v for k, v in context.items() if v is not None}
+        detail = " ".join(f"{k}={v}" for k, v in self.context.items())
+        super().__init__(f"{message} [{detail}]" if detail else message)
+
+
+class ConfigError(SlurmckptError):
+    """Bad configuration value; the message names the key."""
+
+
+class ProtocolError(SlurmckptError):
+    """Malformed, oversized, unauthenticated or unexpected message."""
+
+
+class PermissionDenied(SlurmckptError):
+    """A request outside what the requester may do (other job, other user, foreign pid)."""
+
+
+class CaptureError(SlurmckptError):
+    """A capture stage failed; the previous commit stays valid."""
+
+
+class RestoreError(SlurmckptError):
+    """A restore failed; the caller falls back to an older epoch or a fresh run."""
+
+
+class CriuError(SlurmckptError):
+    """criu exited non-zero; `log_tail` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = "", **context: object) -> None:
+        super().__init__(message, **context)
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}\n--- criu log tail ---\n{self.log_tail}" if self.log_tail else base
+
+
+class StorageError(SlurmckptError):
+    """Image store problem: missing, corrupt (checksum) or incomplete checkpoint."""
+
+
+class SlurmError(SlurmckptError):
+    """A Slurm command failed."""
+
+
+class GpuError(SlurmckptError):
+    """CUDA checkpoint API failure or unsupported GPU configuration."""

@@ -1,0 +1,88 @@
+"""cgroup freezer for one task's tree: every rank of an epoch is frozen before any rank is dumped.
+
+cgroup v1 (`/sys/fs/cgroup/freezer`) where mounted, else cgroup v2 (`cgroup.freeze`). criu is given the
+same path with --freeze-cgroup: it finds the tree already frozen and leaves it frozen after the dump, so
+the coordinator decides when it thaws (RESUME) or dies (final capture).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmckpt.errors import CaptureError
+
+V1_ROOT = Path("/sys/fs/cgroup/freezer")
+
+
+@dataclass(frozen=True)
+class Freezer:
+    path: Path
+
+    @classmethod
+    def for_task(cls, root: str, name: str) -> "Freezer":
+        base = Path(root)
+        if not V1_ROOT.exists() and base.is_relative_to(V1_ROOT):
+            base = Path("/sys/fs/cgroup/slurmckpt")          # cgroup v2 layout
+        base.mkdir(parents=True, exist_ok=True)
+        path = base / name
+        path.mkdir(exist_ok=True)
+        return cls(path)
+
+    @property
+    def v1(self) -> bool:
+        return (self.path / "freezer.state").exists()
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def state(self) -> str:
+        if self.v1:
+            return (self.path / "freezer.state").read_text().strip()
+        return "FROZEN" if (self.path / "cgroup.freeze").read_text().strip() == "1" else "THAWED"
+
+    def freeze(self, timeout_s: float = 10.0) -> float:
+        start = time.monotonic()
+        if self.v1:
+            (self.path / "freezer.state").write_text("FROZEN")
+        else:
+            (self.path / "cgroup.freeze").write_text("1")
+        while not self._settled_frozen():
+            if time.monotonic() - start > timeout_s:
+                self.thaw()
+                raise CaptureError(f"tree did not freeze within {timeout_s}s", cgroup=str(self.path))
+            time.sleep(0.002)
+        return time.monotonic() - start
+
+    def _settled_frozen(self) -> bool:
+        if self.v1:
+            return self.state() == "FROZEN"
+        events = (self.path / "cgroup.events").read_text()
+        return "frozen 1" in events
+
+    def thaw(self) -> None:
+        if self.v1:
+            (self.path / "freezer.state").write_text("THAWED")
+        else:
+            (self.path / "cgroup.freeze").write_text("0")
+
+    def remove(self) -> None:
+        try:
+            self.thaw()
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)

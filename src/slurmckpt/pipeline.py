@@ -1,0 +1,296 @@
+"""The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
+
+    PREPARE   lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
+    CAPTURE   record fds/files -> criu dump (tree stays frozen) -> output snapshot -> seal
+    then      COMMIT (coordinator's agent, atomic manifest rename)  -> RESUME (thaw) | FINISH (kill)
+    or        ABORT at any point -> undo what was done, in reverse: previous commit stays the restorable one.
+
+GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
+process (measured on the H200). Restore is the same list read backwards: verify -> output snapshot ->
+truncate written files -> criu restore (into the freezer cgroup) -> GPU restore + unlock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from slurmckpt import proctree
+from slurmckpt.criu import CheckpointEngine, InheritedFd
+from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
+from slurmckpt.freezer import Freezer
+from slurmckpt.gpu import GpuStage
+from slurmckpt.launch import Credentials
+from slurmckpt.storage import JobStore
+
+log = logging.getLogger("slurmckpt.pipeline")
+
+
+@dataclass
+class Stage:
+    name: str
+    run: Callable[["RankPipeline", int], None]
+    undo: Callable[["RankPipeline", int], None] | None = None
+
+
+@dataclass
+class RankPipeline:
+    store: JobStore
+    step: str
+    rank: int
+    freezer: Freezer
+    engine: CheckpointEngine
+    gpu: GpuStage
+    creds: Credentials
+    wrapper_pid: int = 0
+    root_pid: int | None = None
+    gpu_record: dict | None = None
+    done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
+    record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ---- phases driven by the coordinator ---------------------------------------------------------------
+    def prepare(self, epoch: int) -> dict:
+        self._require_tree()
+        self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
+        self._run(PREPARE_STAGES, epoch)
+        return {"timings": self.timings}
+
+    def capture(self, epoch: int) -> dict:
+        if not self.done or self.done[-1] is not PREPARE_STAGES[-1]:
+            raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
+        self._run(CAPTURE_STAGES, epoch)
+        return {"kind": self.record["kind"], "bytes": self.record["bytes"], "timings": self.timings}
+
+    def resume(self, epoch: int) -> None:
+        """After COMMIT of a periodic capture: the tree runs on."""
+        self._rollback(epoch, keep_images=True)
+
+    def abort(self, epoch: int) -> None:
+        self._rollback(epoch, keep_images=False)
+
+    def finish(self, epoch: int) -> None:
+        """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further)."""
+        if self.root_pid:
+            try:
+                os.kill(self.root_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.freezer.thaw()
+        self.done = []
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _require_tree(self) -> None:
+        if not self.root_pid or not os.path.exists(f"/proc/{self.root_pid}"):
+            raise CaptureError("no running task tree to capture", step=self.step, rank=self.rank)
+
+    def _run(self, stages: tuple[Stage, ...], epoch: int) -> None:
+        for stage in stages:
+            start = time.monotonic()
+            try:
+                stage.run(self, epoch)
+            except SlurmckptError:
+                self.abort(epoch)
+                raise
+            except Exception as e:  # an unexpected failure still rolls back
+                self.abort(epoch)
+                raise CaptureError(f"stage {stage.name} failed: {e}", epoch=epoch) from e
+            self.timings[stage.name] = round(time.monotonic() - start, 4)
+            self.done.append(stage)
+
+    def _rollback(self, epoch: int, keep_images: bool) -> None:
+        errors = []
+        for stage in reversed(self.done):
+            if stage.undo is None or (keep_images and stage.undo is _discard_images):
+                continue
+            try:
+                stage.undo(self, epoch)
+            except Exception as e:  # keep undoing: a tree left frozen is worse than a logged error
+                errors.append(f"{stage.name}: {e}")
+        self.done = []
+        if errors:
+            raise CaptureError("rollback incomplete: " + "; ".join(errors), epoch=epoch)
+
+
+# ---- capture stages ------------------------------------------------------------------------------------
+def _freeze(p: RankPipeline, epoch: int) -> None:
+    p.timings["freeze_wait"] = p.freezer.freeze()
+
+
+def _thaw(p: RankPipeline, epoch: int) -> None:
+    p.freezer.thaw()
+
+
+def _gpu_lock(p: RankPipeline, epoch: int) -> None:
+    p.gpu.lock(p.freezer.pids())     # refuses unsupported GPU set-ups before anything is frozen
+
+
+def _gpu_unlock(p: RankPipeline, epoch: int) -> None:
+    p.gpu.unlock()
+
+
+def _record(p: RankPipeline, epoch: int) -> None:
+    pids = p.freezer.pids()
+    stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
+    outputs = {t.link for t in stdio if t.regular}
+    replay = p.step == "batch" and proctree.has_slurm_client(pids)
+    p.record = {
+        "kind": "replay" if replay else "image",
+        "stdio": [{"fd": t.fd, "link": t.link, "key": t.criu_key, "regular": t.regular, "size": t.size}
+                  for t in stdio],
+        "truncate": [] if replay else [{"path": k, "size": v}
+                                       for k, v in proctree.written_files(pids, outputs).items()],
+        "processes": len(pids), "node": socket.gethostname(), "uid": p.creds.uid,
+        "gpu": p.gpu_record,
+    }
+    rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    os.chmod(rdir.parent, 0o700)
+
+
+def _gpu_checkpoint(p: RankPipeline, epoch: int) -> None:
+    p.gpu_record = p.gpu.checkpoint()
+
+
+def _gpu_restore_after_capture(p: RankPipeline, epoch: int) -> None:
+    p.gpu.resume()
+
+
+def _dump(p: RankPipeline, epoch: int) -> None:
+    if p.record["kind"] == "image":
+        rdir = p.store.rank_dir(epoch, p.step, p.rank)
+        p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=True, freezer=p.freezer.path)
+        if p.freezer.state() != "FROZEN":   # criu must hand the tree back frozen: consistency depends on it
+            raise CaptureError("tree was thawed by the dump", epoch=epoch)
+
+
+def _discard_images(p: RankPipeline, epoch: int) -> None:
+    p.store.discard_epoch_rank(epoch, p.step, p.rank)
+
+
+def _snapshot_output(p: RankPipeline, epoch: int) -> None:
+    """Copy the task's output files (the wrapper's stdout/stderr when Slurm gave it regular files) up to
+    their size at the freeze: Slurm truncates the output file on requeue (without --open-mode=append) and
+    restore rewrites it to exactly this content, so the job's output holds everything exactly once."""
+    rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    outputs, seen = [], {}
+    for fd in (1, 2):
+        t = proctree.fd_target(p.wrapper_pid, fd)
+        if t is None or not t.regular:
+            continue
+        if t.link not in seen:
+            seen[t.link] = f"output-{fd}.snap"
+            _copy_prefix(f"/proc/{p.wrapper_pid}/fd/{fd}", rdir / seen[t.link], t.size)
+        outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": seen[t.link]})
+    p.record["outputs"] = outputs
+
+
+def _copy_prefix(src: str, dst: Path, size: int) -> None:
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        remaining = size
+        while remaining:
+            block = fin.read(min(remaining, 8 << 20))
+            if not block:
+                raise CaptureError(f"output file shrank during capture ({src})")
+            fout.write(block)
+            remaining -= len(block)
+
+
+def _seal(p: RankPipeline, epoch: int) -> None:
+    manifest = p.store.write_rank_manifest(epoch, p.step, p.rank, {**p.record, "timings": p.timings})
+    p.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
+
+
+PREPARE_STAGES = (
+    Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
+    Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
+    Stage("freeze", _freeze, undo=_thaw),
+)
+CAPTURE_STAGES = (
+    Stage("record", _record, undo=_discard_images),
+    Stage("dump", _dump),
+    Stage("snapshot-output", _snapshot_output),
+    Stage("seal", _seal),
+)
+
+
+# ---- restore ------------------------------------------------------------------------------------------
+def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:
+    """Restore this rank from `epoch` with the new task's stdio fds. Returns (root pid or None for a
+    replayed batch step, rank manifest)."""
+    manifest = p.store.verify_rank(epoch, p.step, p.rank)
+    rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    _rewrite_outputs(manifest, rdir, stdio)
+    if manifest["kind"] == "replay":
+        return None, manifest
+    _truncate_written_files(manifest["truncate"], p.creds)
+    inherit, seen = [], set()
+    for entry in manifest["stdio"]:
+        if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))):
+            continue
+        seen.add(entry["key"])
+        inherit.append(InheritedFd(entry["key"], stdio[entry["fd"]]))
+    work = Path(p.store.job_dir) / f".restore-{p.step}.{p.rank}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(mode=0o700)
+    try:
+        pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    p.root_pid = pid
+    p.gpu.restore(manifest.get("gpu"), p.freezer.pids())   # after criu: the tree is back, thawed
+    return pid, manifest
+
+
+def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:
+    done = set()
+    for entry in manifest.get("outputs", []):
+        if entry["snapshot"] in done:
+            continue
+        fd = stdio[entry["fd"]]
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        with open(rdir / entry["snapshot"], "rb") as f:
+            while block := f.read(8 << 20):
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(fd, view):]
+        done.add(entry["snapshot"])
+
+
+def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:
+    """Files the tree appends to are cut back to their size at the capture, as the job's user (never as
+    root: the path is user-controlled). A file that shrank cannot be restored consistently."""
+    if not entries:
+        return
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setgroups(list(creds.groups))
+            os.setgid(creds.gid)
+            os.setuid(creds.uid)
+            for e in entries:
+                size = os.stat(e["path"]).st_size
+                if size < e["size"]:
+                    raise RestoreError(f"{e['path']} is shorter ({size} B) than at the checkpoint "
+                                       f"({e['size']} B); it was modified outside the job")
+                if size > e["size"]:
+                    os.truncate(e["path"], e["size"])
+            os._exit(0)
+        except BaseException as e:  # noqa: BLE001
+            os.write(w, str(e).encode())
+            os._exit(1)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        message = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RestoreError(f"cannot prepare files for restore: {message}")

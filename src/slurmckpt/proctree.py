@@ -1,0 +1,105 @@
+"""Read-only views of a live process tree through /proc (what a capture records before it dumps)."""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        ppid = int(data.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(root: int, include_root: bool = True) -> list[int]:
+    kids = children_map()
+    out, todo = ([root] if include_root else []), [root]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def is_descendant(pid: int, ancestor: int) -> bool:
+    try:
+        while pid > 1:
+            if pid == ancestor:
+                return True
+            pid = parent_of(pid)
+    except OSError:
+        return False
+    return pid == ancestor
+
+
+def uid_of(pid: int) -> int:
+    return os.stat(f"/proc/{pid}").st_uid
+
+
+def exe_name(pid: int) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class FdTarget:
+    """What one fd refers to, in the form criu's --inherit-fd wants."""
+    fd: int
+    link: str          # readlink of /proc/pid/fd/N
+    regular: bool
+    size: int
+    writable: bool
+
+    @property
+    def criu_key(self) -> str:
+        return self.link.lstrip("/") if self.link.startswith("/") else self.link
+
+
+def fd_target(pid: int, fd: int) -> FdTarget | None:
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            flags = int(next(l for l in f if l.startswith("flags:")).split()[1], 8)
+    except (OSError, StopIteration):
+        return None
+    return FdTarget(fd, link, stat.S_ISREG(st.st_mode), st.st_size, (flags & os.O_ACCMODE) != os.O_RDONLY)
+
+
+def written_files(pids: list[int], exclude: set[str]) -> dict[str, int]:
+    """Regular files open for writing anywhere in the tree: path -> size now (the tree is frozen)."""
+    out: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in fds:
+            t = fd_target(pid, int(name))
+            if t and t.regular and t.writable and t.link.startswith("/") and t.link not in exclude \
+                    and not t.link.endswith(" (deleted)"):
+                out[t.link] = t.size
+    return out
+
+
+def has_slurm_client(pids: list[int]) -> bool:
+    """A running srun in the tree: its connections to Slurm cannot be restored, so the tree is replayed."""
+    return any(exe_name(p) in ("srun", "sattach") for p in pids)

@@ -1,0 +1,43 @@
+"""Every Slurm/slurmckpt environment variable the wrapper reads, in one place (untrusted: user-side only)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    job_id: int
+    step: str                # "batch" or the step number
+    rank: int
+    restart_count: int
+    interval_s: int
+    agent_fd: int | None
+    argv0: str | None
+    node: str
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str] | None = None) -> "TaskEnv":
+        env = dict(os.environ if env is None else env)
+        step = env.get("SLURM_STEP_ID", "batch")
+        if step in ("", "4294967291") or "SLURM_STEP_ID" not in env:
+            step = "batch"
+        return cls(
+            job_id=int(env.get("SLURM_JOB_ID", "0")),
+            step=step,
+            rank=int(env.get("SLURM_PROCID", "0")),
+            restart_count=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            interval_s=int(env.get("SLURMCKPT_INTERVAL", "0") or 0),
+            agent_fd=int(env["SLURMCKPT_AGENT_FD"]) if env.get("SLURMCKPT_AGENT_FD") else None,
+            argv0=env.get("SLURMCKPT_TASK_ARGV0"),
+            node=env.get("SLURMD_NODENAME") or socket.gethostname(),
+        )
+
+    @property
+    def rank_name(self) -> str:
+        return f"{self.step}.{self.rank}"
+
+
+# Variables slurmckpt sets for itself; the workload never sees them.
+PRIVATE = ("SLURMCKPT_AGENT_FD", "SLURMCKPT_TASK_ARGV0")

@@ -1,0 +1,55 @@
+"""Device experiment: can a CUDA process live in its own PID namespace (with its own /proc mount) and go
+through GPU checkpoint + criu dump + criu restore + GPU restore? Prints each step's outcome.
+
+    python3 tests/gpu/pidns_probe.py WORKDIR [NS]
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from slurmckpt.cuda.driver import load_driver  # noqa: E402
+from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+
+
+def main() -> int:
+    work = harness.fresh_dir(Path(sys.argv[1]))
+    ns = sys.argv[2] if len(sys.argv) > 2 else "pid+proc"
+    harness.set_subreaper()
+    driver = load_driver()
+    ctl = harness.fresh_dir(work / "ctl")
+    w = harness.Workload([sys.executable, str(Path(__file__).parent / "workload_hold.py"), "--gib", "0.25",
+                          "--ctl", str(ctl)], work / "hold.log", ns=ns)
+    try:
+        print("READY:", w.wait_for(r"^READY.*$", timeout=60).group(0), "host pid", w.pid, flush=True)
+        stage = GpuStage.for_tree(w.tree())
+        stage.lock_all(2000)
+        stage.checkpoint_all()
+        record = stage.record()
+        print("GPU checkpointed:", record["processes"], flush=True)
+        print(f"criu dump: {harness.dump(w.pid, work / 'img'):.2f} s", flush=True)
+        w.reap_after_dump()
+        pid, secs = harness.restore(work / "img")
+        w.adopt(pid)
+        print(f"criu restore: {secs:.2f} s, new host pid {pid}", flush=True)
+        restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+        restored.restore_all(None)
+        restored.unlock_all()
+        time.sleep(0.3)
+        (ctl / "verify").touch()
+        print("after restore:", w.wait_for(r"^DATA (OK|BAD).*$", timeout=60).group(0), flush=True)
+        print("rc", w.wait_exit(30))
+        return 0
+    except Exception as e:  # noqa: BLE001 - an experiment reports
+        print(f"FAILED: {type(e).__name__}: {e}"[:3000], flush=True)
+        print(w.text()[-1500:])
+        return 1
+    finally:
+        w.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/bin/bash
+# Runs the GPU proofs on the device machine (root). Usage: tests/gpu/run_device.sh PHASE...
+#   facts  - machine, driver, THP, disk, cgroup, criu check       probe - tests/gpu/probe_driver.py
+#   train  - tests/gpu/train_restore.py (proof a)                  bench:SIZES[:ORDER[:nocold]] - benchmarks/gpu_checkpoint.py
+#   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
+# Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src PYTHONDONTWRITEBYTECODE=1
+export SLURMCKPT_CRIU=$PWD/.carry/criu/criu
+W=/var/tmp/slurmckpt-gpu
+criu() { LD_LIBRARY_PATH=$PWD/.carry/criu "$SLURMCKPT_CRIU" "$@"; }
+for phase in "$@"; do
+  name=${phase%%:*}; rest=${phase#bench:}; [[ $name == bench ]] && name=bench-${rest%%:*} && name=${name//,/_}
+  log="$OUT/$name.txt"; t0=$SECONDS
+  echo "=== $phase" | tee "$log"
+  case $name in
+    facts)
+      { nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv; uname -r
+        cat /sys/kernel/mm/transparent_hugepage/enabled; df -h /var/tmp /tmp | tail -n +1; free -g | head -2
+        ls /sys/fs/cgroup/cgroup.controllers && cat /sys/fs/cgroup/cgroup.controllers
+        criu --version; criu check; echo "criu check rc=$?"
+        python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+      } 2>&1 | tee -a "$log" ;;
+    probe) timeout 240 python3 tests/gpu/probe_driver.py $W/probe 2>&1 | tee -a "$log" ;;
+    train) timeout 240 python3 tests/gpu/train_restore.py $W/train --cycles 2 2>&1 | tee -a "$log"
+           cp $W/train/result.json "$OUT/train.json" 2>/dev/null ;;
+    pidns) timeout 60 python3 tests/gpu/pidns_probe.py $W/pidns pid+proc 2>&1 | tee -a "$log" ;;
+    bench-*)
+      IFS=: read -r sizes order cold <<< "$rest"; extra=()
+      [[ ${cold:-} == nocold ]] && extra=(--skip-cold)
+      timeout 560 python3 benchmarks/gpu_checkpoint.py --sizes "$sizes" --order "${order:-hand,ours,ours,hand}" \
+        --work $W/bench --out "$OUT/$name.json" "${extra[@]}" 2>&1 | tee -a "$log" ;;
+  esac
+  echo "=== $phase done in $((SECONDS - t0)) s" | tee -a "$log"
+done

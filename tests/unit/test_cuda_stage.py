@@ -1,0 +1,351 @@
+"""The GPU stage of one rank: finding CUDA processes in /proc (a fake /proc tree here), refusals before anything
+is locked, lock/checkpoint/restore/unlock in order, and rollback on every failure."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from slurmckpt.cuda.driver import GpuDriverError, ProcessState
+from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
+from slurmckpt.cuda.remap import GpuRemapError
+from slurmckpt.cuda.procscan import find_cuda_pids, frozen_reason, ns_pid, unsupported_reasons
+from slurmckpt.cuda.stage import (GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage,
+                                  PipelineGpu)
+
+CUDA_MAPS = ["/dev/nvidiactl", "/dev/nvidia0", "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"]
+
+
+class FakeProc:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def path(self) -> str:
+        return str(self.root)
+
+    def add(self, pid: int, *, cuda: bool = True, maps: list[str] = (), fds: list[str] = (),
+            env: dict[str, str] | None = None, nspid: tuple[int, ...] | None = None, comm: str = "python3",
+            uvm: list[int] = (), state: str = "S (sleeping)", cgroup: str = "0::/job\n") -> int:
+        d = self.root / str(pid)
+        (d / "fd").mkdir(parents=True)
+        paths = (CUDA_MAPS if cuda else []) + list(maps)
+        lines = [f"7f00{i:04x}000-7f00{i:04x}fff rw-s 00000000 00:05 {i} {p}" for i, p in enumerate(paths)]
+        uvm = list(uvm) or ([2 << 20] if cuda else [])        # every CUDA process: one 2 MiB uvm mapping
+        lines += [f"{0x204a00000 + (i << 32):x}-{0x204a00000 + (i << 32) + n:x} rw-s 0 00:06 144 /dev/nvidia-uvm"
+                  for i, n in enumerate(uvm)]
+        (d / "maps").write_text("\n".join(lines + ["7fff0000-7fff1000 rw-p 00000000 00:00 0"]) + "\n")
+        (d / "cgroup").write_text(cgroup)
+        links = (["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap1",
+                  "/dev/nvidia-caps/nvidia-cap2"] if cuda else []) + list(fds) + ["/dev/null"]
+        for i, link in enumerate(links):
+            os.symlink(link, d / "fd" / str(i))
+        (d / "environ").write_bytes(b"".join(f"{k}={v}\0".encode() for k, v in (env or {}).items()))
+        (d / "status").write_text(f"Name:\t{comm}\nState:\t{state}\nNSpid:\t"
+                                  + "\t".join(map(str, nspid or (pid,))) + "\n")
+        (d / "comm").write_text(comm + "\n")
+        return pid
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+@pytest.fixture
+def driver() -> FakeGpuDriver:
+    return FakeGpuDriver(fake_gpus(2), sleep=lambda s: None)
+
+
+def stage_of(proc: FakeProc, driver: FakeGpuDriver, pids: list[int], **kw):
+    return GpuStage.for_tree(pids, driver_factory=lambda: driver, proc=proc.path, **kw)
+
+
+# ---- finding CUDA processes and refusing unsupported ones ----
+
+def test_find_cuda_pids_by_scan_and_by_driver(proc, driver):
+    proc.add(10, cuda=False)
+    proc.add(11)
+    proc.add(12, cuda=False, fds=["/dev/nvidia0"])      # holds an fd, no mapping: still a candidate
+    proc.add(13)
+    assert find_cuda_pids([10, 11, 12, 13, 14], proc=proc.path) == [11, 12, 13]
+    driver.add_process(11)
+    driver.add_process(12, cuda=False)                  # opened the device, never initialised CUDA
+    assert find_cuda_pids([10, 11, 12, 13], driver=driver, proc=proc.path) == [11]   # 13: gone (304)
+
+
+def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
+    proc.add(20, cuda=False)
+
+    def must_not_load():
+        raise AssertionError("libcuda loaded for a GPU-less tree")
+    stage = GpuStage.for_tree([20], driver_factory=must_not_load, proc=proc.path)
+    assert isinstance(stage, NullGpuStage) and not stage.active
+    stage.lock_all(100)
+    stage.checkpoint_all()
+    stage.restore_all()
+    stage.unlock_all()
+    assert stage.record() == {"processes": [], "gpus": [], "cuda_visible_devices": None}
+
+
+@pytest.mark.parametrize("setup, cause", [
+    (dict(env={"CUDA_VISIBLE_DEVICES": "MIG-1b2c3d4e-aaaa-bbbb-cccc-000000000000"}), "MIG"),
+    (dict(fds=["/dev/nvidia-caps/nvidia-cap21"]), "MIG"),
+    (dict(maps=["/dev/shm/cuda.shm.0.1a.1"]), "MPS client"),
+    (dict(uvm=[2 << 20, 64 << 20]), "managed (UVM) memory (2 /dev/nvidia-uvm mappings, 66 MiB)"),
+    (dict(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"}), "MPS client"),
+    (dict(maps=["/dev/shm/nccl-Xy12ab"]), "NCCL_SHM_DISABLE=1"),
+    (dict(maps=["/opt/venv/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0,1"}),
+     "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0"),
+    (dict(maps=["/x/libnccl.so.2"], env={"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "NCCL_P2P_DISABLE": "1"}),
+     "without NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0"),
+])
+def test_unsupported_setups_are_refused_before_any_lock(proc, driver, setup, cause):
+    proc.add(30, **setup)
+    driver.add_process(30)
+    assert any(cause in r for r in unsupported_reasons([30], proc.path))
+    with pytest.raises(GpuUnsupportedError, match=re.escape(cause)) as e:
+        stage_of(proc, driver, [30])
+    assert "pid 30" in str(e.value) and not e.value.retryable
+    assert driver.calls == [] and driver.state(30) is ProcessState.RUNNING
+
+
+def test_a_plain_cuda_process_is_not_refused(proc):
+    proc.add(32)     # nvidia-cap1/cap2 fds, one uvm mapping, libnccl: what every torch process on driver 580 has
+    proc.add(33, maps=["/x/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert unsupported_reasons([32, 33], proc.path) == []
+
+
+def test_mps_daemon_on_the_node_is_refused(proc, driver):
+    proc.add(31)
+    proc.add(5, cuda=False, comm="nvidia-cuda-mps-server")
+    driver.add_process(31)
+    with pytest.raises(GpuUnsupportedError, match="MPS daemon running \\(pid 5"):
+        stage_of(proc, driver, [31])
+
+
+def test_nccl_is_fine_when_configured_or_alone_on_the_node(proc):
+    nccl = ["/x/libnccl.so.2"]
+    proc.add(40, maps=nccl)                                            # one GPU, one rank: torch maps NCCL always
+    proc.add(41, maps=nccl, env={"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                                 "NCCL_NVLS_ENABLE": "0"})
+    proc.add(42, maps=nccl, env={"LOCAL_WORLD_SIZE": "8"})
+    assert unsupported_reasons([40, 41], proc.path) == []
+    assert unsupported_reasons([42], proc.path, nccl_env_required=False) == []
+    assert len(unsupported_reasons([42], proc.path)) == 1
+
+
+def test_process_already_locked_by_someone_else_is_refused(proc, driver):
+    proc.add(50)
+    driver.add_process(50, state=ProcessState.LOCKED)
+    with pytest.raises(GpuStateError, match="already LOCKED"):
+        stage_of(proc, driver, [50])
+    assert driver.calls == []
+
+
+@pytest.mark.parametrize("setup, files, why", [
+    (dict(state="T (stopped)"), {}, "is stopped"),
+    (dict(cgroup="0::/job/step\n"), {"job/step/cgroup.events": "populated 1\nfrozen 1\n"}, "frozen cgroup /job/step"),
+    (dict(cgroup="0::/job\n"), {"job/cgroup.freeze": "1\n"}, "frozen cgroup /job"),
+    (dict(cgroup="5:freezer:/slurm/uid_0/job_3\n0::/\n"), {"freezer/slurm/uid_0/job_3/freezer.state": "FROZEN\n"},
+     "FROZEN freezer cgroup"),
+])
+def test_a_frozen_process_is_refused_before_any_driver_call(proc, driver, tmp_path, setup, files, why):
+    cg = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (cg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cg / rel).write_text(text)
+    proc.add(34, **setup)
+    driver.add_process(34)
+    assert why in frozen_reason(34, proc.path, str(cg))
+    with pytest.raises(GpuStateError, match="lock and checkpoint GPUs before freezing"):
+        GpuStage.for_tree([34], driver_factory=lambda: driver, proc=proc.path, cgroup_root=str(cg))
+    assert driver.calls == []
+
+
+def test_a_process_frozen_after_the_lock_is_not_touched(proc, driver, tmp_path):
+    cg = tmp_path / "cgroup"
+    (cg / "job").mkdir(parents=True)
+    proc.add(35)
+    driver.add_process(35)
+    stage = GpuStage.for_tree([35], driver_factory=lambda: driver, proc=proc.path, cgroup_root=str(cg))
+    stage.lock_all(100)
+    (cg / "job" / "cgroup.events").write_text("populated 1\nfrozen 1\n")     # frozen before the checkpoint
+    with pytest.raises(GpuRollbackError) as e:
+        stage.checkpoint_all()
+    assert e.value.stuck == {35: "FROZEN"} and driver.calls == [("lock", 35)]
+    (cg / "job" / "cgroup.events").write_text("populated 1\nfrozen 0\n")     # thawed: rollback can finish
+    stage.rollback()
+    assert driver.state(35) is ProcessState.RUNNING
+
+
+# ---- the steps and their rollback ----
+
+@pytest.fixture
+def three(proc, driver):
+    for pid in (61, 62, 63):
+        proc.add(pid, env={"CUDA_VISIBLE_DEVICES": "1"}, nspid=(pid, pid - 60))
+        driver.add_process(pid, gpus=[driver.devices()[1].uuid])
+    return stage_of(proc, driver, [60, 61, 62, 63])
+
+
+def states(driver, pids=(61, 62, 63)):
+    return [driver.state(p) for p in pids]
+
+
+def test_periodic_capture_in_order(three, driver):
+    three.lock_all(100)
+    assert states(driver) == [ProcessState.LOCKED] * 3
+    three.checkpoint_all()
+    rec = three.record()
+    assert [p["pid"] for p in rec["processes"]] == [61, 62, 63] and rec["processes"][0]["ns_pid"] == 1
+    assert rec["gpus"] == [driver.devices()[1].to_dict()] and rec["cuda_visible_devices"] == "1"
+    three.restore_all()
+    three.unlock_all()
+    assert states(driver) == [ProcessState.RUNNING] * 3
+    assert [op for op, _ in driver.calls] == ["lock"] * 3 + ["checkpoint"] * 3 + ["restore"] * 3 + ["unlock"] * 3
+    assert [pid for op, pid in driver.calls if op == "restore"] == [61, 62, 63]
+
+
+def test_lock_timeout_unlocks_the_ones_already_locked(three, driver):
+    driver.busy(62, 60.0)
+    with pytest.raises(GpuDriverError) as e:
+        three.lock_all(100)
+    assert e.value.timed_out and e.value.pid == 62
+    assert states(driver) == [ProcessState.RUNNING] * 3
+    assert ("unlock", 61) in driver.calls and ("lock", 63) not in driver.calls
+    driver.busy(62, 0)                                 # the work ended: the stage is reusable
+    three.lock_all(100)
+    assert states(driver) == [ProcessState.LOCKED] * 3
+
+
+def test_checkpoint_failure_restores_and_unlocks_everything(three, driver):
+    three.lock_all(100)
+    driver.fail_next("checkpoint", 63, 2)
+    with pytest.raises(GpuDriverError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        three.checkpoint_all()
+    assert states(driver) == [ProcessState.RUNNING] * 3
+    assert ("restore", 61) in driver.calls and ("restore", 62) in driver.calls
+    assert not any(p.locked or p.checkpointed for p in three.processes)
+
+
+def test_restore_failure_after_a_periodic_capture_still_resumes_the_others(three, driver):
+    three.lock_all(100)
+    three.checkpoint_all()
+    driver.fail_next("restore", 62)
+    with pytest.raises(GpuDriverError, match="CUDA_ERROR_UNKNOWN"):
+        three.restore_all()  # reported, after the rollback retried 62 (one-shot fault) and unlocked all
+    assert states(driver) == [ProcessState.RUNNING] * 3
+    assert [pid for op, pid in driver.calls if op == "restore"] == [61, 62, 62, 63]
+
+
+def test_rollback_that_fails_names_the_stuck_process(three, driver):
+    three.lock_all(100)
+    driver.fail_next("checkpoint", 62)
+    driver.fail_next("unlock", 61)
+    with pytest.raises(GpuRollbackError) as e:
+        three.checkpoint_all()
+    assert e.value.stuck == {61: "LOCKED"} and "pid 61 LOCKED" in str(e.value)
+    assert isinstance(e.value.__cause__, GpuDriverError) and e.value.__cause__.pid == 62
+    assert states(driver)[1:] == [ProcessState.RUNNING] * 2
+
+
+def test_checkpoint_before_lock_is_refused(three, driver):
+    with pytest.raises(GpuStateError):
+        three.checkpoint_all()
+    assert driver.calls == []
+
+
+def test_unlock_all_is_idempotent(three, driver):
+    three.unlock_all()
+    three.lock_all(100)
+    three.unlock_all()
+    three.unlock_all()
+    assert [op for op, _ in driver.calls].count("unlock") == 3
+
+
+# ---- restore side ----
+
+def test_adopt_restored_maps_namespace_pids_and_restores_in_checkpoint_order(three, driver, proc):
+    three.lock_all(100)
+    three.checkpoint_all()
+    record = three.record()
+    for old in (61, 62, 63):                           # CRIU restore: same namespace pids, new host pids
+        driver.remove_process(old)
+    for new, ns in ((93, 3), (91, 1), (92, 2)):
+        proc.add(new, nspid=(new, ns))
+        driver.add_process(new, gpus=[driver.devices()[1].uuid], state=ProcessState.CHECKPOINTED)
+    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92], proc=proc.path)
+    assert restored.pids == [91, 92, 93]
+    restored.restore_all([(driver.devices()[1].uuid, driver.devices()[0].uuid)])
+    restored.unlock_all()
+    assert [pid for op, pid in driver.calls if op in ("restore", "unlock")][-6:] == [91, 92, 93, 91, 92, 93]
+    assert states(driver, (91, 92, 93)) == [ProcessState.RUNNING] * 3
+
+
+def test_adopt_refuses_a_process_that_is_not_checkpointed(proc, driver):
+    proc.add(70, nspid=(70, 1))
+    driver.add_process(70)
+    record = {"processes": [{"pid": 5, "ns_pid": 1, "initial": "RUNNING"}], "gpus": []}
+    with pytest.raises(GpuStateError, match="is RUNNING, expected CHECKPOINTED"):
+        GpuStage.adopt_restored(driver, record, [70], proc=proc.path)
+    with pytest.raises(GpuStateError, match="no process with namespace pid 1"):
+        GpuStage.adopt_restored(driver, record, [], proc=proc.path)
+
+
+def test_ns_pid_reads_the_innermost_namespace(proc):
+    proc.add(80, nspid=(80, 17, 1))
+    assert ns_pid(80, proc.path) == 1
+
+
+# ---- the pipeline's interface ----
+
+def _pipeline(proc, driver):
+    return PipelineGpu(100, driver_factory=lambda: driver, proc=proc.path, context={"rank": 0})
+
+
+def test_pipeline_capture_resume_and_abort(proc, driver):
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"})
+    driver.add_process(101)
+    gpu = _pipeline(proc, driver)
+    gpu.lock([100, 101])
+    rec = gpu.checkpoint()
+    assert rec["processes"][0]["pid"] == 101 and driver.state(101) is ProcessState.CHECKPOINTED
+    gpu.resume()
+    assert driver.state(101) is ProcessState.RUNNING
+    gpu.lock([101])
+    gpu.unlock()                                       # ABORT after PREPARE
+    assert driver.state(101) is ProcessState.RUNNING
+    gpu.lock([101])
+    gpu.checkpoint()
+    gpu.unlock()                                       # ABORT after CAPTURE's GPU checkpoint
+    assert driver.state(101) is ProcessState.RUNNING
+
+
+def test_pipeline_restore_remaps_onto_the_new_allocation(proc, driver):
+    proc.add(110, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(110, 1))
+    driver.add_process(110, gpus=[driver.devices()[0].uuid])
+    gpu = _pipeline(proc, driver)
+    gpu.lock([110])
+    rec = gpu.checkpoint()
+    driver.remove_process(110)
+    proc.add(120, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(120, 1))   # old env, restored by CRIU
+    driver.add_process(120, gpus=[driver.devices()[0].uuid], state=ProcessState.CHECKPOINTED)
+    again = _pipeline(proc, driver)
+    again.visible_devices = "1"                        # the requeued task got the other GPU
+    again.restore(rec, [120])
+    assert driver.restore_pairs[120] == [(driver.devices()[0].uuid, driver.devices()[1].uuid)]
+    assert driver.state(120) is ProcessState.RUNNING
+    again.restore(None, [120])                         # a GPU-less checkpoint: nothing to do
+
+
+def test_pipeline_restore_refuses_incompatible_gpus(proc, driver):
+    proc.add(130, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(130, 1))
+    driver.add_process(130, state=ProcessState.CHECKPOINTED)
+    rec = {"processes": [{"pid": 9, "ns_pid": 1, "initial": "RUNNING"}],
+           "gpus": [fake_gpus(1, name="NVIDIA H100 80GB HBM3")[0].to_dict()], "cuda_visible_devices": "0"}
+    with pytest.raises(GpuRemapError, match="H100"):
+        _pipeline(proc, driver).restore(rec, [130])
+    assert driver.state(130) is ProcessState.CHECKPOINTED and ("restore", 130) not in driver.calls
