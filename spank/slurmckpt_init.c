@@ -89,13 +89,21 @@ int main(int argc, char **argv)
 	sigset_t set;
 	pid_t pid;
 	int status, i;
+	const char *home = NULL;
 
+	/* --chdir DIR: where init itself lives once the workload is forked. CRIU's parasite mounts a
+	 * transient proc at "proc.crtools" in the namespace init's cwd: it must be private to this task. */
+	if (argc > 2 && strcmp(argv[1], "--chdir") == 0) {
+		home = argv[2];
+		argv += 2;
+		argc -= 2;
+	}
 	if (argc > 1 && strcmp(argv[1], "--") == 0) {
 		argv++;
 		argc--;
 	}
 	if (argc < 2 || argv[1][0] == '-') {
-		fprintf(stderr, "usage: slurmckpt-init -- PROG [ARGS...]\n");
+		fprintf(stderr, "usage: slurmckpt-init [--chdir DIR] -- PROG [ARGS...]\n");
 		return (127);
 	}
 	if (getpid() != 1)
@@ -122,6 +130,8 @@ int main(int argc, char **argv)
 	if (pid == 0)
 		child_exec(argv + 1);
 	root_child = pid;
+	if (home && chdir(home) != 0)
+		fprintf(stderr, "slurmckpt-init: chdir %s: %s\n", home, strerror(errno));
 	sigprocmask(SIG_UNBLOCK, &set, NULL);
 
 	for (;;) {

@@ -21,7 +21,7 @@ from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.freezer import Freezer
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt.launch import Credentials, spawn_tree
+from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.pipeline import RankPipeline, restore_rank
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 
@@ -57,6 +57,10 @@ class Agent:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
         self.pipeline.creds = Credentials.of_process(self.wrapper_pid, self.ident.uid)
         return self.pipeline.creds
+
+    @property
+    def _task_name(self) -> str:
+        return f"{self.ident.job}.{self.ident.step}.{self.ident.rank}"
 
     # ---- loop ----------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -130,8 +134,9 @@ class Agent:
         # CUDA refuses to work in a PID namespace that sees the host's /proc, and a private /proc would need
         # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
         own_pidns = not uses_gpus(env)
-        pid = spawn_tree(argv, env, cwd, fds, self._task_credentials(), self.config.init_path, self.freezer,
-                         own_pidns)
+        creds = self._task_credentials()
+        pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.freezer,
+                         init_home(self.config.run_dir, self._task_name, creds), own_pidns)
         self.pipeline.root_pid = pid
         log.info("launched %s as pid %d", argv[0], pid)
         return {"pid": pid}
@@ -167,7 +172,7 @@ class Agent:
             raise PermissionDenied("a tree is already running for this task")
         if len(fds) != 3:
             raise ProtocolError("restore needs the 3 stdio fds")
-        self._task_credentials()
+        init_home(self.config.run_dir, self._task_name, self._task_credentials())
         self.pipeline.gpu.visible_devices = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES")
         start = time.monotonic()
         pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)

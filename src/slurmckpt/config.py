@@ -27,6 +27,7 @@ class Config:
     criu_path: str = field(default_factory=_default_criu)
     init_path: str = "/usr/local/libexec/slurmckpt/slurmckpt-init"
     log_dir: str = "/var/log/slurmckpt"
+    run_dir: str = "/run/slurmckpt"      # per-task private dirs (the namespace init's cwd)
     freezer_root: str = "/sys/fs/cgroup/freezer/slurmckpt"
     keep_epochs: int = 2                 # committed epochs kept per job (restore falls back to the older)
     prepare_timeout_s: float = 30.0      # every rank frozen (and GPUs locked) within this, else ABORT

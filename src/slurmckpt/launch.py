@@ -53,7 +53,7 @@ def unshare_pid_namespace() -> None:
 
 
 def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials,
-               init_path: str, freezer: Freezer, own_pidns: bool = True) -> int:
+               init_path: str, freezer: Freezer, home: str, own_pidns: bool = True) -> int:
     """Fork an intermediate that joins the freezer cgroup and a new PID namespace, whose child (PID 1 there)
     becomes the job user and execs the init. The intermediate exits, so the init re-parents to the nearest
     subreaper: the wrapper. Returns the init's host PID."""
@@ -67,7 +67,7 @@ def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
                 unshare_pid_namespace()
             init_pid = os.fork()
             if init_pid == 0:
-                _become_task(argv, env, cwd, stdio, creds, init_path)   # never returns
+                _become_task(argv, env, cwd, stdio, creds, init_path, home)   # never returns
             os.write(wfd, str(init_pid).encode())
             os._exit(0)
         except BaseException as e:  # noqa: BLE001 - report through the pipe, never return into the agent
@@ -85,17 +85,27 @@ def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
 SETPRIV = "/usr/bin/setpriv"
 
 
-def init_command(creds: Credentials, init_path: str, argv: list[str]) -> list[str]:
+def init_home(run_dir: str, name: str, creds: Credentials) -> str:
+    """The init's private cwd (see slurmckpt_init.c, --chdir): same path on every node and restart, since
+    CRIU restores the init's cwd; owned by the job's user, who is the init."""
+    os.makedirs(run_dir, mode=0o755, exist_ok=True)
+    path = os.path.join(run_dir, name)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chown(path, creds.uid, creds.gid)
+    return path
+
+
+def init_command(creds: Credentials, init_path: str, argv: list[str], home: str) -> list[str]:
     """The job's user, plus CAP_SYS_ADMIN for init alone (ambient, cleared by init before it execs the
     workload): CRIU's parasite needs it in a PID namespace's init to open that namespace's /proc."""
     groups = ",".join(str(g) for g in creds.groups)
     return [SETPRIV, f"--reuid={creds.uid}", f"--regid={creds.gid}",
             f"--groups={groups}" if groups else "--clear-groups",
             "--inh-caps=-all,+sys_admin", "--ambient-caps=-all,+sys_admin",
-            init_path, "--", *argv]
+            init_path, "--chdir", home, "--", *argv]
 
 
-def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str) -> None:
+def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str, home: str) -> None:
     try:
         os.setsid()
         for target, fd in enumerate(stdio[:3]):
@@ -111,7 +121,7 @@ def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str) -> N
         except OSError as e:
             os.write(2, f"slurmckpt: cannot chdir to {cwd}: {e.strerror}; running in /tmp\n".encode())
             os.chdir("/tmp")
-        command = init_command(creds, init_path, argv)
+        command = init_command(creds, init_path, argv, home)
         os.execve(command[0], command, env)
     except BaseException as e:  # noqa: BLE001
         try:

@@ -293,10 +293,16 @@ class Wrapper:
 
     def _wait_for_requeue(self) -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would
-        complete): wait for Slurm to requeue and kill us."""
+        complete): wait until Slurm is ending the job (requeue, or the end of a preemption's GraceTime)."""
+        from slurmckpt.slurm.control import CliSlurm
         say(self.env, "captured for requeue; waiting for Slurm to requeue the job")
         deadline = time.monotonic() + self.config.requeue_wait_s
         while time.monotonic() < deadline:
+            try:
+                if CliSlurm(timeout_s=10).job(self.env.job_id).get("job_state") != "RUNNING":
+                    return 0          # Slurm is already taking the job down; nothing of it runs on
+            except SlurmckptError:
+                return 0
             time.sleep(1)
         say(self.env, "no requeue came; exiting (the checkpoint stays available)")
         return 0
