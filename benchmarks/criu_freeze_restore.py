@@ -42,7 +42,7 @@ from slurmckpt.config import Config  # noqa: E402
 from slurmckpt.criu import COMMON, CriuDriver  # noqa: E402
 from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
 from slurmckpt.freezer import Freezer  # noqa: E402
-from slurmckpt.launch import Credentials, init_command, spawn_tree  # noqa: E402
+from slurmckpt.launch import Credentials, init_command, init_home, spawn_tree  # noqa: E402
 from slurmckpt.pipeline import RankPipeline, restore_rank  # noqa: E402
 from slurmckpt.storage import JobStore  # noqa: E402
 
@@ -142,7 +142,8 @@ def run_raw(cfg: Config, creds: Credentials, work: Path, rep: int, nbytes: int) 
     images.mkdir(parents=True, mode=0o700)
     code = WORKLOAD.format(nbytes=nbytes, ready=str(ready))
     argv = ["unshare", "--pid", "--fork", "setsid",
-            *init_command(creds, cfg.init_path, ["/usr/bin/python3", "-c", code])]
+            *init_command(creds, cfg.init_path, ["/usr/bin/python3", "-c", code],
+                         init_home(cfg.run_dir, f"bench.{tag}", creds))]
     devnull = os.open("/dev/null", os.O_RDWR)
     unshare = subprocess.Popen(argv, stdin=devnull, stdout=devnull, stderr=devnull, cwd="/tmp",
                                start_new_session=True)
@@ -178,6 +179,7 @@ def run_raw(cfg: Config, creds: Credentials, work: Path, rep: int, nbytes: int) 
     ready.unlink(missing_ok=True)
     shutil.rmtree(images, ignore_errors=True)
     pidfile.unlink(missing_ok=True)
+    shutil.rmtree(Path(cfg.run_dir) / f"bench.{tag}", ignore_errors=True)
     return {"way": "raw", "rep": rep, "freeze_s": freeze, "restore_s": restore, "image_bytes": size}
 
 
@@ -234,13 +236,15 @@ def run_slurmckpt(cfg: Config, creds: Credentials, work: Path, rep: int, nbytes:
     store = TimedStore(work / "store", "bench", 1000 + rep)
     store.ensure()
     freezer = Freezer.for_task(cfg.freezer_root, f"bench.{os.getpid()}.{tag}")
-    pipe = RankPipeline(store, "0", 0, freezer, TimedCriu(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
-                        PipelineGpu(cfg.gpu_lock_timeout_ms), creds, wrapper_pid=os.getpid())
-    code = WORKLOAD.format(nbytes=nbytes, ready=str(ready))
     devnull = os.open("/dev/null", os.O_RDWR)
+    # stand-in for the task's wrapper, whose stdout/stderr the pipeline snapshots: same stdio as the task
+    wrapper = subprocess.Popen(["sleep", "infinity"], stdin=devnull, stdout=devnull, stderr=devnull)
+    pipe = RankPipeline(store, "0", 0, freezer, TimedCriu(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
+                        PipelineGpu(cfg.gpu_lock_timeout_ms), creds, wrapper_pid=wrapper.pid)
+    code = WORKLOAD.format(nbytes=nbytes, ready=str(ready))
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     pipe.root_pid = spawn_tree(["/usr/bin/python3", "-c", code], env, "/tmp", [devnull] * 3, creds,
-                               cfg.init_path, freezer)
+                               cfg.init_path, freezer, init_home(cfg.run_dir, f"bench.{tag}", creds))
     wait_ready(ready)
     sync()
 
@@ -275,10 +279,13 @@ def run_slurmckpt(cfg: Config, creds: Credentials, work: Path, rep: int, nbytes:
     assert new_root is not None and manifest["kind"] == "image"
     assert_running(new_root, nbytes)
     kill_tree(new_root)
+    wrapper.kill()
+    wrapper.wait()
     os.close(devnull)
     freezer.remove()
     ready.unlink(missing_ok=True)
     shutil.rmtree(store.job_dir, ignore_errors=True)
+    shutil.rmtree(Path(cfg.run_dir) / f"bench.{tag}", ignore_errors=True)
     return {"way": "slurmckpt", "rep": rep, "freeze_s": freeze, "restore_s": restore, "image_bytes": size,
             "prepare_s": t_prep, "capture_s": t_cap, "resume_s": freeze - t_prep - t_cap, "commit_s": commit,
             "timings": timings, "seal_checksum_s": seal_checksum,

@@ -54,7 +54,7 @@ tar -C "$REPO" --exclude=.git -cf - . | tar -C "$ROOT/root/repo" -xf -
 rm -rf "$ROOT/root/repo/build" "$ROOT/root/repo"/src/*.egg-info
 
 inner() { # inner NET(yes|no) SCRIPT
-  local net=$1 script=$2 flags=(--mount --pid --uts --ipc --fork)
+  local net=$1 script=$2 flags=(--mount --pid --uts --ipc --fork --kill-child) rc=0
   [ "$net" = no ] || flags+=(--net)
   unshare "${flags[@]}" bash -c '
     set -e; R=$1
@@ -71,7 +71,13 @@ inner() { # inner NET(yes|no) SCRIPT
     fi
     mkdir -p "$R/.oldroot"; cd "$R"; pivot_root . .oldroot; umount -l /.oldroot
     exec /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
-      PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin /bin/bash -c "$2"' _ "$ROOT" "$script" "$([ "$net" = no ] || echo 1)"
+      PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin /bin/bash -c "$2"' _ "$ROOT" "$script" "$([ "$net" = no ] || echo 1)" &
+  # If this script is stopped, unshare goes too, and --kill-child takes the whole PID namespace with it.
+  INNER_PID=$!
+  trap 'kill $INNER_PID 2>/dev/null' EXIT INT TERM
+  wait $INNER_PID || rc=$?
+  trap - EXIT INT TERM
+  return $rc
 }
 
 t0=$(date +%s)

@@ -27,7 +27,9 @@ export DEBIAN_FRONTEND=noninteractive
 # The caller's PATH may put pyenv/other pythons first; everything here uses Debian's tools.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
-trap 'rc=$?; [ $rc -eq 0 ] || [ -n "${SLURMCKPT_DIED:-}" ] || printf "[slurmckpt-setup] FAILED (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' EXIT
+# Unexpected failures (not through die) name the line and command; die() prints its own message.
+trap 'ERR_AT="line $LINENO: $BASH_COMMAND"' ERR
+trap 'rc=$?; [ $rc -eq 0 ] || [ -n "${SLURMCKPT_DIED:-}" ] || printf "[slurmckpt-setup] FAILED (exit %s) at %s\n" "$rc" "${ERR_AT:-?}" >&2' EXIT
 
 step_start() { STEP_T0=$(date +%s%N); log "== $1"; }
 step_done()  { local ms=$(( ($(date +%s%N) - STEP_T0) / 1000000 )); log "   done in $((ms / 1000)).$(( (ms % 1000) / 100 )) s"; }

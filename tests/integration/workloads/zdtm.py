@@ -37,16 +37,14 @@ def echo_server(listener: socket.socket) -> None:
     os._exit(0)
 
 
-def poison() -> object:
-    """Open a perf event fd: CRIU cannot dump one, so every capture from here on fails (fault injection)."""
-    class Attr(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                    ("pad", ctypes.c_uint64 * 14)]
-    attr = Attr(1, ctypes.sizeof(Attr), 0)          # PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK
+def poison() -> int:
+    """Open an io_uring instance: CRIU cannot dump one, so every capture from here on fails (fault
+    injection for the 'failed capture keeps the previous checkpoint' test)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(298, ctypes.byref(attr), 0, -1, -1, 0)
+    params = (ctypes.c_char * 120)()
+    fd = libc.syscall(425, 4, params)             # io_uring_setup(entries=4, params)
     if fd < 0:
-        sys.exit(f"perf_event_open failed: errno {ctypes.get_errno()}")
+        sys.exit(f"io_uring_setup failed: errno {ctypes.get_errno()}")
     return fd
 
 

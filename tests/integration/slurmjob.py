@@ -1,0 +1,108 @@
+"""Drive the real test cluster from tests: submit as an unprivileged user, wait for states, read output."""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOADS = Path(__file__).parent / "workloads"
+WORK_ROOT = Path("/var/tmp/slurmckpt-work")
+
+
+def run(*cmd: str, user: str | None = None, check: bool = True, cwd: Path | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    full = (["runuser", "-u", user, "--"] if user else []) + list(cmd)
+    p = subprocess.run(full, capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(full)} failed ({p.returncode}): {p.stdout}{p.stderr}")
+    return p
+
+
+def job_field(job: int, field: str) -> str | None:
+    out = run("scontrol", "show", "job", str(job), check=False).stdout
+    m = re.search(rf"\b{field}=(\S+)", out)
+    return m.group(1) if m else None
+
+
+@dataclass
+class Job:
+    id: int
+    workdir: Path
+    user: str
+
+    @property
+    def output(self) -> Path:
+        return self.workdir / f"slurm-{self.id}.out"
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace") if self.output.exists() else ""
+
+    def app_lines(self) -> list[str]:
+        """The workload's own lines: slurmckpt's, Slurm's and srun's messages filtered out."""
+        return [l for l in self.text().splitlines()
+                if not l.startswith(("slurmckpt", "slurmstepd", "srun:", "Error (", "pie:", "---", "Warn"))]
+
+    def state(self) -> str:
+        return job_field(self.id, "JobState") or "GONE"
+
+    def restarts(self) -> int:
+        return int(job_field(self.id, "Restarts") or 0)
+
+    def wait_for(self, predicate, what: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(1)
+        raise AssertionError(f"job {self.id}: timed out after {timeout}s waiting for {what}; state "
+                             f"{self.state()}; output tail:\n" + "\n".join(self.text().splitlines()[-25:]))
+
+    def wait_output(self, pattern: str, count: int = 1, timeout: float = 240) -> None:
+        self.wait_for(lambda: len(re.findall(pattern, self.text())) >= count, f"{count}x {pattern!r}", timeout)
+
+    def wait_running(self, timeout: float = 240) -> None:
+        self.wait_for(lambda: self.state() == "RUNNING", "RUNNING", timeout)
+
+    def wait_done(self, timeout: float = 400) -> str:
+        self.wait_for(lambda: self.state() in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                               "OUT_OF_MEMORY"), "the end", timeout)
+        return self.state()
+
+    def requeue(self) -> None:
+        run("scontrol", "requeue", str(self.id))
+
+    def sacct(self) -> dict[str, tuple[str, str]]:
+        out = run("sacct", "-n", "-P", "-j", str(self.id), "-o", "JobID,State,ExitCode", check=False).stdout
+        rows = {}
+        for line in out.splitlines():
+            jid, state, code = line.split("|")
+            rows[jid] = (state, code)
+        return rows
+
+
+def workdir(user: str, name: str) -> Path:
+    pw = pwd.getpwnam(user)
+    d = WORK_ROOT / user / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    for f in WORKLOADS.iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    for p in [d, *d.iterdir()]:
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    return d
+
+
+def submit(user: str, wd: Path, script: str, *options: str) -> Job:
+    path = wd / "job.sh"
+    path.write_text(script)
+    pw = pwd.getpwnam(user)
+    os.chown(path, pw.pw_uid, pw.pw_gid)
+    path.chmod(0o755)
+    out = run("sbatch", "--parsable", *options, "job.sh", user=user, cwd=wd).stdout
+    return Job(int(out.strip().split(";")[0]), wd, user)

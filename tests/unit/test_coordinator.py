@@ -1,0 +1,363 @@
+"""The real Coordinator on loopback, ranks = real RankClient connections served by threads."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from slurmckpt.coordinator.client import RankClient
+from slurmckpt.coordinator.protocol import MAX_LINE, VERSION, Sealer, new_token, parse_line
+from slurmckpt.coordinator.server import Coordinator
+
+TIMEOUT = 10
+
+
+class Loop:
+    """An asyncio loop in a thread, where the coordinator lives."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = TIMEOUT):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Committer:
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.calls: list[tuple[int, dict, str]] = []
+        self.fail = fail
+
+    def __call__(self, epoch: int, records: dict, reason: str) -> None:
+        self.calls.append((epoch, records, reason))
+        if self.fail:
+            raise self.fail
+
+
+class Job:
+    def __init__(self, committer: Committer, **kw) -> None:
+        self.loop = Loop()
+        self.token = new_token()
+        self.committer = committer
+
+        async def make():
+            c = Coordinator(self.token, committer, next_epoch=1, **kw)
+            return c, await c.start("127.0.0.1", 0)
+        self.coord, self.port = self.loop.run(make())
+        self.ranks: list[FakeRank] = []
+
+    def rank(self, name: str, **kw) -> "FakeRank":
+        r = FakeRank(self, name, **kw)
+        self.ranks.append(r)
+        wait_for(lambda: name in self.coord.ranks)
+        return r
+
+    def epoch(self, reason: str = "test", final: bool = False) -> dict:
+        return self.loop.run(self.coord.run_epoch(reason, final), timeout=30)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.client.close()
+        self.loop.run(self.coord.stop())
+        self.loop.close()
+
+
+class FakeRank:
+    """A rank's handler: records the commands it got, fails or disconnects on request."""
+
+    def __init__(self, job: Job, name: str, fail: str | None = None, vanish: str | None = None,
+                 block: str | None = None) -> None:
+        self.name, self.fail, self.vanish = name, fail, vanish
+        self.got: list[tuple[str, int]] = []
+        self.client = RankClient("127.0.0.1", job.port, job.token, name, "node-" + name, 0, self.handle)
+        self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
+        self.thread.start()
+
+    def handle(self, kind: str, epoch: int) -> dict:
+        self.got.append((kind, epoch))
+        if kind == self.vanish:
+            self.client.close()
+            raise ConnectionError("gone")
+        if kind == self.fail:
+            raise RuntimeError(f"{kind} broke")
+        if kind == "capture":
+            return {"kind": "image", "bytes": 1000}
+        return {}
+
+    def commands(self) -> list[str]:
+        return [k for k, _ in self.got]
+
+
+def wait_for(pred, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def job():
+    j = Job(Committer())
+    yield j
+    j.close()
+
+
+# ---- epochs ------------------------------------------------------------------------------------------------
+def test_one_rank_epoch_commits(job):
+    r = job.rank("0.0")
+    res = job.epoch("interval")
+    assert res["status"] == "committed", res
+    assert res["epoch"] == 1 and res["ranks"] == 1 and res["bytes"] == 1000
+    assert 0 <= res["cut_s"] <= res["commit_s"] <= res["total_s"]
+    assert job.committer.calls == [(1, {"0.0": {"kind": "image", "node": "node-0.0"}}, "interval")]
+    assert r.got == [("prepare", 1), ("capture", 1), ("resume", 1)]
+    assert job.epoch()["epoch"] == 2
+    assert job.coord.history[-1]["status"] == "committed"
+
+
+def test_final_epoch_finishes_and_blocks_later_epochs(job):
+    r = job.rank("0.0")
+    assert job.epoch("walltime", final=True)["status"] == "committed"
+    assert r.commands() == ["prepare", "capture", "finish"]
+    later = job.epoch("interval")
+    assert later["status"] == "skipped" and len(job.committer.calls) == 1
+
+
+def test_epoch_without_ranks_aborts(job):
+    res = job.epoch()
+    assert res["status"] == "aborted" and not job.committer.calls
+
+
+@pytest.mark.parametrize("phase", ["prepare", "capture"])
+def test_rank_failure_aborts_everyone_and_skips_commit(job, phase):
+    ok = [job.rank(f"0.{i}") for i in (0, 2)]
+    bad = job.rank("0.1", fail=phase)
+    res = job.epoch()
+    assert res["status"] == "aborted", res
+    assert res["rank"] == "0.1" and res["stage"] == phase and f"{phase} broke" in res["error"]
+    assert job.committer.calls == []
+    for r in ok + [bad]:
+        wait_for(lambda r=r: ("abort", 1) in r.got)
+        assert "resume" not in r.commands() and "finish" not in r.commands()
+    if phase == "prepare":
+        assert "capture" not in bad.commands()
+
+
+def test_rank_vanishing_mid_epoch_aborts(job):
+    ok = job.rank("0.0")
+    job.rank("0.1", vanish="capture")
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["rank"] == "0.1"
+    assert "disconnected" in res["error"]
+    assert job.committer.calls == []
+    wait_for(lambda: ("abort", 1) in ok.got)
+    assert "0.1" not in job.coord.ranks
+    # the job goes on without the vanished rank
+    assert job.epoch()["status"] == "committed"
+    assert set(job.committer.calls[-1][1]) == {"0.0"}
+
+
+def test_committer_failure_aborts(tmp_path):
+    j = Job(Committer(fail=OSError("disk full")))
+    try:
+        r = j.rank("0.0")
+        res = j.epoch()
+        assert res["status"] == "aborted" and res["stage"] == "commit" and "disk full" in res["error"]
+        wait_for(lambda: ("abort", 1) in r.got)
+        assert "resume" not in r.commands()
+    finally:
+        j.close()
+
+
+def test_silent_rank_times_out(job):
+    job.coord.prepare_timeout_s = 0.5
+    ok = job.rank("0.0")
+    hang = threading.Event()
+    slow = job.rank("0.1")
+    slow.client.handler = lambda kind, epoch: (hang.wait(10) if kind == "prepare" else None) or {}
+    fut = asyncio.run_coroutine_threadsafe(job.coord.run_epoch("test", False), job.loop.loop)
+    wait_for(lambda: ("abort", 1) in ok.got, timeout=3)   # the others are released while 0.1 still hangs
+    assert not fut.done() or fut.result()["status"] == "aborted"
+    hang.set()
+    res = fut.result(TIMEOUT)
+    assert res["status"] == "aborted" and res["stage"] == "timeout"
+    assert "resume" not in ok.commands() and "capture" not in ok.commands()
+    assert job.committer.calls == []
+
+
+def test_completed_ranks_carried_into_commit_records(job):
+    job.rank("0.0")
+    done = job.rank("0.1")
+    done.client.event("exited", exit_code=3)
+    wait_for(lambda: "0.1" in job.coord.completed)
+    done.client.close()
+    wait_for(lambda: "0.1" not in job.coord.ranks)
+    res = job.epoch()
+    assert res["status"] == "committed"
+    _, records, _ = job.committer.calls[-1]
+    assert records["0.1"] == {"kind": "completed", "exit_code": 3, "node": "node-0.1"}
+    assert records["0.0"]["kind"] == "image"
+    job.epoch()
+    assert job.committer.calls[-1][1]["0.1"]["exit_code"] == 3       # and in every later epoch
+
+
+def test_started_event_is_acked_and_trigger_reaches_callback(job):
+    seen, triggers = [], []
+
+    async def on_started(rank, action):
+        seen.append((rank, action))
+    job.coord.on_started = on_started
+    job.coord.on_trigger = lambda reason, final: triggers.append((reason, final))
+    r = job.rank("0.0")
+    t0 = time.monotonic()
+    r.client.event("started", wait_ack=True, timeout=5, action="restore")
+    assert time.monotonic() - t0 < 4
+    assert seen == [("0.0", "restore")]
+    r.client.event("trigger", reason="preempt", final=True)
+    wait_for(lambda: triggers == [("preempt", True)])
+
+
+# ---- refused connections -----------------------------------------------------------------------------------
+class Raw:
+    """A hand-driven connection: what a forger or a replayer can send."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        self.file = self.sock.makefile("rb")
+        self.nonce = parse_line(self.file.readline())["nonce"]
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def closed_by_peer(self) -> bool:
+        """True when the coordinator hung up (EOF, possibly after a welcome it never follows up on)."""
+        try:
+            while True:
+                line = self.file.readline()
+                if not line:
+                    return True
+                if json.loads(line).get("type") != "welcome":
+                    return False
+        except (ConnectionResetError, socket.timeout):
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def still_serves(job) -> None:
+    r = job.rank(f"0.{len(job.ranks) + 10}")
+    res = job.epoch()
+    assert res["status"] == "committed", res
+    assert r.name in job.committer.calls[-1][1]
+
+
+def hello(rank: str = "0.9") -> dict:
+    return {"type": "hello", "rank": rank, "node": "n", "interval": 0}
+
+
+def test_wrong_token_refused(job):
+    raw = Raw(job.port)
+    raw.send(Sealer(new_token(), raw.nonce).seal(hello()))
+    assert raw.closed_by_peer()
+    assert "0.9" not in job.coord.ranks
+    still_serves(job)
+
+
+def test_forged_mac_refused(job):
+    raw = Raw(job.port)
+    msg = json.loads(Sealer(job.token, raw.nonce).seal(hello("0.9")))
+    msg["rank"] = "0.8"                                   # altered after sealing
+    raw.send((json.dumps(msg) + "\n").encode())
+    assert raw.closed_by_peer()
+    assert not {"0.8", "0.9"} & set(job.coord.ranks)
+    raw2 = Raw(job.port)
+    body = {**hello(), "v": VERSION, "seq": 1}            # no mac at all
+    raw2.send((json.dumps(body) + "\n").encode())
+    assert raw2.closed_by_peer()
+    still_serves(job)
+
+
+def test_message_replayed_on_another_connection_refused(job):
+    first = Raw(job.port)
+    line = Sealer(job.token, first.nonce).seal(hello("0.9"))
+    first.close()
+    second = Raw(job.port)                                # other nonce: the old mac does not verify
+    second.send(line)
+    assert second.closed_by_peer()
+    assert "0.9" not in job.coord.ranks
+    still_serves(job)
+
+
+def test_message_replayed_on_same_connection_refused(job):
+    raw = Raw(job.port)
+    sealer = Sealer(job.token, raw.nonce)
+    raw.send(sealer.seal(hello("0.9")))
+    wait_for(lambda: "0.9" in job.coord.ranks)
+    ready = sealer.seal({"type": "exited", "exit_code": 0})
+    raw.send(ready)
+    wait_for(lambda: "0.9" in job.coord.completed)
+    job.coord.completed.clear()
+    raw.send(ready)                                       # same seq again
+    assert raw.closed_by_peer()
+    wait_for(lambda: "0.9" not in job.coord.ranks)
+    assert "0.9" not in job.coord.completed
+    still_serves(job)
+
+
+def test_wrong_version_refused(job):
+    raw = Raw(job.port)
+    s = Sealer(job.token, raw.nonce)
+    body = {**hello(), "v": VERSION + 1, "seq": 1}
+    raw.send((json.dumps({**body, "mac": s._mac(body)}) + "\n").encode())   # authentic, but v2
+    assert raw.closed_by_peer()
+    assert "0.9" not in job.coord.ranks
+    still_serves(job)
+
+
+@pytest.mark.parametrize("newline", [True, False])
+def test_oversized_line_refused(job, newline):
+    raw = Raw(job.port)
+    raw.send(b"{" + b"x" * (MAX_LINE + 1000) + (b"\n" if newline else b""))
+    assert raw.closed_by_peer()
+    still_serves(job)
+
+
+def test_oversized_line_after_hello_drops_rank(job):
+    raw = Raw(job.port)
+    raw.send(Sealer(job.token, raw.nonce).seal(hello("0.9")))
+    wait_for(lambda: "0.9" in job.coord.ranks)
+    raw.send(b"{" + b"x" * (MAX_LINE + 10) + b"\n")
+    assert raw.closed_by_peer()
+    wait_for(lambda: "0.9" not in job.coord.ranks)
+    still_serves(job)
+
+
+def test_garbage_and_unexpected_type_refused(job):
+    raw = Raw(job.port)
+    raw.send(b"hello there\n")
+    assert raw.closed_by_peer()
+    raw2 = Raw(job.port)
+    s = Sealer(job.token, raw2.nonce)
+    raw2.send(s.seal(hello("0.9")))
+    wait_for(lambda: "0.9" in job.coord.ranks)
+    raw2.send(s.seal({"type": "prepare", "epoch": 1}))     # a command, from a rank
+    assert raw2.closed_by_peer()
+    still_serves(job)
+
+
+def test_client_refuses_wrong_token_coordinator(job):
+    """The rank side checks the coordinator too: a client with another token never gets a welcome."""
+    with pytest.raises(Exception):
+        RankClient("127.0.0.1", job.port, new_token(), "0.5", "n", 0, lambda k, e: {})
+    assert "0.5" not in job.coord.ranks
