@@ -45,7 +45,9 @@ cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 for f in /etc/apt/apt.conf.d/99artifact-registry; do [ ! -f "$f" ] || cp "$f" "$ROOT/etc/apt/apt.conf.d/"; done
 # ... and its TLS set-up for PyPI (CA bundle with the registry proxy's CA, pip.conf pointing at it).
 [ ! -f /etc/pip.conf ] || cp /etc/pip.conf "$ROOT/etc/pip.conf"
-mkdir -p "$ROOT/etc/ssl/certs"; cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+mkdir -p "$ROOT/etc/ssl/certs" "$ROOT/usr/local/share/ca-certificates"
+cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/" 2>/dev/null || true  # kept by update-ca-certificates
 
 echo "== copying the work tree to $ROOT/root/repo (build outputs removed)"
 rm -rf "$ROOT/root/repo"; mkdir -p "$ROOT/root/repo"

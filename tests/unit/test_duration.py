@@ -40,3 +40,18 @@ def test_below_minimum_is_refused_not_rounded(text):
 
 def test_large_hours_field_not_limited():
     assert parse_duration("48:00:00") == 48 * 3600
+
+
+# The docstring promises the SPANK shim's grammar (spank/duration.c). Where they differ, sbatch accepts a value
+# the wrapper then rejects (or the reverse).
+@pytest.mark.xfail(strict=True, reason="BUG: duration.py diverges from duration.c (unit order/once, max 365d)")
+@pytest.mark.parametrize("text", ["30m1h", "1m1m", "366d"])
+def test_same_rejections_as_the_shim(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: duration.c accepts any digit count after ':' (1:005 = 65 s), "
+                                       "duration.py only 1-2 digits: sbatch accepts it, the wrapper fails")
+def test_same_acceptance_as_the_shim():
+    assert parse_duration("1:005") == 65
