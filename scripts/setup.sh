@@ -37,7 +37,7 @@ step_done()  { local ms=$(( ($(date +%s%N) - STEP_T0) / 1000000 )); log "   done
 # --------------------------------------------------------------------------------------------------- packages
 PACKAGES=(
   slurmctld slurmd slurm-client slurmdbd munge libslurm-dev mariadb-server
-  build-essential pkg-config python3 python3-venv python3-dev
+  build-essential patch pkg-config python3 python3-venv python3-dev
   iproute2 nftables iptables procps psmisc ca-certificates xz-utils
   # CRIU build dependencies (DESIGN.md)
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
@@ -143,11 +143,16 @@ EOF
     local want; want=$(awk -v f="$(basename "$tarball")" '/^Checksums-Sha256:/ {s=1; next} /^[^ ]/ {s=0} s && $3==f {print $1}' "$dsc")
     [ -z "$want" ] || [ "$(sha256sum "$tarball" | cut -d' ' -f1)" = "$want" ] || die "checksum mismatch for $tarball"
   fi
-  dir=$SLURMCKPT_CACHE/criu-$ver
+  dir=$SLURMCKPT_CACHE/criu-$ver-p$(criu_patch_id)
   if [ -x "$dir/criu" ]; then log "   cache already holds CRIU $ver"; criu_install_cached "$dir"; return; fi
   log "   building CRIU $ver from $(basename "$tarball") (make -j$(nproc) criu; ~40 s on 2 cores)"
   rm -rf "$src/criu-$ver"
   tar -C "$src" -xf "$tarball"
+  local p
+  for p in "$REPO"/scripts/criu-patches/*.patch; do
+    log "   applying $(basename "$p")"
+    patch -d "$src/criu-$ver" -p1 --forward <"$p" >/dev/null || die "patch $p does not apply to CRIU $ver"
+  done
   t0=$(date +%s)
   if ! make -C "$src/criu-$ver" -j"$(nproc)" criu >"$src/build-$ver.log" 2>&1; then
     tail -n 40 "$src/build-$ver.log" >&2; die "CRIU $ver build failed (full log: $src/build-$ver.log)"
@@ -160,31 +165,23 @@ EOF
   criu_install_cached "$dir"
 }
 
+# Our CRIU carries scripts/criu-patches/ (rlimits read from /proc/<pid>/limits when prlimit() is refused to
+# root without CAP_SYS_RESOURCE, as on these machines): the distribution's criu is never used, and a build is
+# cached per CRIU version and patch set.
+criu_patch_id() { cat "$REPO"/scripts/criu-patches/*.patch | sha256sum | cut -c1-12; }
+
 step_criu() {
-  step_start "CRIU >= $CRIU_MIN"
+  step_start "CRIU >= $CRIU_MIN (patched)"
   rm -f "$CRIU_READY_FILE"
-  # 1. Already installed by an earlier run.
-  if criu_ok /usr/local/sbin/criu; then criu_ready /usr/local/sbin/criu; step_done; return; fi
-  # 2. The distribution's criu (Debian 13 ships 4.1.x; Debian 12's 3.17 fails on kernels >= 6.13).
-  if criu_ok /usr/sbin/criu; then criu_ready /usr/sbin/criu; step_done; return; fi
-  local cand
-  cand=$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ {print $2}')
-  if [ -n "$cand" ] && [ "$cand" != "(none)" ] && dpkg --compare-versions "$cand" ge "$CRIU_MIN"; then
-    log "   installing the distribution's criu $cand"
-    if with_no_daemon_start apt-get install -y --no-install-recommends criu && criu_ok /usr/sbin/criu; then
-      criu_ready /usr/sbin/criu; step_done; return
-    fi
-    warn "the distribution's criu $cand does not qualify; building from source instead"
-  fi
-  # 3. A cached build (newest first).
-  local d
-  for d in $(ls -1d "$SLURMCKPT_CACHE"/criu-*/ 2>/dev/null | sort -V -r); do
+  local d id; id=$(criu_patch_id)
+  # 1. A cached build of this patch set (newest CRIU first), installed if needed.
+  for d in $(ls -1d "$SLURMCKPT_CACHE"/criu-*-p"$id"/ 2>/dev/null | sort -V -r); do
     if criu_ok "$d/criu"; then
-      log "   using cached build $d"; criu_install_cached "$d"
+      cmp -s "$d/criu" /usr/local/sbin/criu || { log "   using cached build $d"; criu_install_cached "$d"; }
       criu_ok /usr/local/sbin/criu && { criu_ready /usr/local/sbin/criu; step_done; return; }
     fi
   done
-  # 4. Build from Debian's source tarball.
+  # 2. Build from Debian's source tarball with our patches.
   criu_build
   criu_ok /usr/local/sbin/criu || die "the CRIU built from source does not pass 'criu check' (see above)"
   criu_ready /usr/local/sbin/criu
