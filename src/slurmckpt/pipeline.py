@@ -1,6 +1,6 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
-    PREPARE   lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
+    PREPARE   refuse unrestorable state (TCP to other hosts) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
     CAPTURE   record fds/files -> criu dump (tree stays frozen) -> output snapshot -> seal
     then      COMMIT (coordinator's agent, atomic manifest rename)  -> RESUME (thaw) | FINISH (kill)
     or        ABORT at any point -> undo what was done, in reverse: previous commit stays the restorable one.
@@ -127,6 +127,15 @@ def _thaw(p: RankPipeline, epoch: int) -> None:
     p.freezer.thaw()
 
 
+def _check_restorable(p: RankPipeline, epoch: int) -> None:
+    """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
+    remote = proctree.external_tcp(p.freezer.pids())
+    if remote:
+        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
+                           "connection only where both of its addresses exist again, so this job cannot be "
+                           "captured while they are open", step=p.step, rank=p.rank)
+
+
 def _gpu_lock(p: RankPipeline, epoch: int) -> None:
     p.gpu.lock(p.freezer.pids())     # refuses unsupported GPU set-ups before anything is frozen
 
@@ -208,6 +217,7 @@ def _seal(p: RankPipeline, epoch: int) -> None:
 
 
 PREPARE_STAGES = (
+    Stage("check", _check_restorable),
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
     Stage("freeze", _freeze, undo=_thaw),

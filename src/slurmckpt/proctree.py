@@ -103,3 +103,47 @@ def written_files(pids: list[int], exclude: set[str]) -> dict[str, int]:
 def has_slurm_client(pids: list[int]) -> bool:
     """A running srun in the tree: its connections to Slurm cannot be restored, so the tree is replayed."""
     return any(exe_name(p) in ("srun", "sattach") for p in pids)
+
+
+def _hex_addr(text: str) -> tuple[str, int]:
+    import ipaddress
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        addr = ipaddress.IPv4Address(raw[::-1])
+    else:   # /proc prints IPv6 as four little-endian 32-bit words
+        addr = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        if addr.ipv4_mapped:
+            addr = addr.ipv4_mapped
+    return str(addr), int(port, 16)
+
+
+def external_tcp(pids: list[int]) -> list[str]:
+    """Established TCP connections of the tree whose peer is not loopback: CRIU restores a connection only
+    where both of its addresses exist again, so these make a capture unrestorable elsewhere."""
+    import ipaddress
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{name}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    if not inodes or not pids:
+        return []
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pids[0]}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] != "01" or f[9] not in inodes:          # 01 = ESTABLISHED
+                continue
+            local, remote = _hex_addr(f[1]), _hex_addr(f[2])
+            if not ipaddress.ip_address(remote[0]).is_loopback:
+                found.append(f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}")
+    return found

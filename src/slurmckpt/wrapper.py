@@ -116,7 +116,8 @@ class Wrapper:
 
         threading.Thread(target=serve, name="coordinator", daemon=True).start()
         ready.wait(10)
-        host = socket.gethostbyname(socket.gethostname()) if self.env.node else "127.0.0.1"
+        single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
+        host = "127.0.0.1" if single_node else _reachable_address()
         self.call("publish_coordinator", scope=scope, host=host, port=port_box[0], token=token)
         self.schedule = Schedule.for_job(self.env, self.config)
         return {"found": True, "host": host, "port": port_box[0], "token": token}
@@ -316,6 +317,18 @@ class Wrapper:
         for t in self.relays:
             t.join(5)
         return status
+
+
+def _reachable_address() -> str:
+    """This node's address on its default route (a UDP connect sends nothing); loopback on a lone node."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 9))
+        return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        probe.close()
 
 
 def main() -> None:
