@@ -1,0 +1,130 @@
+"""The rank pipeline's stage order and rollback, with fake freezer / CRIU engine / GPU stage."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from slurmckpt.errors import CaptureError, CriuError, GpuError
+from slurmckpt.launch import Credentials
+from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
+from slurmckpt.storage import JobStore
+
+
+@dataclass
+class Journal:
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FakeFreezer:
+    journal: Journal
+    path: Path = Path("/nonexistent")
+    frozen: bool = False
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def freeze(self) -> float:
+        self.journal.events.append("freeze")
+        self.frozen = True
+        return 0.0
+
+    def thaw(self) -> None:
+        self.journal.events.append("thaw")
+        self.frozen = False
+
+    def state(self) -> str:
+        return "FROZEN" if self.frozen else "THAWED"
+
+
+@dataclass
+class FakeGpu:
+    journal: Journal
+    fail: str = ""
+
+    def _do(self, what: str):
+        self.journal.events.append(what)
+        if what == self.fail:
+            raise GpuError(f"injected {what} failure")
+
+    def lock(self, pids): self._do("gpu-lock")
+    def unlock(self): self._do("gpu-unlock")
+    def checkpoint(self): self._do("gpu-checkpoint"); return {"processes": []}
+    def resume(self): self._do("gpu-resume")
+    def restore(self, record, pids): self._do("gpu-restore")
+
+
+@dataclass
+class FakeEngine:
+    journal: Journal
+    fail: bool = False
+
+    def dump(self, pid, images, *, leave_running, freezer):
+        self.journal.events.append("dump")
+        if self.fail:
+            raise CriuError("injected criu failure")
+        (images / "pages-1.img").write_bytes(b"x" * 100)
+        return 0.01
+
+
+def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False):
+    j = Journal()
+    store = JobStore(tmp_path, "c", 7)
+    store.ensure()
+    creds = Credentials(os.getuid(), os.getgid(), (), ())
+    p = RankPipeline(store, "batch", 0, FakeFreezer(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
+                     wrapper_pid=os.getpid(), root_pid=os.getpid())
+    return p, j, store
+
+
+def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
+    assert [s.name for s in PREPARE_STAGES] == ["check", "gpu-lock", "gpu-checkpoint", "freeze"]
+    assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "seal"]
+
+
+def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:
+    p, j, store = make(tmp_path)
+    p.prepare(1)
+    out = p.capture(1)
+    assert out["kind"] == "image" and out["bytes"] >= 100
+    p.resume(1)
+    assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "dump", "thaw", "gpu-resume", "gpu-unlock"]
+    assert store.verify_rank(1, "batch", 0)["kind"] == "image"
+
+
+def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) -> None:
+    p, j, store = make(tmp_path, criu_fail=True)
+    p.prepare(1)
+    with pytest.raises(CriuError):
+        p.capture(1)
+    assert j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"]
+    assert not store.rank_dir(1, "batch", 0).exists()
+    assert p.freezer.state() == "THAWED"
+
+
+def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:
+    p, j, _ = make(tmp_path, gpu_fail="gpu-checkpoint")
+    with pytest.raises(GpuError):
+        p.prepare(1)
+    assert "freeze" not in j.events and j.events[-1] == "gpu-unlock"
+
+
+def test_capture_without_prepare_is_refused(tmp_path: Path) -> None:
+    p, _, _ = make(tmp_path)
+    with pytest.raises(CaptureError):
+        p.capture(1)
+
+
+def test_abort_after_prepare_keeps_previous_commit(tmp_path: Path) -> None:
+    p, j, store = make(tmp_path)
+    p.prepare(1); p.capture(1)
+    store.commit(1, {"batch.0": {"kind": "image"}}, "interval", keep=2)
+    p.resume(1)
+    p.prepare(2); p.capture(2)
+    p.abort(2)
+    assert [e["epoch"] for e in store.committed()] == [1]
+    assert not store.rank_dir(2, "batch", 0).exists()
+    store.verify_rank(1, "batch", 0)
