@@ -109,19 +109,22 @@ def kill_tree(root: int) -> None:
         os.kill(root, signal.SIGKILL)     # PID 1 of its namespace: the whole namespace dies
     except ProcessLookupError:
         pass
+    try:
+        os.waitpid(root, 0)               # our child: spawn_tree's init and restored roots re-parent to us
+    except ChildProcessError:
+        pass
     reap_all()
 
 
 def reap_all() -> None:
-    """We are a subreaper: collect whatever re-parented to us (restored roots, dead inits)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    """We are a subreaper: collect zombies that re-parented to us, without waiting for live children."""
+    while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
-            time.sleep(0.01)
+            return
 
 
 def dir_bytes(path: Path) -> int:
@@ -389,7 +392,8 @@ def main() -> None:
                 r = fn(cfg, creds, args.work, rep, nbytes)
                 print(f"# {r['way']} rep {rep}: freeze {r['freeze_s']:.3f}s restore {r['restore_s']:.3f}s "
                       f"image {r['image_bytes'] / 2**20:.1f} MiB"
-                      + (f" timings {r['timings']} verify {r['verify_s']:.3f}s" if "timings" in r else ""),
+                      + (f" dump {r['timings']['criu_dump']:.3f}s seal {r['timings']['seal']:.3f}s verify {r['verify_s']:.3f}s "
+                         f"criu restore {r['restore_criu_s']:.3f}s" if "timings" in r else ""),
                       flush=True)
                 rows.append(r)
     finally:

@@ -73,7 +73,7 @@ class CriuDriver:
         def join_freezer() -> None:   # runs in the criu child: the restored tree inherits the cgroup
             _default_signals()
             if freezer is not None:
-                (freezer / "tasks").write_text(str(os.getpid()))
+                (freezer / "cgroup.procs").write_text(str(os.getpid()))
 
         self._run(args, images, "restore.log", pass_fds=[i.fd for i in inherit], preexec=join_freezer)
         return int(pidfile.read_text().strip())
