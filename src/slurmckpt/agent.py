@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +70,10 @@ class Agent:
                 message, fds = self.channel.recv()
             except EOFError:
                 break
-            except ProtocolError as e:
-                log.warning("rejected frame: %s", e)
+            except ProtocolError as e:    # the stream can't be trusted any more: stop serving this peer
+                log.warning("rejected frame, closing the channel: %s", e)
                 self._reply_error(e)
-                continue
+                break
             try:
                 handler = getattr(self, "op_" + str(message.get("op")), None)
                 if handler is None:
@@ -145,11 +146,10 @@ class Agent:
         return self.pipeline.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
-        return self.pipeline.capture(_epoch(m))
+        return self.pipeline.capture(_epoch(m), final=bool(m.get("final", True)))
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
-        self.pipeline.resume(_epoch(m))
-        return {}
+        return self.pipeline.resume(_epoch(m))
 
     def op_abort(self, m: dict, fds: list[int]) -> dict:
         self.pipeline.abort(_epoch(m))
@@ -164,6 +164,7 @@ class Agent:
         if not isinstance(ranks, dict) or not all(isinstance(v, dict) for v in ranks.values()):
             raise ProtocolError("commit needs ranks: {name: record}")
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
+        threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
         return {}
 

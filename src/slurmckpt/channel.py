@@ -47,17 +47,22 @@ class Channel:
                 got = array.array("i")
                 got.frombytes(data[: len(data) - (len(data) % got.itemsize)])
                 fds.extend(got)
-        header = first + self._read_exact(_HEADER.size - 1)
-        (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME:
-            raise ProtocolError("oversized frame", size=length)
-        body = self._read_exact(length)
         try:
-            message = json.loads(body)
-        except ValueError as e:
-            raise ProtocolError(f"malformed frame: {e}") from e
-        if not isinstance(message, dict):
-            raise ProtocolError("frame is not an object")
+            header = first + self._read_exact(_HEADER.size - 1)
+            (length,) = _HEADER.unpack(header)
+            if length > MAX_FRAME:
+                raise ProtocolError("oversized frame", size=length)   # stream now out of sync: caller closes
+            body = self._read_exact(length)
+            try:
+                message = json.loads(body)
+            except ValueError as e:
+                raise ProtocolError(f"malformed frame: {e}") from e
+            if not isinstance(message, dict):
+                raise ProtocolError("frame is not an object")
+        except BaseException:
+            for fd in fds:        # never leak what a rejected frame carried
+                _close(fd)
+            raise
         return message, fds
 
     def _read_exact(self, n: int) -> bytes:

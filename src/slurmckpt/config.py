@@ -1,11 +1,12 @@
 """Configuration: YAML file -> frozen dataclass. Defaults live here; errors name the key.
 
-Environment overrides `SLURMCKPT_<KEY>` apply to user-side processes only: the root agent runs with a clean
+Environment overrides `SLURMCKPT_CFG_<KEY>` apply to user-side processes only: the root agent runs with a clean
 environment built by the SPANK shim, so a user cannot redirect where root writes images.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,19 @@ import yaml
 from slurmckpt.errors import ConfigError
 
 DEFAULT_PATH = Path("/etc/slurmckpt/slurmckpt.yaml")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A key given twice is an error, not 'the last one wins'."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.YAMLError(f"key '{key}' appears twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _default_criu() -> str:
@@ -44,7 +58,7 @@ class Config:
         path = path or DEFAULT_PATH
         if path.exists():
             try:
-                loaded = yaml.safe_load(path.read_text()) or {}
+                loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: not valid YAML: {e}") from e
             if not isinstance(loaded, dict):
@@ -75,8 +89,8 @@ def _coerce(key: str, raw: object, typ: object, source: str) -> object:
             return value
         if typ in ("float", float):
             value = float(raw)  # type: ignore[arg-type]
-            if value <= 0:  # type: ignore[operator]
-                raise ValueError("must be > 0")
+            if not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+                raise ValueError("must be a finite number > 0")
             return value
         if str(typ).startswith("tuple"):
             if isinstance(raw, str):

@@ -1,37 +1,49 @@
-"""--checkpoint-interval values: the same grammar as the SPANK shim's duration.c."""
+"""--checkpoint-interval values: exactly the grammar of the SPANK shim's spank/duration.c."""
 from __future__ import annotations
 
 import re
 
 MIN_INTERVAL_S = 10
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_PART = re.compile(r"(\d+)([smhd])")
+MAX_INTERVAL_S = 365 * 86400
+_SCALE = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+_FORMAT = "expected off, 0, N (minutes), units like 90s, 30m, 1h30m, 2d, or MM:SS / HH:MM:SS"
 
 
 def parse_duration(text: str) -> int:
-    """Seconds for `text`; 0 means disabled. Raises ValueError naming the bad value.
+    """Seconds for `text`; 0 means disabled. Raises ValueError naming the bad value and the reason.
 
-    Accepted: off | 0 | N (minutes) | 1h30m / 90s / 2d (unit sequences) | MM:SS | HH:MM:SS.
+    Accepted: off (any case) | N (minutes) | [Nd][Nh][Nm][Ns] (each unit once, in this order) | M:S | H:M:S
+    (fields after a ':' below 60); a total of 0 is off; otherwise 10 s .. 365 d.
     """
-    value = text.strip().lower()
-    if value in ("off", "0", "none"):
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"invalid --checkpoint-interval value '{text}': {reason}")
+
+    if text == "":
+        raise bad("empty value")
+    if text.lower() == "off":
         return 0
-    if value.isdigit():
-        seconds = int(value) * 60
-    elif re.fullmatch(r"\d+(:\d{1,2}){1,2}", value):
-        fields = [int(f) for f in value.split(":")]
-        if any(f >= 60 for f in fields[1:]):
-            raise ValueError(f"invalid duration '{text}': minutes and seconds must be < 60")
-        seconds = 0
+    if ":" in text:
+        fields = text.split(":")
+        if len(fields) > 3 or not all(f.isdigit() and f.isascii() for f in fields):
+            raise bad(_FORMAT)
+        if any(int(f) >= 60 for f in fields[1:]):
+            raise bad("minutes and seconds after a ':' must be below 60")
+        total = 0
         for f in fields:
-            seconds = seconds * 60 + f
-    elif re.fullmatch(r"(\d+[smhd])+", value):
-        seconds = sum(int(n) * _UNITS[u] for n, u in _PART.findall(value))
+            total = total * 60 + int(f)
+    elif text.isdigit() and text.isascii():
+        total = int(text) * 60
     else:
-        raise ValueError(
-            f"invalid duration '{text}': expected off, N (minutes), e.g. 30m, 1h30m, 90s, MM:SS or HH:MM:SS")
-    if seconds == 0:
+        parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+        if not parts or not any(parts.groups()):
+            if re.fullmatch(r"(\d+[dhms])+", text):
+                raise bad("each unit may appear once, in the order d, h, m, s")
+            raise bad(_FORMAT)
+        total = sum(int(n) * _SCALE[u] for n, u in zip(parts.groups(), "dhms") if n)
+    if total == 0:
         return 0
-    if seconds < MIN_INTERVAL_S:
-        raise ValueError(f"invalid duration '{text}': minimum is {MIN_INTERVAL_S}s")
-    return seconds
+    if total > MAX_INTERVAL_S:
+        raise bad("too large (maximum 365d)")
+    if total < MIN_INTERVAL_S:
+        raise bad("below the minimum of 10 seconds (use off to disable)")
+    return total

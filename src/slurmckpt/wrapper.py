@@ -278,10 +278,11 @@ class Wrapper:
         except SlurmckptError as e:
             say(self.env, f"requeue failed: {e}")
 
-    def _on_command(self, kind: str, epoch: int) -> dict:
+    def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
         if kind == "finish":
             self.final_committed.set()
-        return {k: v for k, v in self.call(kind, epoch=epoch).items() if k != "ok"}
+        args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
+        return {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
 
     def _on_rank_started(self, rank: str, action: str):
         async def opened() -> None:

@@ -165,11 +165,13 @@ def main() -> int:
     t0 = time.monotonic()
     with open(a.work / "ref.out", "wb") as fo:
         rc = subprocess.run(workload(a, 0.0), stdin=subprocess.DEVNULL, stdout=fo, stderr=subprocess.STDOUT,
-                            cwd=a.work, env=env, preexec_fn=as_user(pw), timeout=300).returncode
+                            cwd=a.work, env=dict(env, HOME=pw.pw_dir, USER=a.user), preexec_fn=as_user(pw),
+                            timeout=300).returncode
     ref = losses(text(a.work / "ref.out"))
     say(f"reference run (as {a.user}): rc={rc}, {len(ref)} steps in {time.monotonic() - t0:.1f}s, "
         f"last loss {ref[-1][1] if ref else None}")
-    if not check(rc == 0 and len(ref) == a.steps, "reference run complete", text(a.work / "ref.out")[-1500:]):
+    ref_ok = rc == 0 and len(ref) == a.steps
+    if not check(ref_ok, "reference run complete", "" if ref_ok else text(a.work / "ref.out")[-1500:]):
         return finish(a, summary)
 
     # ---- 2. first run through fakestepd: periodic capture, then SIGTERM (final capture) -------------------
@@ -346,6 +348,10 @@ def finish(a, summary: dict, proc: subprocess.Popen | None = None) -> int:
     (a.work / "summary.json").write_text(json.dumps(summary, indent=1))
     say("summary:", json.dumps({k: v for k, v in summary.items() if k not in ("rank_json", "checks")}))
     passed = bool(RESULTS) and all(ok for ok, _ in RESULTS)
+    if not passed and agent_log.exists():
+        say("agent log (last 80 lines):")
+        for line in agent_log.read_text(errors="replace").splitlines()[-80:]:
+            say("  agent |", line[:600])
     say(f"RESULT: {'PASS' if passed else 'FAIL'} ({sum(ok for ok, _ in RESULTS)}/{len(RESULTS)} checks)")
     return 0 if passed else 1
 

@@ -9,14 +9,14 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/e2e-out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/e2e.txt") 2>&1
+main() {
 E2E_USER=${E2E_USER:-ckptgpu}
 JOB=${E2E_JOB:-4600601}
 STAGE=${E2E_STAGE:-/opt/slurmckpt-e2e}
 WORK=/var/tmp/slurmckpt-e2e/$JOB
 PY=$(command -v python3)
 T0=$SECONDS
-echo "=== setup $(date -u +%FT%TZ) on $(hostname), python $PY"
+echo "=== setup $(date -u +%FT%TZ) on $(hostname), kernel $(uname -r), python $PY"
 
 # --- CRIU (our patched build) and the namespace init, unless already installed ---
 if [ ! -x /usr/local/sbin/criu ] && [ -x .carry/criu-patched/criu ]; then
@@ -88,4 +88,7 @@ done
 du -sh /var/lib/slurmckpt/images/*/"$JOB"/epoch-* 2>/dev/null
 tar -C "$(dirname "$WORK")" -czf "$OUT/e2e-logs.tar.gz" "$(basename "$WORK")" 2>/dev/null
 echo "=== total $((SECONDS - T0)) s"
-exit $rc
+return $rc
+}
+main "$@" 2>&1 | tee -a "$OUT/e2e.txt"
+exit "${PIPESTATUS[0]}"

@@ -82,7 +82,7 @@ class FakeRank:
         self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
         self.thread.start()
 
-    def handle(self, kind: str, epoch: int) -> dict:
+    def handle(self, kind: str, epoch: int, message: dict | None = None) -> dict:
         self.got.append((kind, epoch))
         if kind == self.vanish:
             self.client.close()
@@ -90,7 +90,9 @@ class FakeRank:
         if kind == self.fail:
             raise RuntimeError(f"{kind} broke")
         if kind == "capture":
-            return {"kind": "image", "bytes": 1000}
+            return {"kind": "image", "bytes": 1000 if (message or {}).get("final") else 0}
+        if kind == "resume":
+            return {"bytes": 1000}       # a periodic capture is sealed after the thaw
         return {}
 
     def commands(self) -> list[str]:
@@ -168,13 +170,18 @@ def test_rank_vanishing_mid_epoch_aborts(job):
 
 
 def test_committer_failure_aborts(tmp_path):
+    """Periodic: the trees were already thawed before COMMIT, so they just run on uncommitted. Final: the
+    trees are still frozen and get ABORT (thawed, not killed)."""
     j = Job(Committer(fail=OSError("disk full")))
     try:
         r = j.rank("0.0")
         res = j.epoch()
         assert res["status"] == "aborted" and res["stage"] == "commit" and "disk full" in res["error"]
-        wait_for(lambda: ("abort", 1) in r.got)
-        assert "resume" not in r.commands()
+        assert r.commands() == ["prepare", "capture", "resume"]
+        res = j.epoch("sigterm", final=True)
+        assert res["status"] == "aborted" and res["stage"] == "commit"
+        wait_for(lambda: ("abort", 2) in r.got)
+        assert "finish" not in r.commands()
     finally:
         j.close()
 
@@ -184,7 +191,7 @@ def test_silent_rank_times_out(job):
     ok = job.rank("0.0")
     hang = threading.Event()
     slow = job.rank("0.1")
-    slow.client.handler = lambda kind, epoch: (hang.wait(10) if kind == "prepare" else None) or {}
+    slow.client.handler = lambda kind, epoch, msg=None: (hang.wait(10) if kind == "prepare" else None) or {}
     fut = asyncio.run_coroutine_threadsafe(job.coord.run_epoch("test", False), job.loop.loop)
     wait_for(lambda: ("abort", 1) in ok.got, timeout=3)   # the others are released while 0.1 still hangs
     assert not fut.done() or fut.result()["status"] == "aborted"

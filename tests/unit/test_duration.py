@@ -7,19 +7,18 @@ from slurmckpt.duration import MIN_INTERVAL_S, parse_duration
 
 
 @pytest.mark.parametrize("text,seconds", [
-    ("off", 0), ("OFF", 0), ("0", 0), ("none", 0), ("0m", 0), ("00:00", 0),
+    ("off", 0), ("OFF", 0), ("0", 0), ("0m", 0), ("00:00", 0),
     ("30", 1800),            # bare number = minutes, like sbatch --time
     ("30m", 1800), ("90s", 90), ("1h30m", 5400), ("2d", 172800), ("1d2h3m4s", 93784),
     ("10s", MIN_INTERVAL_S),
     ("05:00", 300), ("1:02:03", 3723), ("100:00:00", 360000),
-    ("  1H ", 3600),          # case and surrounding blanks ignored
 ])
 def test_accepted(text, seconds):
     assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "abc", "1.5h", "-5m", "m", "5x", "1h 30m", "1:2:3:4", "h1", "30 m",
-                                  "1:-1", ":30"])
+                                  "1:-1", ":30", "none", " 1h", "1H"])
 def test_rejected_names_the_value(text):
     with pytest.raises(ValueError) as e:
         parse_duration(text)
@@ -28,7 +27,7 @@ def test_rejected_names_the_value(text):
 
 @pytest.mark.parametrize("text", ["1:60", "0:99", "1:00:60", "1:60:00"])
 def test_minutes_and_seconds_below_60(text):
-    with pytest.raises(ValueError, match="< 60"):
+    with pytest.raises(ValueError, match="below 60"):
         parse_duration(text)
 
 
@@ -42,16 +41,12 @@ def test_large_hours_field_not_limited():
     assert parse_duration("48:00:00") == 48 * 3600
 
 
-# The docstring promises the SPANK shim's grammar (spank/duration.c). Where they differ, sbatch accepts a value
-# the wrapper then rejects (or the reverse).
-@pytest.mark.xfail(strict=True, reason="BUG: duration.py diverges from duration.c (unit order/once, max 365d)")
+# The same grammar as the SPANK shim (spank/duration.c): otherwise sbatch accepts a value the wrapper rejects.
 @pytest.mark.parametrize("text", ["30m1h", "1m1m", "366d"])
 def test_same_rejections_as_the_shim(text):
     with pytest.raises(ValueError):
         parse_duration(text)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: duration.c accepts any digit count after ':' (1:005 = 65 s), "
-                                       "duration.py only 1-2 digits: sbatch accepts it, the wrapper fails")
 def test_same_acceptance_as_the_shim():
     assert parse_duration("1:005") == 65

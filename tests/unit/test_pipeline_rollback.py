@@ -128,3 +128,15 @@ def test_abort_after_prepare_keeps_previous_commit(tmp_path: Path) -> None:
     assert [e["epoch"] for e in store.committed()] == [1]
     assert not store.rank_dir(2, "batch", 0).exists()
     store.verify_rank(1, "batch", 0)
+
+
+def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Path) -> None:
+    """GPU tasks run in the host PID namespace: the init's death does not take the tree with it."""
+    import subprocess
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    p, j, _ = make(tmp_path)
+    p.root_pid = procs[0].pid
+    p.freezer.pids = lambda: [q.pid for q in procs]          # type: ignore[method-assign]
+    p.finish(1)
+    assert [q.wait(5) for q in procs] == [-9, -9, -9]
+    assert j.events[-1] == "thaw"

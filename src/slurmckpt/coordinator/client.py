@@ -17,7 +17,7 @@ REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish"
 
 class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
-                 handler: Callable[[str, int], dict]) -> None:
+                 handler: Callable[[str, int, dict], dict]) -> None:
         self.rank, self.handler = rank, handler
         self.sock = socket.create_connection((host, port), timeout=15)
         self.file = self.sock.makefile("rb")
@@ -63,7 +63,7 @@ class RankClient:
                     continue
                 epoch = int(msg["epoch"])
                 try:
-                    reply = self.handler(kind, epoch) or {}
+                    reply = self.handler(kind, epoch, msg) or {}
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})
                 except Exception as e:  # reported to the coordinator, which aborts the epoch
                     log.error("%s of epoch %d failed: %s", kind, epoch, e)

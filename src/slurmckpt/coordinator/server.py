@@ -2,8 +2,9 @@
 
 State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
 
-    IDLE -> PREPARING (all READY: trees frozen, GPUs locked) -> CAPTURING (all CAPTURED)
-         -> COMMITTING (committer writes the job manifest) -> RESUMING (periodic) | FINISHING (final) -> IDLE
+    periodic: IDLE -> PREPARING (all READY: GPUs checkpointed, trees frozen) -> CAPTURING (all dumped)
+              -> RESUMING (all thawed and sealed) -> COMMITTING (job manifest renamed) -> IDLE
+    final:    IDLE -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
 
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
 """
@@ -144,43 +145,51 @@ class Coordinator:
             t0 = time.monotonic()
             if not parts:
                 return {**result, "status": "aborted", "error": "no rank registered"}
+            resumed, sealed = False, None
             try:
                 await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
                 result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
-                captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s)
+                captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
+                                             final=final)
+                result["frozen_s"] = time.monotonic() - t0
+                if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
+                    resumed = True
+                    sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
                 records = {**self.completed}
                 for p, reply in zip(parts, captured):
                     records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
                 await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
             except EpochFailed as e:
                 log.error("epoch %d aborted: %s", epoch, e)
-                await self._abort(parts, epoch)
+                if not resumed:
+                    await self._abort(parts, epoch)
                 result.update(status="aborted", rank=e.rank, stage=e.stage, error=e.error)
             except asyncio.TimeoutError:
-                await self._abort(parts, epoch)
+                if not resumed:
+                    await self._abort(parts, epoch)
                 result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
             except Exception as e:  # committer failure
                 log.exception("epoch %d commit failed", epoch)
-                await self._abort(parts, epoch)
+                if not resumed:
+                    await self._abort(parts, epoch)
                 result.update(status="aborted", stage="commit", error=str(e))
             else:
                 result["commit_s"] = time.monotonic() - t0
                 if final:
                     self.finished = True
-                try:
-                    await self._phase(parts, "finish" if final else "resume", "done", epoch, 60)
-                except (EpochFailed, asyncio.TimeoutError) as e:
-                    log.warning("epoch %d committed but %s did not complete: %s",
-                                epoch, "finish" if final else "resume", e)
+                    try:
+                        await self._phase(parts, "finish", "done", epoch, 60)
+                    except (EpochFailed, asyncio.TimeoutError) as e:
+                        log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
                 result.update(status="committed", total_s=time.monotonic() - t0,
-                              bytes=sum(int(r.get("bytes", 0)) for r in captured))
+                              bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
             self.history.append(result)
             return result
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
-                     timeout: float) -> list[dict]:
+                     timeout: float, **fields: object) -> list[dict]:
         for p in parts:
-            p.send({"type": command, "epoch": epoch})
+            p.send({"type": command, "epoch": epoch, **fields})
         tasks = [asyncio.ensure_future(p.expect(epoch, reply, command)) for p in parts]
         try:
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
