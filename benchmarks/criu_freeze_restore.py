@@ -220,10 +220,10 @@ _checksum_total = [0.0]
 _orig_checksum = storage_mod.file_checksum
 
 
-def _timed_checksum(path, chunk=8 << 20):
+def _timed_checksum(path):
     t = time.monotonic()
     try:
-        return _orig_checksum(path, chunk)
+        return _orig_checksum(path)
     finally:
         _checksum_total[0] += time.monotonic() - t
 
@@ -256,10 +256,19 @@ def run_slurmckpt(cfg: Config, creds: Credentials, work: Path, rep: int, nbytes:
     t = time.monotonic()
     prep = pipe.prepare(epoch)
     t_prep = time.monotonic() - t
-    cap = pipe.capture(epoch)
+    cap = pipe.capture(epoch, final=False)     # periodic: sealed after the thaw, in resume()
     t_cap = time.monotonic() - t - t_prep
+    thawed_at: list[float] = []
+    real_thaw = freezer.thaw
+
+    def thaw_and_note() -> None:
+        real_thaw()
+        thawed_at.append(time.monotonic())
+
+    object.__setattr__(freezer, "thaw", thaw_and_note)
     pipe.resume(epoch)
-    freeze = time.monotonic() - t
+    object.__setattr__(freezer, "thaw", real_thaw)
+    freeze = thawed_at[0] - t                 # the tree runs again here; the seal follows while it runs
     if freezer.state() != "THAWED":
         raise SystemExit(f"tree not thawed after resume: {freezer.state()}")
     seal_checksum = _checksum_total[0]

@@ -324,15 +324,13 @@ step_slurm_config() {
      || [ $((boards * sockets * cores * threads)) -ne "$cpus" ]; then
     boards=1 sockets=1 cores=$cpus threads=1
   fi
-  # RealMemory: 90% of MemTotal (capped by MemAvailable), rounded down to whole GiB so the value (and the
-  # config) stays the same from one run to the next; split between the nodes in multi-node mode.
-  local mem_total mem_avail
+  # RealMemory: 90% of MemTotal rounded down to whole GiB, split between the nodes in multi-node mode. Not
+  # MemAvailable: that moves with the load, and the config (and the restart) should not. Memory is not a
+  # consumable resource here (CR_Core), so the value only has to stay below what slurmd detects.
+  local mem_total
   mem_total=$(awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo)
-  mem_avail=$(awk '/^MemAvailable:/ {print int($2/1024)}' /proc/meminfo)
-  realmem=$(( mem_total * 9 / 10 ))
-  [ "$realmem" -le "$mem_avail" ] || realmem=$mem_avail
-  realmem=$(( realmem / NODES / 1024 * 1024 ))
-  [ "$realmem" -ge 1024 ] || realmem=$(( mem_avail / NODES / 2 ))
+  realmem=$(( mem_total * 9 / 10 / NODES / 1024 * 1024 ))
+  [ "$realmem" -ge 1024 ] || realmem=$(( mem_total / NODES / 2 ))
 
   local host; host=$(hostname -s)
   T_CLUSTER_NAME=slurmckpt
