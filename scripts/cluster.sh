@@ -30,16 +30,19 @@ pid_of() { # pid_of PIDFILE COMM -> pid of a live process named COMM, or nothing
   local pf=$1 comm=$2 pid
   [ -s "$pf" ] || return 0
   pid=$(tr -dc 0-9 <"$pf")
-  [ -n "$pid" ] && [ -d "/proc/$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ] && echo "$pid"
+  [ -n "$pid" ] && alive "$pid" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ] && echo "$pid"
   return 0
 }
+
+# alive PID: the process exists and is not a zombie (PID 1 here can be slow to reap orphans).
+alive() { [ -d "/proc/$1" ] && [ "$(sed -E 's/^.*\) ([A-Za-z]).*/\1/' "/proc/$1/stat" 2>/dev/null)" != Z ]; }
 
 stop_pidfile() { # stop_pidfile PIDFILE COMM [TIMEOUT_S]
   stop_many "${3:-30}" "$1:$2"
 }
 
 stop_many() { # stop_many TIMEOUT_S PIDFILE:COMM...: SIGTERM to all at once, wait, SIGKILL what is left
-  local t=$1 spec pf comm pid i pids=() pfs=() alive; shift
+  local t=$1 spec pf comm pid i pids=() pfs=() left; shift
   for spec in "$@"; do
     pf=${spec%:*} comm=${spec##*:}
     pid=$(pid_of "$pf" "$comm")
@@ -50,12 +53,12 @@ stop_many() { # stop_many TIMEOUT_S PIDFILE:COMM...: SIGTERM to all at once, wai
   done
   [ ${#pids[@]} -gt 0 ] || return 0
   for ((i = 0; i < t * 10; i++)); do
-    alive=""; for pid in "${pids[@]}"; do [ -d "/proc/$pid" ] && alive+=" $pid"; done
-    [ -n "$alive" ] || break
+    left=""; for pid in "${pids[@]}"; do alive "$pid" && left+=" $pid"; done
+    [ -n "$left" ] || break
     sleep 0.1
   done
   for pid in "${pids[@]}"; do
-    if [ -d "/proc/$pid" ]; then
+    if alive "$pid"; then
       warn "$(cat "/proc/$pid/comm" 2>/dev/null) (pid $pid) still running after ${t}s: SIGKILL"
       kill -KILL "$pid" 2>/dev/null || true
     fi
@@ -79,7 +82,8 @@ wait_for() { # wait_for SECONDS DESCRIPTION LOGFILE [PIDFILE:COMM] CMD...: poll 
 
 foreign() { # foreign COMM: die if a COMM runs that we did not start (would hold our ports)
   local comm=$1 pids
-  pids=$(pgrep -x "$comm" | tr '\n' ' ' || true)
+  local p; pids=""
+  for p in $(pgrep -x "$comm" || true); do alive "$p" && pids+="$p "; done
   [ -z "$pids" ] || die "a $comm not started by scripts/cluster.sh is running (pid $pids): stop it first"
 }
 

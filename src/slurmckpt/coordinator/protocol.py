@@ -24,28 +24,30 @@ def new_token() -> str:
 
 
 class Sealer:
-    """Signs outgoing and checks incoming messages of one connection."""
+    """Signs outgoing and checks incoming messages of one connection. A line is `<hmac hex> <json>`: the MAC
+    covers the nonce and the exact JSON bytes, so each message is serialised once."""
 
     def __init__(self, token: str, nonce: str) -> None:
         self.key = bytes.fromhex(token)
-        self.nonce = nonce
+        self.nonce = nonce.encode()
         self.sent = 0
         self.received = 0
 
-    def _mac(self, body: dict) -> str:
-        data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        return hmac.new(self.key, self.nonce.encode() + data, hashlib.sha256).hexdigest()
+    def _mac(self, data: bytes) -> bytes:
+        return hmac.new(self.key, self.nonce + data, hashlib.sha256).hexdigest().encode()
 
     def seal(self, message: dict) -> bytes:
         self.sent += 1
-        body = {**message, "v": VERSION, "seq": self.sent}
-        return (json.dumps({**body, "mac": self._mac(body)}, separators=(",", ":")) + "\n").encode()
+        data = json.dumps({**message, "v": VERSION, "seq": self.sent}, separators=(",", ":")).encode()
+        return self._mac(data) + b" " + data + b"\n"
 
     def open(self, line: bytes) -> dict:
-        message = parse_line(line)
-        mac = message.pop("mac", None)
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(message)):
+        if len(line) > MAX_LINE:
+            raise ProtocolError("message too long", size=len(line))
+        mac, _, data = line.rstrip(b"\n").partition(b" ")
+        if len(mac) != 64 or not hmac.compare_digest(mac, self._mac(data)):
             raise ProtocolError("bad or missing message authentication")
+        message = parse_line(data)
         if message.get("seq") != self.received + 1:
             raise ProtocolError("message out of sequence (replayed or reordered)")
         self.received += 1

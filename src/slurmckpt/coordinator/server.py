@@ -37,22 +37,35 @@ class RankConn:
     interval: int
     writer: asyncio.StreamWriter
     sealer: Sealer
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    waiting: tuple[int, str, str, asyncio.Future] | None = None   # (epoch, reply, command, future)
 
     def send(self, message: dict) -> None:
         self.writer.write(self.sealer.seal(message))
 
-    async def expect(self, epoch: int, kind: str, command: str) -> dict:
-        while True:
-            msg = await self.inbox.get()
-            if msg["type"] == "vanished":
-                raise EpochFailed(self.name, command, "rank disconnected")
-            if msg.get("epoch") != epoch:
-                continue
-            if msg["type"] == "failed" and msg.get("phase") == command:
-                raise EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error", "?")))
-            if msg["type"] == kind:
-                return msg
+    def expect(self, epoch: int, reply: str, command: str) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting = (epoch, reply, command, future)
+        return future
+
+    def deliver(self, msg: dict) -> None:
+        """A reply to the current phase resolves its future; anything stale is ignored."""
+        if self.waiting is None:
+            return
+        epoch, reply, command, future = self.waiting
+        if future.done() or msg.get("epoch") != epoch:
+            return
+        if msg["type"] == "failed" and msg.get("phase") == command:
+            future.set_exception(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error"))))
+        elif msg["type"] == reply:
+            future.set_result(msg)
+        else:
+            return
+        self.waiting = None
+
+    def vanish(self) -> None:
+        if self.waiting and not self.waiting[3].done():
+            self.waiting[3].set_exception(EpochFailed(self.name, self.waiting[2], "rank disconnected"))
+        self.waiting = None
 
 
 @dataclass
@@ -98,7 +111,7 @@ class Coordinator:
             rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), writer, sealer)
             old = self.ranks.get(rank.name)
             if old is not None:
-                old.inbox.put_nowait({"type": "vanished"})
+                old.vanish()
             self.ranks[rank.name] = rank
             rank.send({"type": "welcome", "epoch": self.next_epoch})
             log.info("rank %s joined from %s (node %s)", rank.name, peer, rank.node)
@@ -112,14 +125,14 @@ class Coordinator:
         finally:
             if rank is not None and self.ranks.get(rank.name) is rank:
                 del self.ranks[rank.name]
-                rank.inbox.put_nowait({"type": "vanished"})
+                rank.vanish()
                 log.info("rank %s left", rank.name)
             writer.close()
 
     async def _dispatch(self, rank: RankConn, msg: dict) -> None:
         kind = msg["type"]
         if kind in ("ready", "captured", "failed", "done"):
-            rank.inbox.put_nowait(msg)
+            rank.deliver(msg)
         elif kind == "exited":
             self.completed[rank.name] = {"kind": "completed", "exit_code": int(msg.get("exit_code", 0)),
                                          "node": rank.node}
@@ -188,14 +201,19 @@ class Coordinator:
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
                      timeout: float, **fields: object) -> list[dict]:
+        futures = [p.expect(epoch, reply, command) for p in parts]     # armed before any reply can come
         for p in parts:
             p.send({"type": command, "epoch": epoch, **fields})
-        tasks = [asyncio.ensure_future(p.expect(epoch, reply, command)) for p in parts]
         try:
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+            return await asyncio.wait_for(asyncio.gather(*futures), timeout)
         finally:
-            for t in tasks:
-                t.cancel()
+            for p, f in zip(parts, futures):
+                if not f.done():
+                    f.cancel()
+                elif not f.cancelled():
+                    f.exception()        # retrieved: a second failing rank is not an unhandled error
+                if p.waiting and p.waiting[3] is f:
+                    p.waiting = None
 
     async def _abort(self, parts: list[RankConn], epoch: int) -> None:
         live = [p for p in parts if self.ranks.get(p.name) is p]
