@@ -52,6 +52,7 @@ class RankPipeline:
     wrapper_pid: int = 0
     root_pid: int | None = None
     gpu_record: dict | None = None
+    final: bool = False
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
     record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
@@ -68,6 +69,7 @@ class RankPipeline:
         after the thaw: checksumming GiBs of images must not stretch the freeze."""
         if not self.done or self.done[-1] is not PREPARE_STAGES[-1]:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
+        self.final = final
         self._run(CAPTURE_STAGES if final else CAPTURE_STAGES[:-1], epoch)
         return {"kind": self.record["kind"], "bytes": self.record.get("bytes", 0), "timings": self.timings}
 
@@ -187,8 +189,11 @@ def _gpu_restore_after_capture(p: RankPipeline, epoch: int) -> None:
 def _dump(p: RankPipeline, epoch: int) -> None:
     if p.record["kind"] == "image":
         rdir = p.store.rank_dir(epoch, p.step, p.rank)
-        p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=True, freezer=p.freezer.path)
-        if p.freezer.state() != "FROZEN":   # criu must hand the tree back frozen: consistency depends on it
+        # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
+        # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
+        p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
+                                               freezer=p.freezer.path)
+        if not p.final and p.freezer.state() != "FROZEN":   # consistency depends on the tree staying frozen
             raise CaptureError("tree was thawed by the dump", epoch=epoch)
 
 

@@ -52,6 +52,7 @@ class Wrapper:
         self.agent_lock = threading.Lock()
         self.root_pid: int | None = None
         self.final_committed = threading.Event()
+        self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
         self.gate = threading.Event()                    # replayed batch output passes once a step resumes
         self.gate.set()
         self.coordinator: Coordinator | None = None
@@ -204,6 +205,8 @@ class Wrapper:
                 self._on_signal(sig)
             status = self._reap(status)
             if status is not None:
+                if self.final_capture.is_set() and not self.final_committed.is_set():
+                    self._await_final_commit()
                 if self.final_committed.is_set():
                     return self._wait_for_requeue()
                 return self._exit(status)
@@ -281,6 +284,10 @@ class Wrapper:
     def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
         if kind == "finish":
             self.final_committed.set()
+        elif kind == "capture" and message.get("final", True):
+            self.final_capture.set()
+        elif kind == "abort":
+            self.final_capture.clear()
         args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
         return {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
 
@@ -292,6 +299,12 @@ class Wrapper:
 
     def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
         self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
+
+    def _await_final_commit(self) -> None:
+        """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
+        deadline = time.monotonic() + self.config.capture_timeout_s + 60
+        while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _wait_for_requeue(self) -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would
