@@ -94,7 +94,7 @@ class Wrapper:
             return
         try:
             self.client = RankClient(found["host"], found["port"], found["token"], self.env.rank_name,
-                                     self.env.node, self.env.interval_s, self._on_command)
+                                     self.env.node, self.env.interval_s, self._on_command, self.env.tasks)
         except (OSError, SlurmckptError, EOFError) as e:
             say(self.env, f"cannot reach the job's coordinator ({e}): this task runs without checkpoints")
             return

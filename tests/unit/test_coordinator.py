@@ -369,3 +369,16 @@ def test_client_refuses_wrong_token_coordinator(job):
     with pytest.raises(Exception):
         RankClient("127.0.0.1", job.port, new_token(), "0.5", "n", 0, lambda k, e, m=None: {})
     assert "0.5" not in job.coord.ranks
+
+
+def test_epoch_refused_while_a_rank_of_a_step_is_missing(job):
+    """Never a partial set: a 2-task step with one rank connected is not captured (nothing is frozen)."""
+    r0 = FakeRank(job, "3.0")
+    r0.client.close()
+    job.ranks.append(r0)
+    c = RankClient("127.0.0.1", job.port, job.token, "4.0", "n", 0, lambda k, e, m=None: {}, tasks=2)
+    threading.Thread(target=c.serve_forever, daemon=True).start()
+    wait_for(lambda: "4.0" in job.coord.ranks)
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["stage"] == "membership" and "4.1" in res["error"]
+    c.close()

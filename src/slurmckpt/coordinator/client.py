@@ -17,7 +17,7 @@ REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish"
 
 class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
-                 handler: Callable[[str, int, dict], dict]) -> None:
+                 handler: Callable[[str, int, dict], dict], tasks: int = 1) -> None:
         self.rank, self.handler = rank, handler
         self.sock = socket.create_connection((host, port), timeout=15)
         self.file = self.sock.makefile("rb")
@@ -29,7 +29,7 @@ class RankClient:
         self._lock = threading.Lock()
         self._acks = threading.Condition()
         self._acked: set[int] = set()
-        self.send({"type": "hello", "rank": rank, "node": node, "interval": interval})
+        self.send({"type": "hello", "rank": rank, "node": node, "interval": interval, "tasks": tasks})
         welcome = self._read()
         if welcome.get("type") != "welcome":
             raise ProtocolError("coordinator refused the hello")

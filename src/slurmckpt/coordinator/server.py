@@ -80,6 +80,7 @@ class Coordinator:
     on_trigger: Callable[[str, bool], None] | None = None
     ranks: dict[str, RankConn] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
+    expected: dict[str, int] = field(default_factory=dict)    # step -> number of tasks (from hellos)
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -109,6 +110,8 @@ class Coordinator:
             if msg["type"] != "hello" or not isinstance(msg.get("rank"), str):
                 raise ProtocolError("expected hello")
             rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), writer, sealer)
+            step = rank.name.rpartition(".")[0]
+            self.expected[step] = max(self.expected.get(step, 1), int(msg.get("tasks", 1)))
             old = self.ranks.get(rank.name)
             if old is not None:
                 old.vanish()
@@ -158,6 +161,12 @@ class Coordinator:
             t0 = time.monotonic()
             if not parts:
                 return {**result, "status": "aborted", "error": "no rank registered"}
+            missing = self.missing_ranks()
+            if missing:   # never a partial set: a step that lost a rank cannot be captured consistently
+                result.update(status="aborted", stage="membership",
+                              error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
+                self.history.append(result)
+                return result
             resumed, sealed = False, None
             try:
                 await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
@@ -221,6 +230,15 @@ class Coordinator:
             await self._phase(live, "abort", "done", epoch, 30)
         except (EpochFailed, asyncio.TimeoutError) as e:
             log.warning("abort of epoch %d incomplete: %s", epoch, e)
+
+    def missing_ranks(self) -> list[str]:
+        present = set(self.ranks) | set(self.completed)
+        missing = []
+        for step, n in sorted(self.expected.items()):
+            have = {name for name in present if name.rpartition(".")[0] == step}
+            if len(have) < n:
+                missing += [f"{step}.{r}" for r in range(n) if f"{step}.{r}" not in have][: n - len(have)]
+        return missing
 
     @property
     def interval_s(self) -> int:

@@ -16,6 +16,7 @@ class TaskEnv:
     agent_fd: int | None
     argv0: str | None
     node: str
+    tasks: int               # tasks of this step (1 for the batch step)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | None = None) -> "TaskEnv":
@@ -32,6 +33,7 @@ class TaskEnv:
             agent_fd=int(env["SLURMCKPT_AGENT_FD"]) if env.get("SLURMCKPT_AGENT_FD") else None,
             argv0=env.get("SLURMCKPT_TASK_ARGV0"),
             node=env.get("SLURMD_NODENAME") or socket.gethostname(),
+            tasks=1 if step == "batch" else int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1),
         )
 
     @property
