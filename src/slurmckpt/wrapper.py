@@ -118,7 +118,7 @@ class Wrapper:
         threading.Thread(target=serve, name="coordinator", daemon=True).start()
         ready.wait(10)
         single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
-        host = "127.0.0.1" if single_node else _reachable_address()
+        host = "127.0.0.1" if single_node else _reachable_address(self.env.node)
         self.call("publish_coordinator", scope=scope, host=host, port=port_box[0], token=token)
         self.schedule = Schedule.for_job(self.env, self.config)
         return {"found": True, "host": host, "port": port_box[0], "token": token}
@@ -333,8 +333,18 @@ class Wrapper:
         return status
 
 
-def _reachable_address() -> str:
-    """This node's address on its default route (a UDP connect sends nothing); loopback on a lone node."""
+def _reachable_address(node: str) -> str:
+    """The address other nodes reach this one at: Slurm's NodeAddr for it, else the default route's
+    source address (a UDP connect sends nothing), else loopback."""
+    import subprocess
+    try:
+        out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True,
+                             timeout=10).stdout
+        for word in out.split():
+            if word.startswith("NodeAddr="):
+                return socket.gethostbyname(word.split("=", 1)[1])
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect(("10.255.255.255", 9))

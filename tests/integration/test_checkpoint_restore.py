@@ -44,10 +44,10 @@ def test_preemption_captures_within_gracetime_and_resumes() -> None:
     wd = workdir(USER, "preempt")
     low = submit(USER, wd, "#!/bin/bash\n" + PREAMBLE +
                  "python3 zdtm.py --steps 600 --sleep 0.2 --tag low --data data.txt\n",
-                 "-p", "low", "-n2", "--open-mode=append", "--checkpoint-interval=10m")
+                 "-p", "low", "-w", "node1", "-n2", "--open-mode=append", "--checkpoint-interval=10m")
     low.wait_output(r"low step 20 ")
     high = submit("ckptuser2", workdir("ckptuser2", "preempt-high"), "#!/bin/bash\nsleep 5\necho high done\n",
-                  "-p", "high", "-n2")
+                  "-p", "high", "-w", "node1", "-n2")
     low.wait_output(r"committed \(sigterm\)", timeout=120)
     assert high.wait_done() == "COMPLETED"
     low.wait_output(r"restored from checkpoint epoch")
