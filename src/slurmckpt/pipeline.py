@@ -144,7 +144,10 @@ def _thaw(p: RankPipeline, epoch: int) -> None:
 
 def _check_restorable(p: RankPipeline, epoch: int) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
-    remote = proctree.external_tcp(p.freezer.pids())
+    pids = p.freezer.pids()
+    if p.step == "batch" and proctree.has_slurm_client(pids):
+        return       # replayed, not imaged: srun's own connections to the step daemons are expected
+    remote = proctree.external_tcp(pids)
     if remote:
         raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
                            "connection only where both of its addresses exist again, so this job cannot be "
