@@ -98,7 +98,13 @@ class Agent:
             pass
 
     def shutdown(self) -> None:
-        """Wrapper gone: never leave a tree frozen."""
+        """Wrapper gone. Whatever of the tree is left would escape Slurm's tracking (its subreaper died):
+        end it, and never leave anything frozen."""
+        for pid in self.freezer.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             self.freezer.thaw()
         except OSError:

@@ -65,3 +65,20 @@ def test_node_lost_after_commit_restores_on_remaining_nodes() -> None:
     finally:
         subprocess.run(["bash", str(REPO / "scripts/cluster.sh"), "start-node", victim], check=True)
     check_ring(job, 2, 400)
+
+
+def test_killed_agent_aborts_epochs_job_runs_on_and_previous_commit_restores() -> None:
+    """(b) kill -9 of one rank's root agent: the next epochs abort (the job runs on), and after a requeue
+    every rank restores the last epoch committed before the kill, consistently."""
+    wd = workdir(USER, "mn-agentkill")
+    job = submit(USER, wd, RING.format(steps=400), "-N2", "--ntasks-per-node=1", "--checkpoint-interval=10s")
+    job.wait_output(r"committed \(interval\): 3 rank")
+    agent = run("pgrep", "-f", f"slurmckpt agent .*--job {job.id} --step 0 --rank 1 ").stdout.split()
+    assert agent, "no agent found for rank 0.1"
+    run("kill", "-9", *agent)
+    job.wait_output(r"ABORTED", timeout=60)
+    assert job.state() == "RUNNING"
+    job.requeue()
+    job.wait_output(r"restored from checkpoint epoch", 2)
+    assert job.wait_done() == "COMPLETED"
+    check_ring(job, 2, 400)
