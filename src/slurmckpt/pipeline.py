@@ -53,6 +53,7 @@ class RankPipeline:
     root_pid: int | None = None
     gpu_record: dict | None = None
     final: bool = False
+    replay: bool = False       # batch step with srun running: replayed on restore, so never frozen
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
     record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
@@ -61,6 +62,7 @@ class RankPipeline:
     def prepare(self, epoch: int) -> dict:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
+        self.replay = self.step == "batch" and proctree.has_slurm_client(self.freezer.pids())
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}
 
@@ -135,7 +137,8 @@ class RankPipeline:
 
 # ---- capture stages ------------------------------------------------------------------------------------
 def _freeze(p: RankPipeline, epoch: int) -> None:
-    p.timings["freeze_wait"] = p.freezer.freeze()
+    if not p.replay:     # srun must keep relaying what the (frozen) steps already wrote to the output
+        p.timings["freeze_wait"] = p.freezer.freeze()
 
 
 def _thaw(p: RankPipeline, epoch: int) -> None:
@@ -144,10 +147,9 @@ def _thaw(p: RankPipeline, epoch: int) -> None:
 
 def _check_restorable(p: RankPipeline, epoch: int) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
-    pids = p.freezer.pids()
-    if p.step == "batch" and proctree.has_slurm_client(pids):
+    if p.replay:
         return       # replayed, not imaged: srun's own connections to the step daemons are expected
-    remote = proctree.external_tcp(pids)
+    remote = proctree.external_tcp(p.freezer.pids())
     if remote:
         raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
                            "connection only where both of its addresses exist again, so this job cannot be "
@@ -166,7 +168,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
     pids = p.freezer.pids()
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
     outputs = {t.link for t in stdio if t.regular}
-    replay = p.step == "batch" and proctree.has_slurm_client(pids)
+    replay = p.replay
     p.record = {
         "kind": "replay" if replay else "image",
         "stdio": [{"fd": t.fd, "link": t.link, "key": t.criu_key, "regular": t.regular, "size": t.size}
@@ -209,6 +211,8 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
     their size at the freeze: Slurm truncates the output file on requeue (without --open-mode=append) and
     restore rewrites it to exactly this content, so the job's output holds everything exactly once."""
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    if p.replay:
+        _wait_output_settled(p.wrapper_pid)
     outputs, seen = [], {}
     for fd in (1, 2):
         t = proctree.fd_target(p.wrapper_pid, fd)
@@ -219,6 +223,23 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
             _copy_prefix(f"/proc/{p.wrapper_pid}/fd/{fd}", rdir / seen[t.link], t.size)
         outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": seen[t.link]})
     p.record["outputs"] = outputs
+
+
+def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
+    """Every step rank is frozen by now; what they wrote before still travels through slurmstepd and srun
+    to the batch output file. Wait until the file stops growing, so the snapshot holds all of it."""
+    def size() -> int:
+        try:
+            return os.stat(f"/proc/{wrapper_pid}/fd/1").st_size
+        except OSError:
+            return -1
+    start = time.monotonic()
+    last, since = size(), time.monotonic()
+    while time.monotonic() - start < limit_s and time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        now = size()
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 def _copy_prefix(src: str, dst: Path, size: int) -> None:
@@ -245,7 +266,7 @@ PREPARE_STAGES = (
 )
 CAPTURE_STAGES = (
     Stage("record", _record, undo=_discard_images),
-    Stage("dump", _dump),
+    Stage("dump", _dump),           # a replayed batch step is not dumped (see _record)
     Stage("snapshot-output", _snapshot_output),
     Stage("seal", _seal),
 )
