@@ -1,7 +1,8 @@
 # slurmckpt: top-level targets. Everything runs as root (it installs packages and starts a Slurm test cluster).
 #   make setup [NODES=3]   packages, CRIU, venv, SPANK plugin, config, running cluster (scripts/setup.sh)
 #   make demo              setup, then scripts/demo.sh
-#   make test              setup, then the unit and integration tests
+#   make test              setup with 3 nodes (one slurmd per network namespace), then the unit and
+#                          integration tests (single-node ones run on node1..3, multi-node ones need 3)
 #   make status | stop     cluster status / stop every daemon of the test cluster
 #   make clean             remove build artefacts from the tree (the cluster and installed files stay)
 NODES ?= 1
@@ -16,6 +17,7 @@ setup:
 demo: setup
 	bash scripts/demo.sh
 
+test: NODES = 3
 test: setup
 	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration
 
