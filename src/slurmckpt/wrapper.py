@@ -105,7 +105,8 @@ class Wrapper:
         self.loop = asyncio.new_event_loop()
         self.coordinator = Coordinator(token, self._commit, plan["next_epoch"], dict(plan.get("completed", {})),
                                        self.config.prepare_timeout_s, self.config.capture_timeout_s,
-                                       on_started=self._on_rank_started, on_trigger=self.trigger)
+                                       on_started=self._on_rank_started, on_trigger=self.trigger,
+                                       lock_rounds=self.config.gpu_lock_rounds)
         ready = threading.Event()
         port_box: list[int] = []
 

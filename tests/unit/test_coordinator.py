@@ -382,3 +382,29 @@ def test_epoch_refused_while_a_rank_of_a_step_is_missing(job):
     res = job.epoch()
     assert res["status"] == "aborted" and res["stage"] == "membership" and "4.1" in res["error"]
     c.close()
+
+
+def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
+    """A rank whose lock times out (peer's collective half done) aborts the round: everyone is unlocked
+    (ABORT), and the next round is tried after a backoff; the cut is taken in the round where all locked."""
+    job.coord.lock_backoff_s = 0.01
+    fails = {"n": 2}
+
+    class Flaky(FakeRank):
+        def handle(self, kind, epoch, message=None):
+            if kind == "prepare" and fails["n"] > 0:
+                fails["n"] -= 1
+                self.got.append((kind, epoch))
+                raise RuntimeError("gpu lock of pid 7 failed: CUDA_ERROR_NOT_READY")
+            return super().handle(kind, epoch, message)
+
+    ok = job.rank("0.0")
+    flaky = Flaky(job, "0.1")
+    job.ranks.append(flaky)
+    job.coord.expected["0"] = 2
+    res = job.epoch()
+    assert res["status"] == "committed" and res["lock_rounds"] == 3, res
+    assert ok.commands().count("abort") == 2 and ok.commands().count("prepare") == 3
+    job.coord.lock_rounds, fails["n"] = 2, 5
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["lock_rounds"] == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -81,6 +82,8 @@ class Coordinator:
     ranks: dict[str, RankConn] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     expected: dict[str, int] = field(default_factory=dict)    # step -> number of tasks (from hellos)
+    lock_rounds: int = 8
+    lock_backoff_s: float = 0.2
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -151,62 +154,81 @@ class Coordinator:
 
     # ---- epochs ------------------------------------------------------------------------------------------
     async def run_epoch(self, reason: str, final: bool) -> dict:
+        """One capture. GPU lock rounds (DESIGN.md): PREPARE locks every rank's GPUs concurrently with a short
+        timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
+        everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
+        same round. Bounded by `lock_rounds`."""
         async with self._epoch_lock:
             if self.finished:
                 return {"status": "skipped", "reason": reason, "why": "job already captured for requeue"}
-            epoch = self.next_epoch
-            self.next_epoch += 1
-            parts = list(self.ranks.values())
-            result = {"epoch": epoch, "reason": reason, "final": final, "ranks": len(parts)}
             t0 = time.monotonic()
-            if not parts:
-                return {**result, "status": "aborted", "error": "no rank registered"}
-            missing = self.missing_ranks()
-            if missing:   # never a partial set: a step that lost a rank cannot be captured consistently
-                result.update(status="aborted", stage="membership",
-                              error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
-                self.history.append(result)
-                return result
-            resumed, sealed = False, None
-            try:
-                await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
-                result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
-                captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
-                                             final=final)
-                result["frozen_s"] = time.monotonic() - t0
-                if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
-                    resumed = True
-                    sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
-                records = {**self.completed}
-                for p, reply in zip(parts, captured):
-                    records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
-                await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
-            except EpochFailed as e:
-                log.error("epoch %d aborted: %s", epoch, e)
-                if not resumed:
-                    await self._abort(parts, epoch)
-                result.update(status="aborted", rank=e.rank, stage=e.stage, error=e.error)
-            except asyncio.TimeoutError:
-                if not resumed:
-                    await self._abort(parts, epoch)
-                result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
-            except Exception as e:  # committer failure
-                log.exception("epoch %d commit failed", epoch)
-                if not resumed:
-                    await self._abort(parts, epoch)
-                result.update(status="aborted", stage="commit", error=str(e))
-            else:
-                result["commit_s"] = time.monotonic() - t0
-                if final:
-                    self.finished = True
-                    try:
-                        await self._phase(parts, "finish", "done", epoch, 60)
-                    except (EpochFailed, asyncio.TimeoutError) as e:
-                        log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
-                result.update(status="committed", total_s=time.monotonic() - t0,
-                              bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
+            for round_no in range(1, self.lock_rounds + 1):
+                result = await self._attempt(reason, final)
+                retry = (result["status"] == "aborted" and result.get("stage") in ("prepare", "gpu-lock")
+                         and ("NOT_READY" in str(result.get("error")) or "lock" in str(result.get("error"))))
+                if not retry or round_no == self.lock_rounds:
+                    break
+                log.info("lock round %d failed (%s); retrying", round_no, result.get("error"))
+                await asyncio.sleep(self.lock_backoff_s * (1 + random.random()) * round_no)
+            result["lock_rounds"] = round_no
+            result["time_to_cut_s"] = (time.monotonic() - t0 - result.get("total_s", 0) + result.get("cut_s", 0)
+                                       if result["status"] == "committed" else None)
+            return result
+
+    async def _attempt(self, reason: str, final: bool) -> dict:
+        epoch = self.next_epoch
+        self.next_epoch += 1
+        parts = list(self.ranks.values())
+        result = {"epoch": epoch, "reason": reason, "final": final, "ranks": len(parts)}
+        t0 = time.monotonic()
+        if not parts:
+            return {**result, "status": "aborted", "error": "no rank registered"}
+        missing = self.missing_ranks()
+        if missing:   # never a partial set: a step that lost a rank cannot be captured consistently
+            result.update(status="aborted", stage="membership",
+                          error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
             self.history.append(result)
             return result
+        resumed, sealed = False, None
+        try:
+            await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
+            result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
+            captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
+                                         final=final)
+            result["frozen_s"] = time.monotonic() - t0
+            if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
+                resumed = True
+                sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
+            records = {**self.completed}
+            for p, reply in zip(parts, captured):
+                records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
+            await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
+        except EpochFailed as e:
+            log.error("epoch %d aborted: %s", epoch, e)
+            if not resumed:
+                await self._abort(parts, epoch)
+            result.update(status="aborted", rank=e.rank, stage=e.stage, error=e.error)
+        except asyncio.TimeoutError:
+            if not resumed:
+                await self._abort(parts, epoch)
+            result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
+        except Exception as e:  # committer failure
+            log.exception("epoch %d commit failed", epoch)
+            if not resumed:
+                await self._abort(parts, epoch)
+            result.update(status="aborted", stage="commit", error=str(e))
+        else:
+            result["commit_s"] = time.monotonic() - t0
+            if final:
+                self.finished = True
+                try:
+                    await self._phase(parts, "finish", "done", epoch, 60)
+                except (EpochFailed, asyncio.TimeoutError) as e:
+                    log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
+            result.update(status="committed", total_s=time.monotonic() - t0,
+                          bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
+        self.history.append(result)
+        return result
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
                      timeout: float, **fields: object) -> list[dict]:
