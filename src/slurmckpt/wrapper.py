@@ -264,7 +264,9 @@ class Wrapper:
             return
         if result["status"] == "committed":
             say(self.env, f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
-                          f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s")
+                          f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
+                          f"consistent cut after {result.get('cut_s', 0):.3f}s in {result.get('lock_rounds', 1)} "
+                          "round(s)")
             if self.schedule:
                 self.schedule.captured(result["commit_s"])
             if final and reason in ("walltime", "manual-requeue"):
