@@ -1,0 +1,50 @@
+"""The `slurmckpt` CLI against a live job (manual checkpoint, inspect, doctor) and a `--gres=gpu` job (fake
+GPU devices in CI: the job's tree runs in the host PID namespace like every GPU job, and is restored)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.integration.slurmjob import run, submit, workdir
+
+sys.path.insert(0, str(Path(__file__).parent / "workloads"))
+from zdtm import expected_lines  # noqa: E402
+
+CLI = "/opt/slurmckpt/venv/bin/slurmckpt"
+USER = "ckptuser1"
+
+
+def test_doctor_passes_on_the_test_cluster() -> None:
+    out = run(CLI, "doctor").stdout
+    for check in ("criu version", "criu check", "plugstack.conf line", "SPANK plugin", "namespace init",
+                  "image store"):
+        assert f"[ok] {check}" in out, out
+
+
+def test_manual_checkpoint_then_inspect_then_requeue_via_cli() -> None:
+    wd = workdir(USER, "cli")
+    job = submit(USER, wd, "#!/bin/bash\npython3 zdtm.py --steps 250 --sleep 0.2 --tag cli --data d.txt\n",
+                 "--checkpoint-interval=30m")
+    job.wait_output(r"cli step 10 ")
+    run(CLI, "checkpoint", str(job.id), user=USER)
+    job.wait_output(r"committed \(manual\)", timeout=60)
+    shown = run(CLI, "inspect", str(job.id)).stdout
+    assert "batch.0: image" in shown and "written file:" in shown and "d.txt" in shown, shown
+    run(CLI, "checkpoint", "--requeue", str(job.id), user=USER)
+    job.wait_output(r"committed \(manual-requeue\)", timeout=60)
+    job.wait_output(r"restored from checkpoint epoch", timeout=180)
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == expected_lines("cli", 250)
+    assert job.restarts() == 1
+
+
+def test_gres_gpu_job_is_checkpointed_in_host_pid_namespace_and_restored() -> None:
+    wd = workdir(USER, "gres")
+    job = submit(USER, wd, "#!/bin/bash\necho \"gpus=$CUDA_VISIBLE_DEVICES\"\n"
+                 "python3 zdtm.py --steps 200 --sleep 0.2 --tag g --data d.txt\n",
+                 "--gres=gpu:1", "-w", "node1", "--checkpoint-interval=10s")
+    job.wait_output(r"committed \(interval\)")
+    job.requeue()
+    job.wait_output(r"restored from checkpoint epoch")
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == ["gpus=0", *expected_lines("g", 200)]
