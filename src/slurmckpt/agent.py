@@ -48,11 +48,12 @@ class Agent:
         self.store.ensure()
         name = f"{ident.job}.{ident.step}.{ident.rank}.{ident.restart_count}"
         self.freezer = Freezer.for_task(config.freezer_root, name)
+        self.freezer.grant_thaw(ident.uid, ident.gid)
         self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.freezer,
                                      CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s),
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
-                                     None, wrapper_pid)  # type: ignore[arg-type]
+                                     None, wrapper_pid, stall_after=config.stall())  # type: ignore[arg-type]
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
@@ -124,11 +125,11 @@ class Agent:
             epochs = self.store.committed()
         except StorageError as e:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
-                    "warning": str(e)}
+                    "warning": str(e), "thaw_control": str(self.freezer.control)}
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
-                "newest": epochs[0]["epoch"] if epochs else None}
+                "newest": epochs[0]["epoch"] if epochs else None, "thaw_control": str(self.freezer.control)}
 
     def op_launch(self, m: dict, fds: list[int]) -> dict:
         if self.pipeline.root_pid:
@@ -185,6 +186,13 @@ class Agent:
         pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
         return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
+
+    def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
+        """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
+        epoch = _epoch(m)
+        rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {m.get('reason')}"[:500])
+        log.warning("epoch %d rejected for the whole job (%s)", epoch, m.get("reason"))
+        return {"rejected": rejected}
 
     def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
         address = {"host": str(m["host"]), "port": int(m["port"]), "token": str(m["token"]),

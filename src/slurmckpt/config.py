@@ -51,6 +51,21 @@ class Config:
     gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
     gpu_lock_rounds: int = 8
     criu_extra_args: tuple[str, ...] = ()
+    # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
+    # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
+    debug_stall_after: str = ""
+
+    def stall(self) -> tuple[str, float] | None:
+        if not self.debug_stall_after:
+            return None
+        stage, _, seconds = self.debug_stall_after.partition(":")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not stage or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"key 'debug_stall_after': bad value {self.debug_stall_after!r}: want STAGE:SECONDS")
+        return stage, value
 
     @classmethod
     def load(cls, path: Path | None = None, environ: dict[str, str] | None = None) -> "Config":

@@ -67,6 +67,15 @@ class Freezer:
         events = (self.path / "cgroup.events").read_text()
         return "frozen 1" in events
 
+    @property
+    def control(self) -> Path:
+        return self.path / ("freezer.state" if self.v1 else "cgroup.freeze")
+
+    def grant_thaw(self, uid: int, gid: int) -> None:
+        """Let the task's own user write the freeze control: if its root agent dies while the tree is frozen,
+        the wrapper can still thaw it. Freezing or thawing one's own tree gives nothing new (SIGSTOP does)."""
+        os.chown(self.control, uid, gid)
+
     def thaw(self) -> None:
         if self.v1:
             (self.path / "freezer.state").write_text("THAWED")

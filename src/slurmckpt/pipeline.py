@@ -57,6 +57,7 @@ class RankPipeline:
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
     record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
+    stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
     def prepare(self, epoch: int) -> dict:
@@ -120,6 +121,10 @@ class RankPipeline:
                 raise CaptureError(f"stage {stage.name} failed: {e}", epoch=epoch) from e
             self.timings[stage.name] = round(time.monotonic() - start, 4)
             self.done.append(stage)
+            if self.stall_after and self.stall_after[0] == stage.name:
+                log.warning("debug_stall_after: pausing %.1fs after %s of epoch %d", self.stall_after[1],
+                            stage.name, epoch)
+                time.sleep(self.stall_after[1])
 
     def _rollback(self, epoch: int, keep_images: bool) -> None:
         errors = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 
 def children_map() -> dict[int, list[int]]:

@@ -98,6 +98,19 @@ class JobStore:
         """Committed epochs, newest first."""
         return sorted(self.read_manifest()["epochs"], key=lambda e: e["epoch"], reverse=True)
 
+    def reject(self, epoch: int, reason: str) -> bool:
+        """Take a committed epoch out of restore (one rank could not restore it, so no rank may: the job
+        must restart from one cut). Its images stay on disk until pruned; the reason is kept. Returns
+        whether the epoch was still committed."""
+        manifest = self.read_manifest()
+        kept = [e for e in manifest["epochs"] if e["epoch"] != epoch]
+        if len(kept) == len(manifest["epochs"]):
+            return False
+        manifest["epochs"] = kept
+        manifest.setdefault("rejected", []).append({"epoch": epoch, "reason": reason, "at": time.time()})
+        atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
+        return True
+
     def next_epoch(self) -> int:
         seen = [e["epoch"] for e in self.read_manifest()["epochs"]]
         if self.job_dir.exists():

@@ -6,9 +6,7 @@ final capture, takes part in the job's epochs through the coordinator, and exits
 """
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import fcntl
 import logging
 import os
 import select
@@ -22,7 +20,7 @@ from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import new_token
-from slurmckpt.coordinator.server import Coordinator
+from slurmckpt.coordinator.supervisor import CoordinatorSupervisor, HostCallbacks
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
 from slurmckpt.triggers import Schedule
@@ -55,74 +53,143 @@ class Wrapper:
         self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
         self.gate = threading.Event()                    # replayed batch output passes once a step resumes
         self.gate.set()
-        self.coordinator: Coordinator | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.supervisor: CoordinatorSupervisor | None = None     # hosting wrapper only
+        self.host_interval = 0
         self.client: RankClient | None = None
+        self.scope = "job"
+        self.open_epoch: int | None = None              # prepared here and neither resumed nor aborted yet
+        self.last_epoch = 0
+        self.exiting = False
+        self.agent_gone = False
+        self.awaiting_requeue = False        # a coordinated fallback asked Slurm to restart the job
+        self.thaw_control: str | None = None
         self.schedule: Schedule | None = None
         self.pending: list[int] = []
         self.relays: list[threading.Thread] = []
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
         with self.agent_lock:
-            return self.agent.call(op, fds, **args)
+            try:
+                return self.agent.call(op, fds, **args)
+            except (EOFError, OSError) as e:
+                self._agent_lost(op)
+                raise SlurmckptError(f"the task's root agent is gone ({e})", op=op) from e
+
+    def _agent_lost(self, op: str) -> None:
+        """The root agent died (killed, crashed). Without it nothing can be captured or restored here; what
+        must not happen is a tree left frozen: the wrapper may write its freeze control (Freezer.grant_thaw)."""
+        if self.agent_gone:
+            return
+        self.agent_gone = True
+        thawed = ""
+        if self.thaw_control:
+            try:
+                with open(self.thaw_control, "w") as f:
+                    f.write("THAWED" if self.thaw_control.endswith("freezer.state") else "0")
+                thawed = "; its tree was thawed"
+            except OSError as e:
+                thawed = f"; thawing its tree failed: {e}"
+        say(self.env, f"the task's root agent died (during {op}){thawed}: the task runs on, but can take no "
+                      "part in checkpoints; the last committed checkpoint stays the one restored")
 
     # ---- start ---------------------------------------------------------------------------------------
     def run(self) -> int:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(wake_w)
+        wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
         for sig in (*FORWARDED, signal.SIGTERM, signal.SIGCHLD, CHECKPOINT_SIGNAL, REQUEUE_SIGNAL):
             signal.signal(sig, lambda s, f: self.pending.append(s))
         plan = self.call("plan")
+        self.thaw_control = plan.get("thaw_control")
         self._join_coordinator(plan)
         self._start(plan)
         return self._supervise(wake_r)
 
     def _join_coordinator(self, plan: dict) -> None:
         host_scope = "job" if self.env.step == "batch" else None
+        self.scope = "job"
         found = self.call("lookup_coordinator", scope="job", wait_s=0 if host_scope else 3)
         if not found["found"] and self.env.step != "batch":
+            self.scope = self.env.step
             if self.env.rank == 0:
                 host_scope = self.env.step
             else:
                 found = self.call("lookup_coordinator", scope=self.env.step, wait_s=60)
         if host_scope:
-            found = self._host_coordinator(plan, host_scope)
-        if not found.get("found", True):
+            try:
+                self._host_coordinator(plan, host_scope)
+            except OSError as e:
+                say(self.env, f"cannot start the job's coordinator ({e}): this task runs without checkpoints")
+                return
+            found = self.call("lookup_coordinator", scope=host_scope, wait_s=0)
+        if not found.get("found"):
             say(self.env, "no coordinator found: this task runs without checkpoints")
             return
-        try:
-            self.client = RankClient(found["host"], found["port"], found["token"], self.env.rank_name,
-                                     self.env.node, self.env.interval_s, self._on_command, self.env.tasks)
-        except (OSError, SlurmckptError, EOFError) as e:
-            say(self.env, f"cannot reach the job's coordinator ({e}): this task runs without checkpoints")
+        self.client = self._connect(found)
+        if self.client is None:
             return
-        threading.Thread(target=self.client.serve_forever, name="coordinator-client", daemon=True).start()
+        threading.Thread(target=self._rank_session, name="coordinator-client", daemon=True).start()
 
-    def _host_coordinator(self, plan: dict, scope: str) -> dict:
+    def _connect(self, found: dict, quiet: bool = False) -> RankClient | None:
+        try:
+            return RankClient(found["host"], found["port"], found["token"], self.env.rank_name, self.env.node,
+                              self.env.interval_s, self._on_command, self.env.tasks, self.last_epoch)
+        except (OSError, SlurmckptError, EOFError) as e:
+            if not quiet:
+                say(self.env, f"cannot reach the job's coordinator ({e}): this task runs without checkpoints "
+                              "until it can")
+            return None
+
+    def _rank_session(self) -> None:
+        """Serve the coordinator's commands. A lost connection (the coordinator died or is being restarted)
+        leaves no epoch half done here: the tree is thawed, then the task reconnects to the new one."""
+        while self.client is not None:
+            self.client.serve_forever()
+            self._abandon_epoch()
+            if self.exiting:
+                return
+            self.client = None
+            say(self.env, "lost the job's coordinator; the task runs on and reconnects")
+            while self.client is None and not self.exiting:
+                time.sleep(1)
+                found = self.call("lookup_coordinator", scope=self.scope, wait_s=0)
+                if found.get("found"):
+                    self.client = self._connect(found, quiet=True)
+            if self.client is not None:
+                say(self.env, f"reconnected to the job's coordinator at {found['host']}:{found['port']}")
+
+    def _abandon_epoch(self) -> None:
+        epoch, self.open_epoch = self.open_epoch, None
+        if epoch is None:
+            return
+        self.final_capture.clear()
+        try:
+            self.call("abort", epoch=epoch)
+            say(self.env, f"epoch {epoch} abandoned (its coordinator was lost mid-epoch): the task runs on, "
+                          "the previous checkpoint stays the one restored")
+        except (OSError, SlurmckptError, EOFError) as e:
+            say(self.env, f"epoch {epoch} abandoned, but undoing it failed: {e}")
+
+    def _host_coordinator(self, plan: dict, scope: str) -> None:
         token = new_token()
-        self.loop = asyncio.new_event_loop()
-        self.coordinator = Coordinator(token, self._commit, plan["next_epoch"], dict(plan.get("completed", {})),
-                                       self.config.prepare_timeout_s, self.config.capture_timeout_s,
-                                       on_started=self._on_rank_started, on_trigger=self.trigger,
-                                       lock_rounds=self.config.gpu_lock_rounds)
-        ready = threading.Event()
-        port_box: list[int] = []
-
-        def serve() -> None:
-            asyncio.set_event_loop(self.loop)
-            port_box.append(self.loop.run_until_complete(self.coordinator.start()))
-            ready.set()
-            self.loop.run_forever()
-
-        threading.Thread(target=serve, name="coordinator", daemon=True).start()
-        ready.wait(10)
         single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
         host = "127.0.0.1" if single_node else _reachable_address(self.env.node)
-        self.call("publish_coordinator", scope=scope, host=host, port=port_box[0], token=token)
+        settings = {"token": token, "next_epoch": plan["next_epoch"], "completed": dict(plan.get("completed", {})),
+                    "prepare_timeout_s": self.config.prepare_timeout_s,
+                    "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds}
+        callbacks = HostCallbacks(
+            commit=self._commit,
+            publish=lambda port: self.call("publish_coordinator", scope=scope, host=host, port=port, token=token),
+            started=self._on_rank_started, result=self._epoch_result, interval=self._set_host_interval,
+            say=lambda text: say(self.env, text))
+        self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, callbacks)
+        self.supervisor.start()
         self.schedule = Schedule.for_job(self.env, self.config)
-        return {"found": True, "host": host, "port": port_box[0], "token": token}
+
+    def _set_host_interval(self, seconds: int) -> None:
+        self.host_interval = seconds
+        os.write(self.wake_w, b"i")          # the supervise loop recomputes its timeout
 
     def _start(self, plan: dict) -> None:
         stdio = [0, 1, 2]
@@ -138,6 +205,9 @@ class Wrapper:
                 t0 = time.monotonic()
                 reply = self.call("restore", stdio, epoch=epoch)
             except SlurmckptError as e:
+                if self._shares_cut():
+                    self._withdraw(epoch, e)
+                    return
                 say(self.env, f"restore of checkpoint epoch {epoch} FAILED: {e}; falling back")
                 continue
             if reply["kind"] == "replay":
@@ -154,6 +224,25 @@ class Wrapper:
             say(self.env, "no checkpoint could be restored: starting the task from the beginning")
         self._started("run")
         self._launch(relay=False)
+
+    def _shares_cut(self) -> bool:
+        """Other ranks restore the same epoch: falling back alone would leave the job at no common cut."""
+        return self.client is not None and (self.env.step != "batch" or self.env.tasks > 1)
+
+    def _withdraw(self, epoch: int, error: SlurmckptError) -> None:
+        """Coordinated fallback: withdraw the epoch for every rank, stop the coordinator from committing the
+        mixed state, and requeue the job: on the next start every rank restores the same older epoch."""
+        say(self.env, f"restore of checkpoint epoch {epoch} FAILED: {error}; withdrawing epoch {epoch} for "
+                      "every rank of the job and requeueing it, so that all ranks restart together from the "
+                      "previous checkpoint")
+        try:
+            self.call("reject_epoch", epoch=epoch, reason=str(error))
+            if self.client:
+                self.client.event("withdrawn", wait_ack=False, epoch=epoch)
+        except (OSError, SlurmckptError) as e:
+            say(self.env, f"withdrawing epoch {epoch} failed ({e}); the job is requeued anyway")
+        self.awaiting_requeue = True
+        self._requeue()
 
     def _started(self, action: str) -> None:
         if self.client and self.env.step != "batch":
@@ -187,6 +276,8 @@ class Wrapper:
 
     # ---- supervision -----------------------------------------------------------------------------------
     def _supervise(self, wake_r: int) -> int:
+        if self.awaiting_requeue:
+            return self._wait_for_requeue()
         if getattr(self, "completed_code", None) is not None:
             return self._exit(self.completed_code)
         status: int | None = None
@@ -213,7 +304,7 @@ class Wrapper:
                 return self._exit(status)
 
     def _interval(self) -> int:
-        return min([v for v in (self.env.interval_s, self.coordinator.interval_s if self.coordinator else 0)
+        return min([v for v in (self.env.interval_s, self.host_interval)
                     if v > 0], default=0)
 
     def _reap(self, status: int | None) -> int | None:
@@ -227,11 +318,16 @@ class Wrapper:
             if pid == self.root_pid:
                 status = os.waitstatus_to_exitcode(raw)
                 status = 128 - status if status < 0 else status
+            elif self.supervisor:
+                self.supervisor.reaped(pid, os.waitstatus_to_exitcode(raw))
 
     def _on_signal(self, sig: int) -> None:
         if sig == signal.SIGCHLD:
             return
-        if sig == signal.SIGTERM:
+        if sig == signal.SIGTERM and self.agent_gone:
+            self._signal_tree(signal.SIGTERM)     # no capture possible here: end like a plain Slurm task
+            self.trigger("sigterm", True)          # (the job's final epoch aborts: previous commit stays)
+        elif sig == signal.SIGTERM:
             if not self.final_committed.is_set():
                 say(self.env, "SIGTERM from Slurm (preemption, requeue or time limit): capturing the job")
                 self.trigger("sigterm", True)
@@ -246,22 +342,17 @@ class Wrapper:
                 pass
 
     def trigger(self, reason: str, final: bool) -> None:
-        """Ask for an epoch: the host runs it; other ranks tell the coordinator."""
-        if self.coordinator and self.loop:
-            future = asyncio.run_coroutine_threadsafe(self.coordinator.run_epoch(reason, final), self.loop)
-            future.add_done_callback(lambda f: self._epoch_done(f, reason, final))
+        """Ask for an epoch: the hosting wrapper tells its coordinator process; other ranks tell it over
+        their connection."""
+        if self.supervisor:
+            self.supervisor.trigger(reason, final)
         elif self.client:
             try:
                 self.client.event("trigger", reason=reason, final=final)
             except OSError as e:
                 say(self.env, f"cannot reach the coordinator to capture ({e})")
 
-    def _epoch_done(self, future, reason: str, final: bool) -> None:
-        try:
-            result = future.result()
-        except Exception as e:  # noqa: BLE001 - reported, the job runs on
-            say(self.env, f"checkpoint ({reason}) crashed: {e}")
-            return
+    def _epoch_result(self, result: dict, reason: str, final: bool) -> None:
         if result["status"] == "committed":
             say(self.env, f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
                           f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
@@ -272,9 +363,9 @@ class Wrapper:
             if final and reason in ("walltime", "manual-requeue"):
                 threading.Thread(target=self._requeue, daemon=True).start()
         elif result["status"] == "aborted":
+            where = f"rank {result.get('rank', '?')} on node {result.get('node', '?')}"
             say(self.env, f"checkpoint epoch {result['epoch']} ({reason}) ABORTED at {result.get('stage')} "
-                          f"(rank {result.get('rank', '?')}): {result.get('error')}; the previous checkpoint "
-                          "stays the one restored")
+                          f"({where}): {result.get('error')}; the previous checkpoint stays the one restored")
 
     def _requeue(self) -> None:
         from slurmckpt.slurm.control import default_control
@@ -285,6 +376,13 @@ class Wrapper:
             say(self.env, f"requeue failed: {e}")
 
     def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
+        self.last_epoch = max(self.last_epoch, epoch)
+        if self.supervisor:
+            self.supervisor.saw_epoch(epoch)
+        if kind == "prepare":
+            self.open_epoch = epoch
+        elif kind in ("resume", "abort", "finish"):
+            self.open_epoch = None
         if kind == "finish":
             self.final_committed.set()
         elif kind == "capture" and message.get("final", True):
@@ -294,11 +392,9 @@ class Wrapper:
         args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
         return {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
 
-    def _on_rank_started(self, rank: str, action: str):
-        async def opened() -> None:
-            if action in ("restore", "run") and not self.gate.is_set():
-                self.gate.set()
-        return opened()
+    def _on_rank_started(self, rank: str, action: str) -> None:
+        if action in ("restore", "run"):
+            self.gate.set()
 
     def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
         self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
@@ -325,7 +421,23 @@ class Wrapper:
         say(self.env, "no requeue came; exiting (the checkpoint stays available)")
         return 0
 
+    def _signal_tree(self, sig: int) -> None:
+        """Every process of the tree (its cgroup), for when its root agent is gone."""
+        procs = os.path.join(os.path.dirname(self.thaw_control or "/nonexistent"), "cgroup.procs")
+        try:
+            pids = [int(p) for p in open(procs).read().split()]
+        except OSError:
+            pids = [self.root_pid] if self.root_pid else []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
     def _exit(self, status: int) -> int:
+        self.exiting = True
+        if self.agent_gone:                 # nobody else ends what is left of the tree
+            self._signal_tree(signal.SIGKILL)
         if self.client:
             try:
                 self.client.event("exited", exit_code=status)
@@ -333,6 +445,8 @@ class Wrapper:
                 pass
         for t in self.relays:
             t.join(5)
+        if self.supervisor:
+            self.supervisor.stop()
         return status
 
 

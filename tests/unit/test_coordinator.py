@@ -9,9 +9,12 @@ import time
 
 import pytest
 
+from slurmckpt.coordinator import server
 from slurmckpt.coordinator.client import RankClient
-from slurmckpt.coordinator.protocol import MAX_LINE, VERSION, Sealer, new_token, parse_line
+from slurmckpt.coordinator.protocol import (MAX_LINE, VERSION, LineReader, Sealer, encode_prefix, new_token,
+                                            parse_line)
 from slurmckpt.coordinator.server import Coordinator
+from slurmckpt.errors import ProtocolError
 
 TIMEOUT = 10
 
@@ -75,8 +78,9 @@ class FakeRank:
     """A rank's handler: records the commands it got, fails or disconnects on request."""
 
     def __init__(self, job: Job, name: str, fail: str | None = None, vanish: str | None = None,
-                 block: str | None = None) -> None:
+                 block: str | None = None, slow: str | None = None, vanish_after: str | None = None) -> None:
         self.name, self.fail, self.vanish = name, fail, vanish
+        self.slow, self.vanish_after = slow, vanish_after
         self.got: list[tuple[str, int]] = []
         self.client = RankClient("127.0.0.1", job.port, job.token, name, "node-" + name, 0, self.handle)
         self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
@@ -89,6 +93,10 @@ class FakeRank:
             raise ConnectionError("gone")
         if kind == self.fail:
             raise RuntimeError(f"{kind} broke")
+        if kind == self.slow:
+            time.sleep(0.5)
+        if kind == self.vanish_after:          # reply first, then leave before the next phase
+            threading.Timer(0.1, self.client.close).start()
         if kind == "capture":
             return {"kind": "image", "bytes": 1000 if (message or {}).get("final") else 0}
         if kind == "resume":
@@ -167,6 +175,18 @@ def test_rank_vanishing_mid_epoch_aborts(job):
     # the job goes on without the vanished rank
     assert job.epoch()["status"] == "committed"
     assert set(job.committer.calls[-1][1]) == {"0.0"}
+
+
+def test_rank_leaving_between_phases_fails_the_next_phase_at_once(job):
+    """Not at the next phase's timeout (600 s for capture): the rank is known to be gone."""
+    job.rank("0.0", slow="prepare")
+    job.rank("0.1", vanish_after="prepare")
+    start = time.monotonic()
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["rank"] == "0.1" and res["stage"] == "capture"
+    assert "disconnected" in res["error"] and res["node"] == "node-0.1"
+    assert time.monotonic() - start < 5
+    assert job.committer.calls == []
 
 
 def test_committer_failure_aborts(tmp_path):
@@ -408,3 +428,198 @@ def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
     job.coord.lock_rounds, fails["n"] = 2, 5
     res = job.epoch()
     assert res["status"] == "aborted" and res["lock_rounds"] == 2
+
+
+# ---- framing and sealing (protocol.LineReader / Sealer) ---------------------------------------------------
+def reference_line(token: str, nonce: str, message: dict, seq: int) -> bytes:
+    """The wire format as first specified: json.dumps + hmac.new. Sealer must stay byte-compatible with it."""
+    import hashlib
+    import hmac
+    data = json.dumps({**message, "v": VERSION, "seq": seq}, separators=(",", ":")).encode()
+    return hmac.new(bytes.fromhex(token), nonce.encode() + data, hashlib.sha256).hexdigest().encode() + b" " + \
+        data + b"\n"
+
+
+def test_sealer_output_is_the_reference_wire_format():
+    token = new_token()
+    s = Sealer(token, "n0nce")
+    msgs = [{"type": "hello", "rank": "0.1", "node": "n", "interval": 0, "tasks": 2, "last_epoch": 0},
+            {"type": "prepare", "epoch": 7}, {"type": "capture", "epoch": 7, "final": True},
+            {"type": "failed", "epoch": 7, "phase": "capture", "error": "d\u00e9j\u00e0 \"vu\"\n"}]
+    for seq, m in enumerate(msgs, 1):
+        assert s.seal(m) == reference_line(token, "n0nce", m, seq)
+    assert s.seal_prefix(encode_prefix({"type": "resume", "epoch": 7})) == \
+        reference_line(token, "n0nce", {"type": "resume", "epoch": 7}, len(msgs) + 1)
+    peer = Sealer(token, "n0nce")                   # and reads reference lines
+    assert [peer.open(reference_line(token, "n0nce", m, seq)) for seq, m in enumerate(msgs, 1)] == \
+        [{**m, "v": VERSION, "seq": seq} for seq, m in enumerate(msgs, 1)]
+
+
+def test_sealer_rejects_bad_mac_replay_reorder_and_other_nonce():
+    token = new_token()
+    out, peer = Sealer(token, "a"), Sealer(token, "a")
+    first, second = out.seal({"type": "ready", "epoch": 1}), out.seal({"type": "ready", "epoch": 2})
+    with pytest.raises(ProtocolError, match="out of sequence"):
+        Sealer(token, "a").open(second)                                 # reordered
+    with pytest.raises(ProtocolError, match="authentication"):
+        Sealer(token, "b").open(first)                                  # other connection's nonce
+    with pytest.raises(ProtocolError, match="authentication"):
+        Sealer(new_token(), "a").open(first)                            # other job's token
+    flipped = first.replace(b'"epoch":1', b'"epoch":9')
+    with pytest.raises(ProtocolError, match="authentication"):
+        peer.open(flipped)                                              # altered after sealing
+    with pytest.raises(ProtocolError, match="authentication"):
+        peer.open(first[1:])                                            # truncated mac
+    assert peer.open(first)["epoch"] == 1
+    with pytest.raises(ProtocolError, match="out of sequence"):
+        peer.open(first)                                                # replayed
+    assert peer.open(second)["epoch"] == 2
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"{not json}", "malformed"), (b'{"v":1,"type":"x"} trailing', "malformed"), (b'{"v":1,"type":"x"}{}', "malformed"),
+    (b"\xff\xfe", "malformed"), (b"[1,2]", "not an object"), (b'{"v":2,"type":"x"}', "version"),
+    (b'{"v":1}', "no type"), (b"", "malformed")])
+def test_parse_line_rejects(data, why):
+    with pytest.raises(ProtocolError, match=why):
+        parse_line(data)
+
+
+def test_parse_line_accepts_surrounding_whitespace_like_json_loads():
+    assert parse_line(b' {"v":1,"type":"x"}\n') == {"v": 1, "type": "x"}
+
+
+def test_sealer_rejects_authentic_but_malformed_json():
+    token = new_token()
+    out, peer = Sealer(token, "a"), Sealer(token, "a")
+    data = b'{"type":"ready","v":1,"seq":1'                            # cut short, then sealed
+    with pytest.raises(ProtocolError, match="malformed"):
+        peer.open(out._mac(data) + b" " + data + b"\n")
+
+
+def test_line_reader_joins_a_line_split_across_reads():
+    r = LineReader()
+    assert r.feed(b'{"a"') == [] and r.feed(memoryview(b":1")) == [] and r.feed(b"}\n") == [b'{"a":1}']
+    assert r.tail == b""
+
+
+def test_line_reader_splits_several_lines_in_one_read_and_keeps_the_rest():
+    r = LineReader()
+    assert r.feed(b"one\ntwo\nthr") == [b"one", b"two"]
+    assert r.feed(b"ee\n\nfour\n") == [b"three", b"", b"four"]
+
+
+def test_line_reader_bounds_lines():
+    r = LineReader(limit=8)
+    assert r.feed(b"1234567\n") == [b"1234567"]                        # 7 bytes + newline: fits
+    with pytest.raises(ProtocolError, match="too long"):
+        LineReader(limit=8).feed(b"12345678\n")
+    with pytest.raises(ProtocolError, match="too long"):
+        LineReader(limit=8).feed(b"ok\n12345678")                       # unterminated: refused before its end
+    r = LineReader(limit=8)
+    assert r.feed(b"1234") == []
+    with pytest.raises(ProtocolError, match="too long"):
+        r.feed(b"5678")                                                 # grows past the bound across reads
+    assert LineReader().limit == MAX_LINE
+
+
+# ---- connection handling ------------------------------------------------------------------------------------
+def test_hello_split_across_writes_and_messages_batched_in_one_write(job):
+    raw = Raw(job.port)
+    s = Sealer(job.token, raw.nonce)
+    line = s.seal(hello("0.7"))
+    for i in range(0, len(line), 7):                                   # the hello dribbles in
+        raw.send(line[i:i + 7])
+        time.sleep(0.001)
+    wait_for(lambda: "0.7" in job.coord.ranks)
+    raw.send(s.seal({"type": "trigger", "reason": "a"}) + s.seal({"type": "exited", "exit_code": 4}))
+    wait_for(lambda: "0.7" in job.coord.completed)
+    assert job.coord.completed["0.7"]["exit_code"] == 4
+    assert "0.7" in job.coord.ranks
+
+
+def test_last_line_without_newline_before_eof_still_counts(job):
+    raw = Raw(job.port)
+    s = Sealer(job.token, raw.nonce)
+    raw.send(s.seal(hello("0.7")))
+    wait_for(lambda: "0.7" in job.coord.ranks)
+    raw.send(s.seal({"type": "exited", "exit_code": 5})[:-1])
+    raw.sock.shutdown(socket.SHUT_WR)
+    wait_for(lambda: "0.7" not in job.coord.ranks)
+    assert job.coord.completed["0.7"]["exit_code"] == 5
+
+
+def test_bad_mac_after_hello_drops_rank(job):
+    raw = Raw(job.port)
+    s = Sealer(job.token, raw.nonce)
+    raw.send(s.seal(hello("0.7")))
+    wait_for(lambda: "0.7" in job.coord.ranks)
+    line = s.seal({"type": "exited", "exit_code": 0})
+    raw.send(b"0" * 64 + line[64:])
+    assert raw.closed_by_peer()
+    wait_for(lambda: "0.7" not in job.coord.ranks)
+    assert "0.7" not in job.coord.completed
+    still_serves(job)
+
+
+def test_oversized_line_dribbled_in_is_refused_before_its_end(job):
+    raw = Raw(job.port)
+    raw.send(Sealer(job.token, raw.nonce).seal(hello("0.7")))
+    wait_for(lambda: "0.7" in job.coord.ranks)
+    chunk = b"x" * 4096
+    for _ in range(MAX_LINE // len(chunk) + 1):                         # never a newline
+        raw.send(chunk)
+    wait_for(lambda: "0.7" not in job.coord.ranks)
+    assert raw.closed_by_peer()
+    still_serves(job)
+
+
+def test_silent_connection_is_dropped_after_hello_timeout(job, monkeypatch):
+    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 0.2)
+    raw = Raw(job.port)
+    t0 = time.monotonic()
+    assert raw.closed_by_peer()
+    assert time.monotonic() - t0 < 5
+    still_serves(job)
+
+
+def test_messages_after_started_wait_for_its_callback(job):
+    """`started` awaits on_started before its ack; what the rank sent after it is handled after that, in order."""
+    release, order = asyncio.Event(), []
+
+    async def on_started(rank, action):
+        order.append("started")
+        await release.wait()
+        order.append("released")
+    job.coord.on_started = on_started
+    raw = Raw(job.port)
+    s = Sealer(job.token, raw.nonce)
+    raw.send(s.seal(hello("0.7")))
+    wait_for(lambda: "0.7" in job.coord.ranks)
+    raw.send(s.seal({"type": "started", "action": "run"}) + s.seal({"type": "exited", "exit_code": 2}))
+    wait_for(lambda: order == ["started"])
+    time.sleep(0.1)
+    assert "0.7" not in job.coord.completed                            # held behind the callback
+    job.loop.loop.call_soon_threadsafe(release.set)
+    wait_for(lambda: "0.7" in job.coord.completed)
+    ack = Sealer(job.token, raw.nonce)
+    ack.open(raw.file.readline())                                       # welcome
+    assert ack.open(raw.file.readline()) == {"type": "ack", "ref": 2, "v": VERSION, "seq": 2}
+
+
+def test_two_failing_ranks_and_an_empty_phase(job):
+    """The first failure decides the phase; a second one is no unhandled error. No rank: nothing to wait for."""
+    job.rank("0.0", fail="prepare")
+    job.rank("0.1", fail="prepare")
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["stage"] == "prepare" and res["rank"] in ("0.0", "0.1")
+    assert job.loop.run(job.coord._phase([], "abort", "done", 99, 1)) == []
+
+
+def test_stop_closes_every_connection(job):
+    r = job.rank("0.0")
+    raw = Raw(job.port)                                                 # not even past its hello
+    job.loop.run(job.coord.stop())
+    assert raw.closed_by_peer()
+    r.thread.join(5)
+    assert r.client.closed.is_set()

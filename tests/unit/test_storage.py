@@ -221,3 +221,17 @@ def test_list_jobs(tmp_path):
     JobStore(tmp_path, "a", 12).ensure()
     JobStore(tmp_path, "b", 1).ensure()
     assert sorted(list_jobs(tmp_path)) == [("a", 5), ("a", 12), ("b", 1)]
+
+
+def test_reject_withdraws_a_committed_epoch_and_keeps_numbers_growing(tmp_path):
+    from slurmckpt.storage import JobStore
+    store = JobStore(tmp_path, "c", 9)
+    store.ensure()
+    for epoch in (1, 2):
+        store.epoch_dir(epoch).mkdir(parents=True)
+        store.commit(epoch, {}, "manual", keep=3)
+    assert store.reject(2, "rank 0.1 could not restore it") is True
+    assert [e["epoch"] for e in store.committed()] == [1]
+    assert store.read_manifest()["rejected"][0]["epoch"] == 2
+    assert store.reject(2, "again") is False            # already withdrawn: nothing changes
+    assert store.next_epoch() == 3                       # a withdrawn number is never reused

@@ -17,7 +17,7 @@ REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish"
 
 class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
-                 handler: Callable[[str, int, dict], dict], tasks: int = 1) -> None:
+                 handler: Callable[[str, int, dict], dict], tasks: int = 1, last_epoch: int = 0) -> None:
         self.rank, self.handler = rank, handler
         self.sock = socket.create_connection((host, port), timeout=15)
         self.file = self.sock.makefile("rb")
@@ -29,7 +29,8 @@ class RankClient:
         self._lock = threading.Lock()
         self._acks = threading.Condition()
         self._acked: set[int] = set()
-        self.send({"type": "hello", "rank": rank, "node": node, "interval": interval, "tasks": tasks})
+        self.send({"type": "hello", "rank": rank, "node": node, "interval": interval, "tasks": tasks,
+                   "last_epoch": last_epoch})
         welcome = self._read()
         if welcome.get("type") != "welcome":
             raise ProtocolError("coordinator refused the hello")
@@ -69,7 +70,7 @@ class RankClient:
                     log.error("%s of epoch %d failed: %s", kind, epoch, e)
                     self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": kind, "error": str(e)})
         except (EOFError, OSError, ProtocolError) as e:
-            log.warning("coordinator connection lost: %s", e)
+            log.info("coordinator connection lost: %s", e)
         finally:
             self.closed.set()
 

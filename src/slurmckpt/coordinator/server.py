@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, challenge, parse_line
+from slurmckpt.coordinator.protocol import LineReader, Sealer, challenge, encode_prefix, parse_line
 from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator")
@@ -26,9 +26,33 @@ Committer = Callable[[int, dict, str], None]
 
 
 class EpochFailed(Exception):
-    def __init__(self, rank: str, stage: str, error: str) -> None:
-        super().__init__(f"rank {rank} failed in {stage}: {error}")
-        self.rank, self.stage, self.error = rank, stage, error
+    def __init__(self, rank: str, stage: str, error: str, node: str = "?") -> None:
+        super().__init__(f"rank {rank} (node {node}) failed in {stage}: {error}")
+        self.rank, self.stage, self.error, self.node = rank, stage, error, node
+
+
+class _Barrier:
+    """The replies of one phase: a single future, resolved when the last rank has answered or the first one
+    failed. One future and one wake-up per phase instead of one per rank (asyncio.gather)."""
+
+    __slots__ = ("future", "replies", "left")
+
+    def __init__(self, n: int) -> None:
+        self.future = asyncio.get_running_loop().create_future()
+        self.replies: list[dict | None] = [None] * n
+        self.left = n
+        if n == 0:
+            self.future.set_result(self.replies)
+
+    def arrive(self, index: int, msg: dict) -> None:
+        self.replies[index] = msg
+        self.left -= 1
+        if self.left == 0:
+            self.future.set_result(self.replies)
+
+    def fail(self, error: EpochFailed) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 @dataclass
@@ -36,37 +60,172 @@ class RankConn:
     name: str
     node: str
     interval: int
-    writer: asyncio.StreamWriter
+    transport: asyncio.Transport
     sealer: Sealer
-    waiting: tuple[int, str, str, asyncio.Future] | None = None   # (epoch, reply, command, future)
+    waiting: tuple[int, str, str, _Barrier, int] | None = None   # (epoch, reply, command, barrier, index)
 
     def send(self, message: dict) -> None:
-        self.writer.write(self.sealer.seal(message))
+        self.transport.write(self.sealer.seal(message))
 
-    def expect(self, epoch: int, reply: str, command: str) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        self.waiting = (epoch, reply, command, future)
-        return future
+    def send_prefix(self, prefix: bytes) -> None:
+        """Send a message encoded once for all ranks (protocol.encode_prefix); only seq and MAC are ours."""
+        self.transport.write(self.sealer.seal_prefix(prefix))
+
+    def expect(self, epoch: int, reply: str, command: str, barrier: _Barrier, index: int) -> None:
+        self.waiting = (epoch, reply, command, barrier, index)
 
     def deliver(self, msg: dict) -> None:
-        """A reply to the current phase resolves its future; anything stale is ignored."""
+        """A reply to the current phase counts towards its barrier; anything stale is ignored."""
         if self.waiting is None:
             return
-        epoch, reply, command, future = self.waiting
-        if future.done() or msg.get("epoch") != epoch:
+        epoch, reply, command, barrier, index = self.waiting
+        if barrier.future.done() or msg.get("epoch") != epoch:
             return
         if msg["type"] == "failed" and msg.get("phase") == command:
-            future.set_exception(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error"))))
+            barrier.fail(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
+                                     self.node))
         elif msg["type"] == reply:
-            future.set_result(msg)
+            barrier.arrive(index, msg)
         else:
             return
         self.waiting = None
 
     def vanish(self) -> None:
-        if self.waiting and not self.waiting[3].done():
-            self.waiting[3].set_exception(EpochFailed(self.name, self.waiting[2], "rank disconnected"))
+        if self.waiting:
+            self.waiting[3].fail(EpochFailed(self.name, self.waiting[2], "rank disconnected", self.node))
         self.waiting = None
+
+
+HELLO_TIMEOUT_S = 10
+LINGER_S = 2                # a refused peer gets this long to see our EOF before the socket is closed
+READ_SIZE = 256 * 1024
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One TCP connection, driven by the event loop's callbacks: what a read brings is cut into lines,
+    authenticated and handled right in buffer_updated. No stream, task or coroutine wake-up per connection
+    or per line: at 1000+ ranks those were most of the coordinator's CPU."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.lines = LineReader()
+        self.transport: asyncio.Transport | None = None
+        self.peer: object = None
+        self.sealer: Sealer | None = None
+        self.rank: RankConn | None = None
+        self.held: list[bytes] | None = None     # not None while an awaited handler runs: later lines wait
+        self.eof = False
+        self.closing = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.peer = transport.get_extra_info("peername")
+        hello = challenge()
+        self.sealer = Sealer(self.coord.token, parse_line(hello)["nonce"])
+        self.coord._conns.add(self)
+        transport.write(hello)
+        self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # One buffer for all connections: recv_into() a preallocated buffer instead of recv(256 KiB), which
+        # allocates per read; safe to share because buffer_updated consumes it before the next read.
+        return self.coord._rbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:             # refused: what it still sends is read and dropped
+            return
+        try:
+            lines = self.lines.feed(self.coord._rbuf[:nbytes])
+        except ProtocolError as e:
+            self._refuse(e)
+            return
+        self._process(lines)
+
+    def eof_received(self) -> bool:
+        if self.closing:
+            return False
+        if self.lines.tail:          # a last line without its newline still counts, as with readline()
+            tail, self.lines.tail = self.lines.tail, b""
+            self._process([tail])
+        self.eof = True
+        return self.held is not None      # half-open until the held lines are handled
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.coord._conns.discard(self)
+        self._drop()
+
+    def _process(self, lines: list[bytes]) -> None:
+        for i, line in enumerate(lines):
+            if self.closing:
+                return
+            if self.held is not None:
+                self.held.extend(lines[i:])
+                return
+            try:
+                msg = self.sealer.open(line)
+                if self.rank is None:
+                    self.rank = self.coord._hello(self, msg)
+                    self.timer.cancel()
+                else:
+                    pending = self.coord._dispatch(self.rank, msg)
+                    if pending is not None:
+                        self._hold(pending)
+            except (ProtocolError, ValueError) as e:
+                self._refuse(e)
+            except Exception:    # a callback's bug: this connection goes, the coordinator stays
+                log.exception("connection from %s dropped", self.peer)
+                self._close()
+
+    def _hold(self, pending: Awaitable[None]) -> None:
+        """This rank's later messages wait until `pending` is done (in order, as a read loop would)."""
+        self.held = []
+        self.transport.pause_reading()        # what is held stays bounded by one read
+        task = asyncio.get_running_loop().create_task(self._release(pending))
+        self.coord._tasks.add(task)
+        task.add_done_callback(self.coord._tasks.discard)
+
+    async def _release(self, pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        except Exception:
+            log.exception("connection from %s dropped", self.peer)
+            self._close()
+            return
+        held, self.held = self.held, None
+        self._process(held)
+        if self.held is None and not self.closing:
+            if self.eof:
+                self.transport.close()
+            else:
+                self.transport.resume_reading()
+
+    def _refuse(self, reason: object) -> None:
+        if not self.closing:
+            log.warning("connection from %s refused: %s", self.peer, reason)
+            self._close()
+
+    def _close(self) -> None:
+        """Drop the connection. Lingering: send EOF and read (and discard) until the peer's EOF or LINGER_S,
+        since closing with unread input (the rest of an oversized line) would reset the connection instead."""
+        self.closing = True
+        self.timer.cancel()
+        self._drop()          # now, not at connection_lost: an epoch must not wait for a dropped rank
+        if self.transport.is_closing():
+            return
+        self.transport.resume_reading()
+        self.transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def _drop(self) -> None:
+        """Deregister this connection's rank (if it is still the registered one)."""
+        rank = self.rank
+        if rank is not None and self.coord.ranks.get(rank.name) is rank:
+            del self.coord.ranks[rank.name]
+            rank.vanish()
+            log.info("rank %s left", rank.name)
 
 
 @dataclass
@@ -84,58 +243,52 @@ class Coordinator:
     expected: dict[str, int] = field(default_factory=dict)    # step -> number of tasks (from hellos)
     lock_rounds: int = 8
     lock_backoff_s: float = 0.2
+    withdrawn: str = ""                  # set when a rank could not restore: no epoch may commit
     finished: bool = False
 
     def __post_init__(self) -> None:
         self._epoch_lock = asyncio.Lock()
+        self._wanted: set[bool] = set()       # finality of the epochs queued or running
         self._server: asyncio.base_events.Server | None = None
+        self._conns: set[_Connection] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._rbuf = memoryview(bytearray(READ_SIZE))
 
     async def start(self, host: str = "0.0.0.0", port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_LINE + 1)
+        # backlog: a whole job's ranks connect at once (job start, coordinator restart)
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _Connection(self), host, port, backlog=4096)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._server:
             self._server.close()
-        for rank in list(self.ranks.values()):
-            rank.writer.close()
+        for conn in list(self._conns):
+            conn.transport.close()
 
     # ---- connections -----------------------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        hello = challenge()
-        nonce = parse_line(hello)["nonce"]
-        sealer = Sealer(self.token, nonce)
-        rank: RankConn | None = None
-        try:
-            writer.write(hello)
-            msg = sealer.open(await asyncio.wait_for(reader.readline(), 10))
-            if msg["type"] != "hello" or not isinstance(msg.get("rank"), str):
-                raise ProtocolError("expected hello")
-            rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), writer, sealer)
-            step = rank.name.rpartition(".")[0]
-            self.expected[step] = max(self.expected.get(step, 1), int(msg.get("tasks", 1)))
-            old = self.ranks.get(rank.name)
-            if old is not None:
-                old.vanish()
-            self.ranks[rank.name] = rank
-            rank.send({"type": "welcome", "epoch": self.next_epoch})
-            log.info("rank %s joined from %s (node %s)", rank.name, peer, rank.node)
-            while line := await reader.readline():
-                msg = sealer.open(line)
-                await self._dispatch(rank, msg)
-        except (ProtocolError, ValueError, asyncio.TimeoutError, asyncio.LimitOverrunError) as e:
-            log.warning("connection from %s refused: %s", peer, e)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            if rank is not None and self.ranks.get(rank.name) is rank:
-                del self.ranks[rank.name]
-                rank.vanish()
-                log.info("rank %s left", rank.name)
-            writer.close()
+    def _hello(self, conn: _Connection, msg: dict) -> RankConn:
+        """A connection's first authenticated message must be its rank's hello."""
+        if msg["type"] != "hello" or not isinstance(msg.get("rank"), str):
+            raise ProtocolError("expected hello")
+        rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), conn.transport,
+                        conn.sealer)
+        step = rank.name.rpartition(".")[0]
+        self.expected[step] = max(self.expected.get(step, 1), int(msg.get("tasks", 1)))
+        last = msg.get("last_epoch")   # a restarted coordinator never reuses an epoch a rank has seen
+        if isinstance(last, int) and last >= self.next_epoch:
+            self.next_epoch = last + 1
+        old = self.ranks.get(rank.name)
+        if old is not None:
+            old.vanish()
+        self.ranks[rank.name] = rank
+        rank.send({"type": "welcome", "epoch": self.next_epoch})
+        log.info("rank %s joined from %s (node %s)", rank.name, conn.peer, rank.node)
+        return rank
 
-    async def _dispatch(self, rank: RankConn, msg: dict) -> None:
+    def _dispatch(self, rank: RankConn, msg: dict) -> Awaitable[None] | None:
+        """Handle one message of a registered rank. Returns an awaitable when handling must wait for a
+        callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
         if kind in ("ready", "captured", "failed", "done"):
             rank.deliver(msg)
@@ -145,12 +298,21 @@ class Coordinator:
         elif kind == "trigger":
             if self.on_trigger:
                 self.on_trigger(str(msg.get("reason", "rank")), bool(msg.get("final", False)))
+        elif kind == "withdrawn":   # a rank could not restore: the running ranks are at no common cut
+            self.withdrawn = (f"rank {rank.name} (node {rank.node}) could not restore epoch {msg.get('epoch')}; "
+                              "the job is being requeued to restart every rank from one older checkpoint")
+            log.error("%s", self.withdrawn)
         elif kind == "started":
             if self.on_started:
-                await self.on_started(rank.name, str(msg.get("action", "run")))
+                return self._started(rank, msg)
             rank.send({"type": "ack", "ref": msg.get("seq")})
         else:
             raise ProtocolError(f"unexpected message type {kind!r}")
+        return None
+
+    async def _started(self, rank: RankConn, msg: dict) -> None:
+        await self.on_started(rank.name, str(msg.get("action", "run")))
+        rank.send({"type": "ack", "ref": msg.get("seq")})
 
     # ---- epochs ------------------------------------------------------------------------------------------
     async def run_epoch(self, reason: str, final: bool) -> dict:
@@ -158,9 +320,20 @@ class Coordinator:
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
         same round. Bounded by `lock_rounds`."""
+        if final in self._wanted:   # every rank's SIGTERM asks for the same final capture: one serves all
+            return {"status": "skipped", "reason": reason, "why": "a capture of the same kind is under way"}
+        self._wanted.add(final)
+        try:
+            return await self._run_epoch(reason, final)
+        finally:
+            self._wanted.discard(final)
+
+    async def _run_epoch(self, reason: str, final: bool) -> dict:
         async with self._epoch_lock:
             if self.finished:
                 return {"status": "skipped", "reason": reason, "why": "job already captured for requeue"}
+            if self.withdrawn:     # capturing now would commit a state that is no moment of the computation
+                return {"status": "skipped", "reason": reason, "why": self.withdrawn}
             t0 = time.monotonic()
             for round_no in range(1, self.lock_rounds + 1):
                 result = await self._attempt(reason, final)
@@ -207,7 +380,7 @@ class Coordinator:
             log.error("epoch %d aborted: %s", epoch, e)
             if not resumed:
                 await self._abort(parts, epoch)
-            result.update(status="aborted", rank=e.rank, stage=e.stage, error=e.error)
+            result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error)
         except asyncio.TimeoutError:
             if not resumed:
                 await self._abort(parts, epoch)
@@ -232,18 +405,20 @@ class Coordinator:
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
                      timeout: float, **fields: object) -> list[dict]:
-        futures = [p.expect(epoch, reply, command) for p in parts]     # armed before any reply can come
+        for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
+            if self.ranks.get(p.name) is not p:
+                raise EpochFailed(p.name, command, "rank disconnected", p.node)
+        barrier = _Barrier(len(parts))
+        for index, p in enumerate(parts):       # armed before any reply can come
+            p.expect(epoch, reply, command, barrier, index)
+        prefix = encode_prefix({"type": command, "epoch": epoch, **fields})   # one JSON encoding for all
         for p in parts:
-            p.send({"type": command, "epoch": epoch, **fields})
+            p.send_prefix(prefix)
         try:
-            return await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            return await asyncio.wait_for(barrier.future, timeout)
         finally:
-            for p, f in zip(parts, futures):
-                if not f.done():
-                    f.cancel()
-                elif not f.cancelled():
-                    f.exception()        # retrieved: a second failing rank is not an unhandled error
-                if p.waiting and p.waiting[3] is f:
+            for p in parts:
+                if p.waiting and p.waiting[3] is barrier:
                     p.waiting = None
 
     async def _abort(self, parts: list[RankConn], epoch: int) -> None:

@@ -1,0 +1,118 @@
+"""The job's coordinator in a process of its own, started and supervised by the wrapper that hosts it.
+
+Why a process: the coordinator must be able to die (a bug, kill -9, the OOM killer) without taking the job
+with it. Its wrapper notices, starts a new one and re-publishes the address; ranks reconnect and epochs go
+on, never reusing an epoch number (each rank names its last epoch in its hello). Only the wrapper's root
+agent can commit, so commits travel back over the link: a private socketpair carrying JSON lines.
+
+    wrapper -> host: {"op": "start", settings...}  {"op": "epoch", "reason", "final"}  {"op": "committed", "id"}
+    host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason"}
+                     {"op": "started", "rank", "action"}  {"op": "result", "result", "reason", "final"}
+                     {"op": "interval", "seconds"}
+
+    python -m slurmckpt.coordinator.host --link FD --job JOBID     (started by slurmckpt.coordinator.supervisor)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import signal
+import socket
+
+from slurmckpt.coordinator.server import Coordinator
+
+log = logging.getLogger("slurmckpt.coordinator.host")
+
+LINK_LIMIT = 16 * 1024 * 1024      # a commit names every rank of the job
+
+
+class Host:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.coordinator: Coordinator | None = None
+        self.commits: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.loop = asyncio.get_running_loop()
+
+    def send(self, message: dict) -> None:
+        self.writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+    async def run(self) -> None:
+        start = json.loads(await self.reader.readline())
+        self.coordinator = Coordinator(
+            start["token"], self._commit, int(start["next_epoch"]), dict(start.get("completed", {})),
+            float(start["prepare_timeout_s"]), float(start["capture_timeout_s"]),
+            on_started=self._started, on_trigger=self.epoch, lock_rounds=int(start.get("lock_rounds", 8)))
+        port = await self.coordinator.start()
+        self.send({"op": "listening", "port": port})
+        watcher = asyncio.ensure_future(self._watch_interval())
+        try:
+            while line := await self.reader.readline():
+                msg = json.loads(line)
+                if msg["op"] == "epoch":
+                    self.epoch(str(msg["reason"]), bool(msg["final"]))
+                elif msg["op"] == "committed":
+                    future = self.commits.pop(int(msg["id"]), None)
+                    if future and not future.done():
+                        future.set_result(msg.get("error"))
+        finally:                   # the wrapper is gone: so is the job's step; nothing to coordinate
+            watcher.cancel()
+            await self.coordinator.stop()
+
+    def epoch(self, reason: str, final: bool) -> None:
+        async def run() -> None:
+            assert self.coordinator
+            result = await self.coordinator.run_epoch(reason, final)
+            self.send({"op": "result", "result": result, "reason": reason, "final": final})
+        asyncio.ensure_future(run())
+
+    def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
+        """Runs in an executor thread (the coordinator's contract): a round trip to the wrapper's agent."""
+        async def ask() -> str | None:
+            ident = next(self.ids)
+            future = self.loop.create_future()
+            self.commits[ident] = future
+            self.send({"op": "commit", "id": ident, "epoch": epoch, "ranks": ranks, "reason": reason})
+            return await future
+        error = asyncio.run_coroutine_threadsafe(ask(), self.loop).result()
+        if error:
+            raise RuntimeError(error)
+
+    async def _started(self, rank: str, action: str) -> None:
+        self.send({"op": "started", "rank": rank, "action": action})
+
+    async def _watch_interval(self) -> None:
+        """The wrapper schedules periodic epochs; the shortest interval any rank asked for counts."""
+        last = None
+        while True:
+            assert self.coordinator
+            if self.coordinator.interval_s != last:
+                last = self.coordinator.interval_s
+                self.send({"op": "interval", "seconds": last})
+            await asyncio.sleep(1)
+
+
+async def serve(link_fd: int) -> None:
+    sock = socket.socket(fileno=link_fd)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=LINK_LIMIT)
+    await Host(reader, writer).run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="slurmckpt-coordinator")
+    parser.add_argument("--link", type=int, required=True, help="socketpair fd to the hosting wrapper")
+    parser.add_argument("--job", required=True, help="job id (for ps and logs only)")
+    args = parser.parse_args()
+    # Slurm signals every process of the step at preemption/time limit; that SIGTERM is the wrapper's to turn
+    # into a final capture, which this process must outlive to coordinate.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"slurmckpt coordinator job {args.job}: %(message)s")
+    asyncio.run(serve(args.link))
+
+
+if __name__ == "__main__":
+    main()
