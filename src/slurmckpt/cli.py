@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,15 +40,47 @@ def agent(fd, job, step, rank, uid, gid, restart_count, init) -> None:
 @cli.command()
 @click.argument("job_id", type=int)
 @click.option("--requeue", is_flag=True, help="Capture, then requeue the job (it resumes from the capture).")
-def checkpoint(job_id: int, requeue: bool) -> None:
+@click.option("--force", is_flag=True, help="Signal even if the job does not look checkpointable.")
+def checkpoint(job_id: int, requeue: bool, force: bool) -> None:
     """Capture JOB_ID now (it keeps running unless --requeue)."""
     from slurmckpt.wrapper import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
+    # The capture signal's default action ends a process: a job not started under slurmckpt would die of it.
+    interval = submitted_interval(job_id)
+    if not force and interval in (None, "off", "0"):
+        raise click.ClickException(
+            f"job {job_id} was not submitted with --checkpoint-interval (or it is off): it does not run under "
+            "slurmckpt, and the capture signal would end it; nothing was sent (--force sends it anyway)")
     sig = int(REQUEUE_SIGNAL if requeue else CHECKPOINT_SIGNAL)
     # Slurm authorises the signal: only the job's owner (or an admin) can ask for its capture.
     p = subprocess.run(["scancel", "--batch", f"--signal={sig}", str(job_id)], capture_output=True, text=True)
     if p.returncode != 0:
         raise click.ClickException(f"scancel refused: {p.stderr.strip()}")
     click.echo(f"checkpoint of job {job_id} requested{' (then requeue)' if requeue else ''}")
+
+
+INTERVAL_OPTION = re.compile(r"--checkpoint-interval(?:=|\s+)(\S+)")
+
+
+def interval_in(submit_line: str, batch_script: str) -> str | None:
+    """The --checkpoint-interval a job was submitted with: the command line wins over #SBATCH lines (as in
+    sbatch). None when neither names it."""
+    found = INTERVAL_OPTION.findall(submit_line)
+    for line in batch_script.splitlines():
+        if line.startswith("#SBATCH"):
+            found = found or INTERVAL_OPTION.findall(line)
+        elif line.strip() and not line.startswith("#"):
+            break                        # sbatch stops reading #SBATCH at the first command
+    return found[-1].strip("'\"").lower() if found else None
+
+
+def submitted_interval(job_id: int) -> str | None:
+    def out(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    return interval_in(out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "SubmitLine"),
+                       out("scontrol", "write", "batch_script", str(job_id), "-"))
 
 
 def _store_root(config: Config) -> Path:

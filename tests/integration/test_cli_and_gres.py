@@ -48,3 +48,14 @@ def test_gres_gpu_job_is_checkpointed_in_host_pid_namespace_and_restored() -> No
     job.wait_output(r"restored from checkpoint epoch")
     assert job.wait_done() == "COMPLETED"
     assert job.app_lines() == ["gpus=0", *expected_lines("g", 200)]
+
+
+def test_checkpoint_of_a_job_not_under_slurmckpt_is_refused_and_the_job_lives() -> None:
+    """The capture signal's default action ends a process: sent to a plain job it would kill it."""
+    wd = workdir(USER, "cli-plain")
+    job = submit(USER, wd, "#!/bin/bash\npython3 zdtm.py --steps 40 --sleep 0.2 --tag plain --data d.txt\n")
+    job.wait_output(r"plain step 5 ")
+    p = run(CLI, "checkpoint", str(job.id), user=USER, check=False)
+    assert p.returncode != 0 and "not submitted with --checkpoint-interval" in p.stderr, p.stderr
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == expected_lines("plain", 40)

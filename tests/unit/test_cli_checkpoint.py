@@ -1,0 +1,21 @@
+"""`slurmckpt checkpoint` only signals jobs that run under slurmckpt: the capture signal ends any other."""
+from __future__ import annotations
+
+import pytest
+
+from slurmckpt.cli import interval_in
+
+SCRIPT = "#!/bin/bash\n#SBATCH -n2\n#SBATCH --checkpoint-interval=10m\nsrun app\n"
+
+
+@pytest.mark.parametrize("submit_line, script, want", [
+    ("sbatch --checkpoint-interval=30m job.sh", "", "30m"),
+    ("sbatch --checkpoint-interval 1h job.sh", "", "1h"),
+    ("sbatch job.sh", SCRIPT, "10m"),
+    ("sbatch --checkpoint-interval=off job.sh", SCRIPT, "off"),         # the command line wins
+    ("sbatch job.sh", "#!/bin/bash\nsrun app\n", None),
+    ("sbatch job.sh", "#!/bin/bash\necho hi\n#SBATCH --checkpoint-interval=5m\n", None),  # after a command
+    ("", "", None),
+])
+def test_interval_in(submit_line, script, want):
+    assert interval_in(submit_line, script) == want
