@@ -11,16 +11,14 @@ import logging
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
 
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
-from slurmckpt.coordinator.client import RankClient
-from slurmckpt.coordinator.protocol import new_token
-from slurmckpt.coordinator.supervisor import CoordinatorSupervisor, HostCallbacks
+from slurmckpt.coordinator.supervisor import HostCallbacks
+from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
 from slurmckpt.triggers import Schedule
@@ -53,14 +51,10 @@ class Wrapper:
         self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
         self.gate = threading.Event()                    # replayed batch output passes once a step resumes
         self.gate.set()
-        self.supervisor: CoordinatorSupervisor | None = None     # hosting wrapper only
         self.host_interval = 0
-        self.client: RankClient | None = None
-        self.scope = "job"
-        self.open_epoch: int | None = None              # prepared here and neither resumed nor aborted yet
-        self.last_epoch = 0
-        self.exiting = False
+        self.member = Membership(env, self.config, self.call, self._on_command, lambda text: say(env, text))
         self.agent_gone = False
+        self.ending = False                  # the task is done: the agent channel is closed on purpose
         self.awaiting_requeue = False        # a coordinated fallback asked Slurm to restart the job
         self.thaw_control: str | None = None
         self.schedule: Schedule | None = None
@@ -72,7 +66,8 @@ class Wrapper:
             try:
                 return self.agent.call(op, fds, **args)
             except (EOFError, OSError) as e:
-                self._agent_lost(op)
+                if not self.ending:
+                    self._agent_lost(op)
                 raise SlurmckptError(f"the task's root agent is gone ({e})", op=op) from e
 
     def _agent_lost(self, op: str) -> None:
@@ -102,90 +97,33 @@ class Wrapper:
             signal.signal(sig, lambda s, f: self.pending.append(s))
         plan = self.call("plan")
         self.thaw_control = plan.get("thaw_control")
-        self._join_coordinator(plan)
+        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result,
+                                             interval=self._set_host_interval))
+        if self.member.supervisor:
+            self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
-        return self._supervise(wake_r)
+        code = self._supervise(wake_r)
+        self.member.stop()
+        with self.agent_lock:
+            self.ending = True
+            self.agent.close()          # the agent ends what is left of the tree and exits
+        self._reap_children(2.0)
+        return code
 
-    def _join_coordinator(self, plan: dict) -> None:
-        host_scope = "job" if self.env.step == "batch" else None
-        self.scope = "job"
-        found = self.call("lookup_coordinator", scope="job", wait_s=0 if host_scope else 3)
-        if not found["found"] and self.env.step != "batch":
-            self.scope = self.env.step
-            if self.env.rank == 0:
-                host_scope = self.env.step
-            else:
-                found = self.call("lookup_coordinator", scope=self.env.step, wait_s=60)
-        if host_scope:
+    def _reap_children(self, timeout_s: float) -> None:
+        """Leave no zombie behind: one that outlived its parent in the tree was re-parented here, and as a
+        zombie it keeps its session id (the tree root's pid) busy, which a restore needs free (GPU tasks
+        run in the host PID namespace)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
             try:
-                self._host_coordinator(plan, host_scope)
-            except OSError as e:
-                say(self.env, f"cannot start the job's coordinator ({e}): this task runs without checkpoints")
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
                 return
-            found = self.call("lookup_coordinator", scope=host_scope, wait_s=0)
-        if not found.get("found"):
-            say(self.env, "no coordinator found: this task runs without checkpoints")
-            return
-        self.client = self._connect(found)
-        if self.client is None:
-            return
-        threading.Thread(target=self._rank_session, name="coordinator-client", daemon=True).start()
-
-    def _connect(self, found: dict, quiet: bool = False) -> RankClient | None:
-        try:
-            return RankClient(found["host"], found["port"], found["token"], self.env.rank_name, self.env.node,
-                              self.env.interval_s, self._on_command, self.env.tasks, self.last_epoch)
-        except (OSError, SlurmckptError, EOFError) as e:
-            if not quiet:
-                say(self.env, f"cannot reach the job's coordinator ({e}): this task runs without checkpoints "
-                              "until it can")
-            return None
-
-    def _rank_session(self) -> None:
-        """Serve the coordinator's commands. A lost connection (the coordinator died or is being restarted)
-        leaves no epoch half done here: the tree is thawed, then the task reconnects to the new one."""
-        while self.client is not None:
-            self.client.serve_forever()
-            self._abandon_epoch()
-            if self.exiting:
-                return
-            self.client = None
-            say(self.env, "lost the job's coordinator; the task runs on and reconnects")
-            while self.client is None and not self.exiting:
-                time.sleep(1)
-                found = self.call("lookup_coordinator", scope=self.scope, wait_s=0)
-                if found.get("found"):
-                    self.client = self._connect(found, quiet=True)
-            if self.client is not None:
-                say(self.env, f"reconnected to the job's coordinator at {found['host']}:{found['port']}")
-
-    def _abandon_epoch(self) -> None:
-        epoch, self.open_epoch = self.open_epoch, None
-        if epoch is None:
-            return
-        self.final_capture.clear()
-        try:
-            self.call("abort", epoch=epoch)
-            say(self.env, f"epoch {epoch} abandoned (its coordinator was lost mid-epoch): the task runs on, "
-                          "the previous checkpoint stays the one restored")
-        except (OSError, SlurmckptError, EOFError) as e:
-            say(self.env, f"epoch {epoch} abandoned, but undoing it failed: {e}")
-
-    def _host_coordinator(self, plan: dict, scope: str) -> None:
-        token = new_token()
-        single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
-        host = "127.0.0.1" if single_node else _reachable_address(self.env.node)
-        settings = {"token": token, "next_epoch": plan["next_epoch"], "completed": dict(plan.get("completed", {})),
-                    "prepare_timeout_s": self.config.prepare_timeout_s,
-                    "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds}
-        callbacks = HostCallbacks(
-            commit=self._commit,
-            publish=lambda port: self.call("publish_coordinator", scope=scope, host=host, port=port, token=token),
-            started=self._on_rank_started, result=self._epoch_result, interval=self._set_host_interval,
-            say=lambda text: say(self.env, text))
-        self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, callbacks)
-        self.supervisor.start()
-        self.schedule = Schedule.for_job(self.env, self.config)
+            if pid == 0:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
 
     def _set_host_interval(self, seconds: int) -> None:
         self.host_interval = seconds
@@ -227,7 +165,7 @@ class Wrapper:
 
     def _shares_cut(self) -> bool:
         """Other ranks restore the same epoch: falling back alone would leave the job at no common cut."""
-        return self.client is not None and (self.env.step != "batch" or self.env.tasks > 1)
+        return self.member.connected and (self.env.step != "batch" or self.env.tasks > 1)
 
     def _withdraw(self, epoch: int, error: SlurmckptError) -> None:
         """Coordinated fallback: withdraw the epoch for every rank, stop the coordinator from committing the
@@ -237,16 +175,15 @@ class Wrapper:
                       "previous checkpoint")
         try:
             self.call("reject_epoch", epoch=epoch, reason=str(error))
-            if self.client:
-                self.client.event("withdrawn", wait_ack=False, epoch=epoch)
-        except (OSError, SlurmckptError) as e:
+        except SlurmckptError as e:
             say(self.env, f"withdrawing epoch {epoch} failed ({e}); the job is requeued anyway")
+        self.member.event("withdrawn", epoch=epoch)
         self.awaiting_requeue = True
         self._requeue()
 
     def _started(self, action: str) -> None:
-        if self.client and self.env.step != "batch":
-            self.client.event("started", wait_ack=True, action=action)
+        if self.env.step != "batch":
+            self.member.event("started", wait_ack=True, action=action)
 
     def _launch(self, relay: bool) -> None:
         stdio = [0, 1, 2]
@@ -277,7 +214,7 @@ class Wrapper:
     # ---- supervision -----------------------------------------------------------------------------------
     def _supervise(self, wake_r: int) -> int:
         if self.awaiting_requeue:
-            return self._wait_for_requeue()
+            return self._wait_for_requeue("epoch withdrawn; waiting for Slurm to requeue the job")
         if getattr(self, "completed_code", None) is not None:
             return self._exit(self.completed_code)
         status: int | None = None
@@ -318,8 +255,8 @@ class Wrapper:
             if pid == self.root_pid:
                 status = os.waitstatus_to_exitcode(raw)
                 status = 128 - status if status < 0 else status
-            elif self.supervisor:
-                self.supervisor.reaped(pid, os.waitstatus_to_exitcode(raw))
+            else:
+                self.member.reaped(pid, os.waitstatus_to_exitcode(raw))
 
     def _on_signal(self, sig: int) -> None:
         if sig == signal.SIGCHLD:
@@ -342,15 +279,7 @@ class Wrapper:
                 pass
 
     def trigger(self, reason: str, final: bool) -> None:
-        """Ask for an epoch: the hosting wrapper tells its coordinator process; other ranks tell it over
-        their connection."""
-        if self.supervisor:
-            self.supervisor.trigger(reason, final)
-        elif self.client:
-            try:
-                self.client.event("trigger", reason=reason, final=final)
-            except OSError as e:
-                say(self.env, f"cannot reach the coordinator to capture ({e})")
+        self.member.trigger(reason, final)
 
     def _epoch_result(self, result: dict, reason: str, final: bool) -> None:
         if result["status"] == "committed":
@@ -376,13 +305,6 @@ class Wrapper:
             say(self.env, f"requeue failed: {e}")
 
     def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
-        self.last_epoch = max(self.last_epoch, epoch)
-        if self.supervisor:
-            self.supervisor.saw_epoch(epoch)
-        if kind == "prepare":
-            self.open_epoch = epoch
-        elif kind in ("resume", "abort", "finish"):
-            self.open_epoch = None
         if kind == "finish":
             self.final_committed.set()
         elif kind == "capture" and message.get("final", True):
@@ -396,20 +318,17 @@ class Wrapper:
         if action in ("restore", "run"):
             self.gate.set()
 
-    def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
-        self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
-
     def _await_final_commit(self) -> None:
         """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
         deadline = time.monotonic() + self.config.capture_timeout_s + 60
         while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def _wait_for_requeue(self) -> int:
+    def _wait_for_requeue(self, why: str = "captured for requeue; waiting for Slurm to requeue the job") -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would
         complete): wait until Slurm is ending the job (requeue, or the end of a preemption's GraceTime)."""
         from slurmckpt.slurm.control import CliSlurm
-        say(self.env, "captured for requeue; waiting for Slurm to requeue the job")
+        say(self.env, why)
         deadline = time.monotonic() + self.config.requeue_wait_s
         while time.monotonic() < deadline:
             try:
@@ -435,41 +354,12 @@ class Wrapper:
                 pass
 
     def _exit(self, status: int) -> int:
-        self.exiting = True
         if self.agent_gone:                 # nobody else ends what is left of the tree
             self._signal_tree(signal.SIGKILL)
-        if self.client:
-            try:
-                self.client.event("exited", exit_code=status)
-            except OSError:
-                pass
+        self.member.close(status)
         for t in self.relays:
             t.join(5)
-        if self.supervisor:
-            self.supervisor.stop()
         return status
-
-
-def _reachable_address(node: str) -> str:
-    """The address other nodes reach this one at: Slurm's NodeAddr for it, else the default route's
-    source address (a UDP connect sends nothing), else loopback."""
-    import subprocess
-    try:
-        out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True,
-                             timeout=10).stdout
-        for word in out.split():
-            if word.startswith("NodeAddr="):
-                return socket.gethostbyname(word.split("=", 1)[1])
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("10.255.255.255", 9))
-        return probe.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-    finally:
-        probe.close()
 
 
 def main() -> None:

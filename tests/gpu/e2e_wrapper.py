@@ -305,6 +305,10 @@ def kill_leftovers(a) -> list[str]:
         holders = [d for d in os.listdir("/proc") if d.isdigit()
                    and text(Path(f"/proc/{d}/stat")).rsplit(")", 1)[-1].split()[3:4] == [roots[-1]]]
         say(f"  processes still in the old root's session {roots[-1]}: {holders or 'none'}")
+        for pid in holders:      # who they are: a holder keeps the root's pid busy for criu restore
+            stat = text(Path(f"/proc/{pid}/stat")).rsplit(")", 1)[-1].split()
+            say(f"    {pid}: state {stat[0]} ppid {stat[1]} cgroup {text(Path(f'/proc/{pid}/cgroup')).strip()} "
+                f"cmd {text(Path(f'/proc/{pid}/cmdline')).replace(chr(0), ' ')[:160]}")
     if left:
         say(f"NOTE: {len(left)} process(es) of the tree outlived the final capture; killed them as slurmstepd "
             f"would at the end of the step: {left}")

@@ -14,14 +14,18 @@ from typing import Callable
 RESTARTS_PER_10_MIN = 5           # a coordinator that keeps dying is a bug to report, not to loop on
 
 
+def _unset(*args: object) -> None:
+    raise RuntimeError("HostCallbacks: callback not set")
+
+
 @dataclass
 class HostCallbacks:
-    commit: Callable[[int, dict, str], None]          # via the agent; raises on failure
-    publish: Callable[[int], None]                    # port -> address file for the ranks
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
     result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
     interval: Callable[[int], None]                   # shortest checkpoint interval the ranks asked for
-    say: Callable[[str], None]
+    commit: Callable[[int, dict, str], None] = _unset     # via the agent; raises on failure
+    publish: Callable[[int], None] = _unset               # port -> address file for the ranks
+    say: Callable[[str], None] = _unset
 
 
 class CoordinatorSupervisor:
@@ -57,8 +61,13 @@ class CoordinatorSupervisor:
         return port
 
     def stop(self) -> None:
+        """The coordinator process sees EOF on its link and exits."""
         self.stopping = True
         if self.link:
+            try:
+                self.link.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self.link.close()
 
     def trigger(self, reason: str, final: bool) -> None:
