@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -45,7 +46,11 @@ def checkpoint(job_id: int, requeue: bool, force: bool) -> None:
     """Capture JOB_ID now (it keeps running unless --requeue)."""
     from slurmckpt.wrapper import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
     # The capture signal's default action ends a process: a job not started under slurmckpt would die of it.
-    interval = submitted_interval(job_id)
+    interval = None if force else submitted_interval(job_id)
+    if interval == "unknown":
+        raise click.ClickException(
+            f"cannot tell whether job {job_id} runs under slurmckpt (accounting has no record of it); the "
+            "capture signal would end a job that does not: nothing was sent (--force sends it anyway)")
     if not force and interval in (None, "off", "0"):
         raise click.ClickException(
             f"job {job_id} was not submitted with --checkpoint-interval (or it is off): it does not run under "
@@ -73,14 +78,23 @@ def interval_in(submit_line: str, batch_script: str) -> str | None:
     return found[-1].strip("'\"").lower() if found else None
 
 
-def submitted_interval(job_id: int) -> str | None:
+def submitted_interval(job_id: int, wait_s: float = 20.0) -> str | None:
+    """What the job was submitted with; "unknown" while accounting has no record of it (slurmdbd learns of
+    a job a few seconds after its submission)."""
     def out(*cmd: str) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    return interval_in(out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "SubmitLine"),
-                       out("scontrol", "write", "batch_script", str(job_id), "-"))
+    script = out("scontrol", "write", "batch_script", str(job_id), "-")
+    deadline = time.monotonic() + wait_s
+    while True:
+        row = out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,SubmitLine").strip()
+        if row or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    found = interval_in(row.partition("|")[2], script)
+    return found if (found or row) else "unknown"
 
 
 def _store_root(config: Config) -> Path:

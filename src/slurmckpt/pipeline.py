@@ -1,13 +1,15 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
-    PREPARE   refuse unrestorable state (TCP to other hosts) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
+    PREPARE   refuse unrestorable state (TCP to other hosts, IPC with other ranks, ipc.py) -> lock its GPUs
+              -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
     CAPTURE   record fds/files -> criu dump (tree stays frozen) -> output snapshot -> seal
     then      COMMIT (coordinator's agent, atomic manifest rename)  -> RESUME (thaw) | FINISH (kill)
     or        ABORT at any point -> undo what was done, in reverse: previous commit stays the restorable one.
 
 GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
-process (measured on the H200). Restore is the same list read backwards: verify -> output snapshot ->
-truncate written files -> criu restore (into the freezer cgroup) -> GPU restore + unlock.
+process (measured on the H200). Restore is the same list read backwards: verify (images, and files mapped
+shared with other ranks) -> output snapshot -> truncate written files -> criu restore (into the freezer
+cgroup; loopback TCP to other ranks held until both ends are back) -> GPU restore + unlock.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import proctree
+from slurmckpt import ipc, netlock, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.freezer import Freezer
@@ -52,6 +54,8 @@ class RankPipeline:
     wrapper_pid: int = 0
     root_pid: int | None = None
     gpu_record: dict | None = None
+    tcp_peers: list = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
+    shared_files: list = field(default_factory=list)     # files mapped shared with other ranks, PREPARE
     final: bool = False
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
@@ -63,6 +67,7 @@ class RankPipeline:
     def prepare(self, epoch: int) -> dict:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
+        self.tcp_peers, self.shared_files = [], []
         self.replay = self.step == "batch" and proctree.has_slurm_client(self.freezer.pids())
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}
@@ -154,11 +159,27 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
     if p.replay:
         return       # replayed, not imaged: srun's own connections to the step daemons are expected
-    remote = proctree.external_tcp(p.freezer.pids())
+    pids = p.freezer.pids()
+    remote = proctree.external_tcp(pids)
     if remote:
         raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
                            "connection only where both of its addresses exist again, so this job cannot be "
                            "captured while they are open", step=p.step, rank=p.rank)
+    # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
+    # where that cannot come back consistently (ipc.py says which and why).
+    stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
+    trees = ipc.other_trees(p.freezer.path)
+    shared = ipc.unshareable(pids, {pid: ipc.task_label(name) for pid, name in trees.items()}, stdio)
+    if shared:
+        raise CaptureError("state shared outside this rank's process tree cannot be restored: "
+                           + "; ".join(shared), step=p.step, rank=p.rank)
+    # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
+    # dump ends the tree it dumped): loopback TCP, held at restore until both ends are back (netlock.py);
+    # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
+    job = p.freezer.path.name.split(".")[0]
+    peers = {pid: (t[1], t[2]) for pid, name in trees.items() if (t := ipc.task_of(name)) and t[0] == job}
+    p.tcp_peers = netlock.internal_connections(pids, peers)
+    p.shared_files = ipc.shared_files(pids, set(peers))
 
 
 def _gpu_lock(p: RankPipeline, epoch: int) -> None:
@@ -182,6 +203,9 @@ def _record(p: RankPipeline, epoch: int) -> None:
                                        for k, v in proctree.written_files(pids, outputs).items()],
         "processes": len(pids), "node": socket.gethostname(), "uid": p.creds.uid,
         "gpu": p.gpu_record,
+        # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
+        "tcp_ranks": [] if replay else netlock.still_established(pids, p.tcp_peers),
+        "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -283,6 +307,9 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     replayed batch step, rank manifest)."""
     manifest = p.store.verify_rank(epoch, p.step, p.rank)
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    parts = p.freezer.path.name.split(".")
+    key = netlock.restore_key(p.store.job, parts[3] if len(parts) == 4 else "0", epoch)
+    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
     _rewrite_outputs(manifest, rdir, stdio)
     if manifest["kind"] == "replay":
         return None, manifest
@@ -296,8 +323,11 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     work = Path(p.store.job_dir) / f".restore-{p.step}.{p.rank}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(mode=0o700)
+    held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
+                             lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
     try:
-        pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid")
+        with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
+            pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     p.root_pid = pid

@@ -117,19 +117,25 @@ def _hex_addr(text: str) -> tuple[str, int]:
     return str(addr), int(port, 16)
 
 
-def external_tcp(pids: list[int]) -> list[str]:
-    """Established TCP connections of the tree whose peer is not loopback: CRIU restores a connection only
-    where both of its addresses exist again, so these make a capture unrestorable elsewhere."""
-    import ipaddress
-    inodes: set[str] = set()
+def socket_inodes(pids) -> set[str]:
+    """Inode numbers (as /proc/net/* prints them) of every socket the processes hold open."""
+    out = set()
     for pid in pids:
         try:
             for name in os.listdir(f"/proc/{pid}/fd"):
                 link = os.readlink(f"/proc/{pid}/fd/{name}")
                 if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
+                    out.add(link[8:-1])
         except OSError:
             continue
+    return out
+
+
+def external_tcp(pids: list[int]) -> list[str]:
+    """Established TCP connections of the tree whose peer is not loopback: CRIU restores a connection only
+    where both of its addresses exist again, so these make a capture unrestorable elsewhere."""
+    import ipaddress
+    inodes = socket_inodes(pids)
     if not inodes or not pids:
         return []
     found = []

@@ -19,3 +19,20 @@ SCRIPT = "#!/bin/bash\n#SBATCH -n2\n#SBATCH --checkpoint-interval=10m\nsrun app\
 ])
 def test_interval_in(submit_line, script, want):
     assert interval_in(submit_line, script) == want
+
+
+class Done:
+    def __init__(self, stdout: str) -> None:
+        self.stdout = stdout
+
+
+def test_job_unknown_to_accounting_and_script_is_unknown_not_refused_as_plain(monkeypatch):
+    import slurmckpt.cli as cli
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: Done(""))
+    assert cli.submitted_interval(7, wait_s=0) == "unknown"
+    monkeypatch.setattr(cli.subprocess, "run",
+                        lambda cmd, **kw: Done("7|sbatch job.sh\n" if cmd[0] == "sacct" else "#!/bin/bash\n"))
+    assert cli.submitted_interval(7, wait_s=0) is None
+    monkeypatch.setattr(cli.subprocess, "run",
+                        lambda cmd, **kw: Done("" if cmd[0] == "sacct" else SCRIPT))
+    assert cli.submitted_interval(7, wait_s=0) == "10m"

@@ -143,6 +143,17 @@ def test_final_epoch_finishes_and_blocks_later_epochs(job):
     assert later["status"] == "skipped" and len(job.committer.calls) == 1
 
 
+def test_final_triggers_right_after_an_aborted_final_are_skipped(job):
+    """Slurm's kill sequence signals every task more than once: one final attempt, not one per signal
+    (each would freeze the job again and eat into KillWait)."""
+    r = job.rank("0.0", fail="prepare")
+    assert job.epoch("sigterm", final=True)["status"] == "aborted"
+    again = job.epoch("sigterm", final=True)
+    assert again["status"] == "skipped" and "just attempted" in again["why"]
+    assert r.commands().count("prepare") == 1
+    assert job.epoch("interval")["status"] == "aborted"        # periodic epochs are not affected
+
+
 def test_epoch_without_ranks_aborts(job):
     res = job.epoch()
     assert res["status"] == "aborted" and not job.committer.calls

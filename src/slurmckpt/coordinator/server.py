@@ -22,6 +22,7 @@ from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator")
 
+FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
 
 
@@ -249,6 +250,7 @@ class Coordinator:
     def __post_init__(self) -> None:
         self._epoch_lock = asyncio.Lock()
         self._wanted: set[bool] = set()       # finality of the epochs queued or running
+        self._final_tried = -FINAL_QUIET_S      # when the last final epoch ended (committed or not)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Connection] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -322,11 +324,16 @@ class Coordinator:
         same round. Bounded by `lock_rounds`."""
         if final in self._wanted:   # every rank's SIGTERM asks for the same final capture: one serves all
             return {"status": "skipped", "reason": reason, "why": "a capture of the same kind is under way"}
+        if final and time.monotonic() - self._final_tried < FINAL_QUIET_S:
+            # Slurm's kill sequence signals more than once: another frozen attempt would only eat KillWait
+            return {"status": "skipped", "reason": reason, "why": "a final capture was just attempted"}
         self._wanted.add(final)
         try:
             return await self._run_epoch(reason, final)
         finally:
             self._wanted.discard(final)
+            if final:
+                self._final_tried = time.monotonic()
 
     async def _run_epoch(self, reason: str, final: bool) -> dict:
         async with self._epoch_lock:

@@ -1,0 +1,382 @@
+"""What a rank's tree shares with processes outside it, and which of it a capture must refuse.
+
+Every rank is its own tree, dumped and restored by its own `criu` run, and the restores of a job's ranks
+are not ordered. State one rank shares with another tree is therefore only restorable where CRIU needs
+nothing from the other side and nothing is lost while one side is back and the other is not. Measured with
+two trees on one node (docs/limitations.md, "State shared between ranks"):
+
+- unix stream/seqpacket socket to a process outside the tree: criu cannot dump one end of a connection
+  ("Can't dump half of stream unix connection"); the capture would fail after every rank was frozen.
+- unix datagram socket connected to another rank's socket: the restore connect()s it again and fails with
+  ECONNREFUSED while that rank is not back yet (two ranks connected to each other can never restore).
+- a bound unix datagram socket while another rank holds an unconnected one (sendto by path): datagrams
+  sent before the receiving rank is back are refused (ECONNREFUSED), and lost by senders that ignore it.
+- a pipe or FIFO open in two trees: the rank restored first sees EOF (reader) or EPIPE (writer) until the
+  other is back; a FIFO both ranks hold readable (O_RDWR) has its buffered bytes restored twice.
+- a deleted file (unlinked /dev/shm segment, memfd) mapped shared by two trees: each restore gets its own
+  private copy of it, so the ranks silently stop sharing memory.
+- SysV shared memory: criu dumps it only inside an IPC namespace, which ranks do not have.
+
+Allowed: datagram sockets connected to system daemons (criu reconnects /dev/log and the like by path);
+loopback TCP between ranks (held while only one end is back: netlock.py; other hosts: proctree.external_tcp);
+files mapped shared by path, which criu maps again in place: their size and xxh3 are recorded at the capture
+and the restore is refused if they changed since (shared_files / check_shared_files below).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slurmckpt import netlock
+from slurmckpt.errors import RestoreError
+from slurmckpt.storage import file_checksum
+
+SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET
+_TYPE = {SOCK_STREAM: "stream", SOCK_DGRAM: "datagram", SOCK_SEQPACKET: "seqpacket"}
+
+
+# ---- unix sockets of the network namespace (sock_diag) -----------------------------------------------
+@dataclass(frozen=True)
+class UnixSocket:
+    ino: int
+    type: int
+    name: str = ""      # bound path, "@name" for an abstract one, "" when unbound
+    peer: int = 0       # inode of the peer socket (connected sockets), else 0
+
+
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+UDIAG_SHOW_NAME, UDIAG_SHOW_PEER = 0x1, 0x4
+UNIX_DIAG_NAME, UNIX_DIAG_PEER = 0, 2
+
+
+def unix_sockets() -> dict[int, UnixSocket]:
+    """Every unix socket of this network namespace, by inode (what `ss -x` shows, through sock_diag)."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
+        req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_PEER,
+                          0xFFFFFFFF, 0xFFFFFFFF)
+        nl.sendto(struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+                  + req, (0, 0))
+        out: dict[int, UnixSocket] = {}
+        while True:
+            data = nl.recv(1 << 20)
+            done, found = parse_unix_diag(data)
+            out.update(found)
+            if done:
+                return out
+
+
+def parse_unix_diag(data: bytes) -> tuple[bool, dict[int, UnixSocket]]:
+    """Parse one netlink datagram of a unix sock_diag dump: (dump finished?, sockets)."""
+    found: dict[int, UnixSocket] = {}
+    off = 0
+    while off + 16 <= len(data):
+        length, mtype = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            break
+        if mtype == NLMSG_DONE:
+            return True, found
+        if mtype == NLMSG_ERROR:
+            err = -struct.unpack_from("=i", data, off + 16)[0]
+            raise OSError(err, f"sock_diag: {os.strerror(err)}")
+        _family, stype, _state, _pad, ino = struct.unpack_from("=BBBBI", data, off + 16)
+        name, peer = "", 0
+        attr = off + 16 + 16                                    # after struct unix_diag_msg
+        while attr + 4 <= off + length:
+            alen, atype = struct.unpack_from("=HH", data, attr)
+            if alen < 4:
+                break
+            payload = data[attr + 4:attr + alen]
+            if atype == UNIX_DIAG_NAME:
+                name = ("@" + payload[1:].decode(errors="replace")) if payload[:1] == b"\0" else \
+                    payload.split(b"\0", 1)[0].decode(errors="replace")
+            elif atype == UNIX_DIAG_PEER and len(payload) >= 4:
+                peer = struct.unpack_from("=I", payload)[0]
+            attr += (alen + 3) & ~3
+        found[ino] = UnixSocket(ino, stype, name, peer)
+        off += (length + 3) & ~3
+    return False, found
+
+
+# ---- what a set of processes holds ---------------------------------------------------------------------
+@dataclass
+class Holdings:
+    """Sockets, pipes and shared file mappings held by a set of processes, each with one holder pid."""
+    sockets: dict[int, int] = field(default_factory=dict)                    # inode -> pid
+    pipes: dict[tuple[int, int], tuple[int, str]] = field(default_factory=dict)  # (dev, ino) -> (pid, name)
+    shared_maps: dict[tuple[str, int], tuple[int, str]] = field(default_factory=dict)  # (dev, ino) -> (pid, path)
+
+
+def holdings(pids: list[int], want_pipes: set[tuple[int, int]] | None = None,
+             want_maps: set[tuple[str, int]] | None = None) -> Holdings:
+    """Read fds and shared mappings of `pids` from /proc. `want_*`: only look those up (None: all)."""
+    h = Holdings()
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                h.sockets.setdefault(int(link[8:-1]), pid)
+            elif want_pipes != set() and (link.startswith("pipe:[") or link.startswith("/")):
+                try:
+                    st = os.stat(f"/proc/{pid}/fd/{name}")
+                except OSError:
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if stat.S_ISFIFO(st.st_mode) and (want_pipes is None or key in want_pipes):
+                    h.pipes.setdefault(key, (pid, link))
+        if want_maps != set():
+            for key, path, _, _ in _mappings(pid):
+                if want_maps is None or key in want_maps:
+                    h.shared_maps.setdefault(key, (pid, path))
+    return h
+
+
+def _mappings(pid: int) -> list[tuple[tuple[str, int], str, str, str]]:
+    """(dev, inode), path, perms, address range of the file-backed MAP_SHARED mappings of `pid` (perms like
+    rw-s), deleted files and SysV segments included."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[1][3:4] == "s" and parts[4] != "0":
+            out.append(((parts[3], int(parts[4])), parts[5], parts[1], parts[0]))
+    return out
+
+
+def _linked(path: str) -> bool:
+    return not path.endswith(" (deleted)") and not path.startswith("/SYSV")
+
+
+def other_trees(freezer: Path) -> dict[int, str]:
+    """pid -> cgroup name (job.step.rank.restart, see agent.py) of every process of the other checkpointed
+    tasks of this node: the sibling cgroups of this task's freezer cgroup."""
+    out: dict[int, str] = {}
+    if not (freezer / "cgroup.procs").is_file():
+        return out
+    try:
+        siblings = [d for d in freezer.parent.iterdir() if d.is_dir() and d.name != freezer.name]
+    except OSError:
+        return out
+    for d in siblings:
+        try:
+            pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            out[pid] = d.name
+    return out
+
+
+def task_of(cgroup_name: str) -> tuple[str, str, int] | None:
+    """(job, step, rank) of a task's cgroup name, None if it is not one."""
+    parts = cgroup_name.split(".")
+    if len(parts) == 4 and parts[2].isdigit():
+        return parts[0], parts[1], int(parts[2])
+    return None
+
+
+def task_label(cgroup_name: str) -> str:
+    t = task_of(cgroup_name)
+    return f"job {t[0]} step {t[1]} rank {t[2]}" if t else f"task {cgroup_name}"
+
+
+# ---- the check -----------------------------------------------------------------------------------------
+def unshareable(pids: list[int], others: dict[int, str], inherited: set[str] = frozenset(),
+                sockets: dict[int, UnixSocket] | None = None) -> list[str]:
+    """What the tree `pids` shares that separate dumps and restores cannot bring back (one line each, naming
+    the socket, pipe or file and who else holds it). `others`: pid -> label of the other checkpointed
+    tasks of the node. `inherited`: fd links (pipe:[N], socket:[N]) the restore hands in itself: the
+    task's stdio, which each rank's restore gets from its own new task (--inherit-fd)."""
+    ours = holdings(pids)
+    problems = _sysv(ours)
+    deleted = {k for k, (_, path) in ours.shared_maps.items()
+               if path.endswith(" (deleted)") and not path.startswith("/SYSV")}
+    if not (ours.sockets or ours.pipes or deleted):
+        return problems
+    theirs = holdings(list(others), want_pipes=set(ours.pipes), want_maps=deleted)
+
+    def owner(pid: int) -> str:
+        return others.get(pid, f"pid {pid}")
+
+    for key, (pid, name) in ours.pipes.items():
+        if key in theirs.pipes and name not in inherited:
+            what = f"named pipe {name}" if name.startswith("/") else f"pipe {name}"
+            problems.append(f"{what} is also open in {owner(theirs.pipes[key][0])}: ranks are restored "
+                            "separately, and the one back first would read EOF or get EPIPE")
+    for key in deleted:
+        path = ours.shared_maps[key][1]
+        if key in theirs.shared_maps:
+            hint = " (NCCL's shared-memory transport: set NCCL_SHM_DISABLE=1)" if "/dev/shm/nccl-" in path else ""
+            problems.append(f"deleted file {path[:-len(' (deleted)')]} is mapped shared by this rank and by "
+                            f"{owner(theirs.shared_maps[key][0])}: each restore would get its own private "
+                            f"copy, so they would no longer share it{hint}")
+    if ours.sockets:
+        problems += _unix(ours, theirs, others, inherited, sockets)
+    return problems
+
+
+def _sysv(ours: Holdings) -> list[str]:
+    out = []
+    for (_, ino), (pid, path) in ours.shared_maps.items():
+        if path.startswith("/SYSV"):
+            out.append(f"SysV shared memory segment (key 0x{path[5:13]}, shmid {ino}) attached by pid {pid}: "
+                       "CRIU dumps SysV IPC only inside an IPC namespace, which tasks do not get")
+    return out
+
+
+def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: set[str],
+          sockets: dict[int, UnixSocket] | None) -> list[str]:
+    if sockets is None:
+        try:
+            sockets = unix_sockets()
+        except OSError:
+            return []        # no unix_diag: criu itself will say what it cannot dump
+    mine = {ino: sockets[ino] for ino in ours.sockets if ino in sockets and f"socket:[{ino}]" not in inherited}
+    if not mine:
+        return []
+    problems = []
+
+    def name_of(s: UnixSocket) -> str:
+        return s.name or "(unbound)"
+
+    def holder(ino: int) -> str | None:
+        pid = theirs.sockets.get(ino)
+        return others.get(pid) if pid is not None else None
+
+    for s in mine.values():
+        if not s.peer or s.peer in ours.sockets:
+            continue
+        peer = sockets.get(s.peer)
+        where = holder(s.peer) or "a process outside this task"
+        peer_name = name_of(peer) if peer else "?"
+        if s.type != SOCK_DGRAM:
+            problems.append(f"unix {_TYPE.get(s.type, s.type)} socket {name_of(s)} is connected to "
+                            f"{peer_name} in {where}: CRIU cannot checkpoint one end of a connection")
+        elif holder(s.peer):
+            problems.append(f"unix datagram socket {name_of(s)} is connected to {peer_name} of {where}: its "
+                            "restore must connect again, which fails until that rank is restored")
+    # the other direction: sockets of other tasks connected to ours
+    for ino, pid in theirs.sockets.items():
+        s = sockets.get(ino)
+        if s and s.peer in mine and s.type == SOCK_DGRAM:
+            problems.append(f"unix datagram socket {name_of(mine[s.peer])} receives from a socket connected "
+                            f"to it in {others.get(pid, f'pid {pid}')}: datagrams sent before this rank is "
+                            "restored would be refused")
+    # datagram sockets that address each other by path (sendto): a bound one on one side, an unconnected
+    # sender on the other; nothing links them in the kernel, so this is what can be seen of it
+    bound = [s for s in mine.values() if s.type == SOCK_DGRAM and s.name and not s.peer]
+    free = [s for s in mine.values() if s.type == SOCK_DGRAM and not s.peer]
+    senders = {others[pid] for ino, pid in theirs.sockets.items()
+               if (t := sockets.get(ino)) and t.type == SOCK_DGRAM and not t.peer and bound}
+    receivers = {others[pid] for ino, pid in theirs.sockets.items()
+                 if (t := sockets.get(ino)) and t.type == SOCK_DGRAM and t.name and not t.peer and free}
+    if senders or receivers:
+        ends = (bound if senders else []) + (free if receivers else [])
+        problems.append(f"unix datagram socket(s) {', '.join(sorted({name_of(s) for s in ends}))} and "
+                        f"unconnected datagram sockets of {', '.join(sorted(senders | receivers))} can send to "
+                        "each other by path: a datagram sent while only one of the ranks is restored is refused")
+    return problems
+
+
+# ---- files mapped shared by two ranks: exact or refused at restore ----------------------------------------
+# A file two ranks map shared and one of them writes (a /dev/shm segment) is not in the images: criu maps it
+# again by path. After a final capture it still holds what it held at the freeze; after a crash that
+# followed a periodic capture it holds what the ranks wrote since (measured: the restored ranks then skip
+# hundreds of messages), and on another node it is missing. Its size and xxh3 are recorded at the capture
+# (every rank is frozen then) and the first rank of the node to restore compares them; all ranks of that
+# restore share its verdict (a marker file), since the ranks restored earlier already write to the file.
+def shared_files(pids: list[int], peers: set[int]) -> list[str]:
+    """Paths of files the tree maps shared that one of `peers` (other ranks of the job) maps too, with write
+    access on at least one side. Regular files only (not device mappings such as the GPU driver's)."""
+    mine: dict[tuple[str, int], tuple[str, bool]] = {}
+    for pid in pids:
+        for key, path, perms, _ in _mappings(pid):
+            if _linked(path):
+                mine[key] = (path, mine.get(key, (path, False))[1] or "w" in perms)
+    if not mine:
+        return []
+    theirs: dict[tuple[str, int], bool] = {}
+    for pid in peers:
+        for key, _, perms, _ in _mappings(pid):
+            if key in mine:
+                theirs[key] = theirs.get(key, False) or "w" in perms
+    out = []
+    for key, writable in theirs.items():
+        path, mine_writable = mine[key]
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            regular = False
+        if regular and (writable or mine_writable):
+            out.append(path)
+    return sorted(out)
+
+
+def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict]:
+    """Size and xxh3 of `paths` as the tree maps them (read through /proc/PID/map_files: the very inode,
+    whatever the path names now). Called while the tree is frozen."""
+    want, out = set(paths), []
+    for pid in pids:
+        for _, path, _, rng in _mappings(pid):
+            if path in want:
+                src = Path(f"/proc/{pid}/map_files/{rng}")
+                try:
+                    out.append({"path": path, "size": src.stat().st_size, "xxh3": file_checksum(src)})
+                except OSError:
+                    continue
+                want.discard(path)
+    return out
+
+
+def check_shared_files(entries: list[dict], key: str, uid: int, lock_dir: Path | None = None) -> None:
+    """Before a rank's restore: raise RestoreError naming the first file that no longer holds what it held
+    at the capture (see above). The first rank of the restore `key` on this node decides for all. The path
+    is the user's: only a regular file of the job's user `uid` is read (no symlink at the end), so the
+    verdict says nothing about anybody else's files."""
+    if not entries:
+        return
+    lock_dir = lock_dir or netlock.LOCK_DIR
+    with netlock.node_lock(lock_dir):
+        for e in entries:
+            marker = lock_dir / f"{key}.file.{hashlib.sha1(e['path'].encode()).hexdigest()[:16]}"
+            if marker.exists():
+                verdict = marker.read_text()
+            else:
+                verdict = _compare(e, uid)
+                marker.write_text(verdict)
+            if verdict != "ok":
+                raise RestoreError(f"{e['path']} (mapped shared with another rank) {verdict}: the ranks would "
+                                   "not see what they shared at the checkpoint")
+
+
+def _compare(entry: dict, uid: int) -> str:
+    try:
+        fd = os.open(entry["path"], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        return f"cannot be opened ({e.strerror}); it exists only on the node and in the run that made it"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            return "is no longer a regular file of the job's user"
+        if st.st_size != entry["size"] or file_checksum(Path(f"/proc/self/fd/{fd}")) != entry["xxh3"]:
+            return "changed since the checkpoint (written after it, e.g. before a crash)"
+        return "ok"
+    finally:
+        os.close(fd)

@@ -1,0 +1,228 @@
+"""Loopback TCP between two ranks: hold its packets while only one end has been restored.
+
+Each rank is restored by its own `criu restore`, at its own time. A restored end that sends (its process
+writes, or the kernel retransmits what was in flight) to an end not restored yet gets a RST: the connection
+is reset (measured: ECONNRESET on both ranks after a 2 s stagger). After a final capture on the same node
+this does not happen, because `criu dump` leaves DROP rules on the connection that each side's restore
+removes for its own end; after a crash (periodic images) or a restore on another node there are none.
+
+So the first rank of the node to restore an end of such a connection adds DROP rules for both directions
+(tagged with the job, so criu's own rules stay independent), and the last one to finish its restore removes
+them: packets are dropped, never answered by a RST, while one end is missing, and TCP retransmits them when
+both are back. Who is first and last is decided under a node-wide flock, with a counter file per connection
+keyed by job, restart, epoch and network namespace. Only connections both ranks' records hold are held
+(`confirmed`), so the last end always comes (or fails, which lifts the hold as well). The rule text follows
+criu's (`-m mark ! --mark 0xC114` lets criu's repair traffic through).
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from slurmckpt import proctree
+
+log = logging.getLogger("slurmckpt.netlock")
+
+LOCK_DIR = Path("/run/slurmckpt/restore-sync")     # node-wide lock and per-restore markers
+SOCCR_MARK = "0xC114"
+Runner = Callable[[list[str], str], None]      # (command, stdin text): raises on failure
+
+
+def _established(pids: list[int]) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """(local, remote, inode) of every ESTABLISHED TCP socket of the network namespace of `pids`."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pids[0]}/net/{table}").read().splitlines()[1:]
+        except (OSError, IndexError):
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "01":
+                rows.append((proctree._hex_addr(f[1]), proctree._hex_addr(f[2]), f[9]))
+    return rows
+
+
+def internal_connections(pids: list[int], peers: dict[int, tuple[str, int]]) -> list[tuple[str, str, str, int]]:
+    """Established loopback TCP connections of the tree `pids` whose other end is a socket held by one of
+    `peers` (pid -> (step, rank) of another rank of the job): (local, remote, peer step, peer rank)."""
+    ours = proctree.socket_inodes(pids)
+    if not ours:
+        return []
+    rows = _established(pids)
+    mine = [(lo, re) for lo, re, ino in rows if ino in ours and ipaddress.ip_address(re[0]).is_loopback]
+    if not mine:
+        return []
+    holder = {ino: pid for pid in peers for ino in proctree.socket_inodes([pid])}
+    by_tuple = {(lo, re): ino for lo, re, ino in rows}
+    out = []
+    for lo, re in mine:
+        pid = holder.get(by_tuple.get((re, lo), ""))
+        if pid is not None:
+            out.append((_fmt(lo), _fmt(re), *peers[pid]))
+    return out
+
+
+def still_established(pids: list[int], connections: list[tuple[str, str, str, int]]) -> list[list]:
+    """The entries of `connections` (see internal_connections) that the tree still holds established."""
+    ours = proctree.socket_inodes(pids)
+    now = {(_fmt(lo), _fmt(re)) for lo, re, ino in _established(pids) if ino in ours} if ours else set()
+    return [list(c) for c in connections if (c[0], c[1]) in now]
+
+
+def confirmed(entries: list[list], step: str, rank: int, peer_record) -> list[list[str]]:
+    """The connections of this rank's record that the peer rank's record (`peer_record(step, rank)` -> its
+    rank.json) holds too, mirrored: only those are held, since only then will both ends be restored and
+    the last one lift the hold."""
+    out, cache = [], {}
+    for local, remote, peer_step, peer_rank in entries:
+        key = (str(peer_step), int(peer_rank))
+        if key not in cache:
+            try:
+                cache[key] = {tuple(e) for e in peer_record(*key).get("tcp_ranks", [])}
+            except Exception:  # noqa: BLE001 - no record for that rank: not held
+                cache[key] = set()
+        if (remote, local, str(step), int(rank)) in cache[key]:
+            out.append([local, remote])
+    return out
+
+
+def _fmt(addr: tuple[str, int]) -> str:
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def rules(local: str, remote: str, tag: str) -> tuple[int, list[str]]:
+    """(ip version, rule specs without the -I/-D verb) dropping both directions of one connection."""
+    (lh, lp), (rh, rp) = _split(local), _split(remote)
+    version = ipaddress.ip_address(lh).version
+    spec = []
+    for (sh, sp), (dh, dp) in (((lh, lp), (rh, rp)), ((rh, rp), (lh, lp))):
+        spec.append(f"OUTPUT -p tcp -s {sh} --sport {sp} -d {dh} --dport {dp} -m mark ! --mark {SOCCR_MARK} "
+                    f'-m comment --comment "{tag}" -j DROP')
+    return version, spec
+
+
+def restore_key(job: int | str, restart: str, epoch: int) -> str:
+    """Names one restore of a job's epoch on one node (network namespace: test clusters run several slurmds,
+    one per namespace, on one host), the same for every rank that takes part in it."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{job}.{restart}.{epoch}.{netns}"
+
+
+def pair_id(local: str, remote: str) -> str:
+    a, b = sorted((local, remote))
+    return f"{a}-{b}".replace("[", "").replace("]", "").replace(":", "_")
+
+
+def _iptables_restore(runner: Runner, version: int, verb: str, specs: list[str]) -> None:
+    if specs:
+        text = "*filter\n" + "".join(f"{verb} {s}\n" for s in specs) + "COMMIT\n"
+        runner(["iptables-restore" if version == 4 else "ip6tables-restore", "-w", "--noflush"], text)
+
+
+def _run(cmd: list[str], stdin: str) -> None:
+    p = subprocess.run(cmd, input=stdin, capture_output=True, text=True,
+                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=120)
+    if p.returncode != 0:
+        raise OSError(f"{cmd[0]} failed ({p.returncode}): {p.stderr.strip()[:500]}")
+
+
+@contextmanager
+def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
+    """Serialises the short bookkeeping steps of the restores running on this node (not the restores)."""
+    lock_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    with open(lock_dir / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner: Runner = _run,
+                        lock_dir: Path = LOCK_DIR) -> Iterator[None]:
+    """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of loopback
+    connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
+    the job on this node (`restore_key`), the same on every rank. The rules exist from before the first end
+    is restored until the second one has been (or has failed: then its peer sees the reset instead of
+    waiting forever). Holds left by an earlier attempt of the same job (a rank that never came: the job was
+    requeued) are lifted first."""
+    if not connections:
+        yield
+        return
+    with node_lock(lock_dir):
+        _lift_stale(key, runner, lock_dir)
+        add: dict[int, list[str]] = {4: [], 6: []}
+        for local, remote in connections:
+            marker = lock_dir / f"{key}.{pair_id(local, remote)}"
+            if not marker.exists():
+                version, specs = rules(local, remote, tag)
+                add[version] += specs
+                marker.write_text(json.dumps({"done": 0, "version": version, "specs": specs}))
+        for version, specs in add.items():
+            try:
+                _iptables_restore(runner, version, "-I", specs)
+            except OSError as e:        # no worse than before: the connection may be reset
+                log.warning("cannot hold loopback TCP between ranks during the restore: %s", e)
+    try:
+        yield
+    finally:
+        with node_lock(lock_dir):
+            for local, remote in connections:
+                marker = lock_dir / f"{key}.{pair_id(local, remote)}"
+                try:
+                    state = json.loads(marker.read_text())
+                except (OSError, ValueError):
+                    continue
+                state["done"] += 1
+                if state["done"] >= 2:
+                    _unlock(runner, marker, state)
+                else:
+                    marker.write_text(json.dumps(state))
+
+
+def _unlock(runner: Runner, marker: Path, state: dict) -> None:
+    try:
+        _iptables_restore(runner, state["version"], "-D", state["specs"])
+    except OSError as e:      # one rule already gone fails the batch: delete them one by one
+        log.warning("batch unlock failed (%s); deleting rule by rule", e)
+        for spec in state["specs"]:
+            try:
+                _iptables_restore(runner, state["version"], "-D", [spec])
+            except OSError:
+                pass
+    marker.unlink(missing_ok=True)
+
+
+def _lift_stale(key: str, runner: Runner, lock_dir: Path) -> None:
+    """Holds of the same job from another restart on this node (network namespace): that attempt's trees
+    are gone (Slurm requeued the job), so a hold it left (its other end never came) only blocks the ports."""
+    parts = key.split(".")
+    if len(parts) != 4:
+        return
+    job, restart, _, netns = parts
+    for marker in lock_dir.glob(f"{job}.*"):
+        m = marker.name.split(".", 4)
+        if len(m) < 5 or m[1] == restart or m[3] != netns or m[4].startswith("file."):
+            continue
+        try:
+            _unlock(runner, marker, json.loads(marker.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            marker.unlink(missing_ok=True)
