@@ -88,13 +88,14 @@ def submitted_interval(job_id: int, wait_s: float = 20.0) -> str | None:
             return ""
     script = out("scontrol", "write", "batch_script", str(job_id), "-")
     deadline = time.monotonic() + wait_s
-    while True:
-        row = out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,SubmitLine").strip()
-        if row or time.monotonic() > deadline:
+    while True:     # the record can exist a while before its SubmitLine is filled in
+        line = out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,SubmitLine").strip()
+        submit_line = line.partition("|")[2].strip()
+        if submit_line or time.monotonic() > deadline:
             break
         time.sleep(1)
-    found = interval_in(row.partition("|")[2], script)
-    return found if (found or row) else "unknown"
+    found = interval_in(submit_line, script)
+    return found if (found or submit_line) else "unknown"
 
 
 def _store_root(config: Config) -> Path:

@@ -30,6 +30,8 @@ def test_job_unknown_to_accounting_and_script_is_unknown_not_refused_as_plain(mo
     import slurmckpt.cli as cli
     monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: Done(""))
     assert cli.submitted_interval(7, wait_s=0) == "unknown"
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: Done("7|\n" if cmd[0] == "sacct" else ""))
+    assert cli.submitted_interval(7, wait_s=0) == "unknown"         # a record whose SubmitLine is not in yet
     monkeypatch.setattr(cli.subprocess, "run",
                         lambda cmd, **kw: Done("7|sbatch job.sh\n" if cmd[0] == "sacct" else "#!/bin/bash\n"))
     assert cli.submitted_interval(7, wait_s=0) is None
