@@ -155,7 +155,9 @@ def _mappings(pid: int) -> list[tuple[tuple[str, int], str, str, str]]:
     out = []
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[1][3:4] == "s" and parts[4] != "0":
+        # inode 0 is anonymous shared memory, except for SysV segments: their inode is the shmid (0 is valid,
+        # the first segment of an IPC namespace)
+        if len(parts) == 6 and parts[1][3:4] == "s" and (parts[4] != "0" or parts[5].startswith("/SYSV")):
             out.append(((parts[3], int(parts[4])), parts[5], parts[1], parts[0]))
     return out
 

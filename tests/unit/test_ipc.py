@@ -244,3 +244,15 @@ def test_nccl_shared_memory_gets_a_hint(procs) -> None:
         assert len(problems) == 1 and "NCCL_SHM_DISABLE=1" in problems[0]
     finally:
         shm.unlink(missing_ok=True)
+
+
+def test_sysv_segment_with_shmid_0_is_seen(tmp_path: Path, monkeypatch) -> None:
+    """In a fresh IPC namespace the first segment's shmid (its inode in /proc/PID/maps) is 0."""
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 rw-s 00000000 00:01 0                          /SYSV00000000 (deleted)\n"
+                    "7f0000002000-7f0000003000 rw-s 00000000 00:01 0                          /dev/zero (deleted)\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(maps if str(path) == "/proc/4242/maps"
+                                                                          else path, *a, **k))
+    found = ipc._mappings(4242)
+    assert [(key, path) for key, path, _, _ in found] == [(("00:01", 0), "/SYSV00000000 (deleted)")]
