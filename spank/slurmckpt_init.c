@@ -1,7 +1,7 @@
 /*
  * slurmckpt-init - PID 1 of the workload's PID namespace.
  *
- *   slurmckpt-init -- PROG ARGS...
+ *   slurmckpt-init [--chdir HOME] [--workdir DIR] [--env-fd N] -- PROG ARGS...
  *
  * Forwards HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH to the root child,
  * reaps every child, and exits with the root child's code (128+N when it
@@ -11,11 +11,17 @@
  * (docs/contracts.md, "slurmckpt-init"). Works as well when it is not
  * PID 1: it then becomes a child subreaper so orphans are reaped the same.
  *
- * The agent starts init as the job's user holding CAP_SYS_ADMIN (ambient) and nothing else: CRIU's
- * parasite needs it in a PID namespace's init to open that namespace's /proc. The workload never gets
- * it: the root child clears the ambient set, so exec leaves it with no capabilities.
+ * The agent starts init as the job's user, in a PID namespace holding CAP_SYS_ADMIN and
+ * CAP_DAC_OVERRIDE (ambient) and nothing else: CRIU's parasite mounts a transient proc at
+ * "proc.crtools" in this init's cwd (HOME), a root-owned directory the user cannot write, so the user
+ * cannot race that mount (docs/security.md). Init is linked statically and starts with a fixed
+ * environment: nothing of the user's reaches the dynamic loader while capabilities are held. The
+ * workload's environment comes through --env-fd (NUL-separated, read by the child), and the child
+ * drops every capability before it enters the workload's directory (--workdir: as the user) and execs.
  */
 #include <errno.h>
+#include <linux/capability.h>
+#include <stdlib.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -56,7 +62,55 @@ static void reset_signal(int sig, void (*handler)(int))
 	syscall(SYS_rt_sigaction, sig, ksa, NULL, (size_t)(NSIG / 8));
 }
 
-static void child_exec(char **argv)
+/* Every capability set empty: what the workload (and its chdir) does, it does as the bare user. */
+static int drop_capabilities(void)
+{
+	struct __user_cap_header_struct hdr = { _LINUX_CAPABILITY_VERSION_3, 0 };
+	struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+
+	memset(data, 0, sizeof(data));
+	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL)
+		return (-1);
+	return ((int)syscall(SYS_capset, &hdr, data));
+}
+
+/* The workload's environment: NUL-separated NAME=VALUE strings, read whole from fd. */
+static char **read_env(int fd)
+{
+	size_t len = 0, cap = 65536, n = 0, i;
+	char *buf = malloc(cap), **envp;
+	ssize_t got;
+
+	if (buf == NULL)
+		return (NULL);
+	for (;;) {
+		if (len + 1 >= cap && (buf = realloc(buf, cap *= 2)) == NULL)
+			return (NULL);
+		got = pread(fd, buf + len, cap - len - 1, (off_t)len);
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got < 0)
+			return (NULL);
+		if (got == 0)
+			break;
+		len += (size_t)got;
+	}
+	close(fd);
+	buf[len] = '\0';
+	for (i = 0; i < len; i++)
+		n += buf[i] == '\0';
+	if ((envp = calloc(n + 2, sizeof(*envp))) == NULL)
+		return (NULL);
+	for (i = 0, n = 0; i < len; i += strlen(buf + i) + 1)
+		if (strchr(buf + i, '=') != NULL)
+			envp[n++] = buf + i;
+	envp[n] = NULL;
+	return (envp);
+}
+
+extern char **environ;
+
+static void child_exec(char **argv, const char *workdir, int env_fd)
 {
 	sigset_t empty;
 	int sig;
@@ -65,9 +119,24 @@ static void child_exec(char **argv)
 		reset_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
 	sigemptyset(&empty);
 	sigprocmask(SIG_SETMASK, &empty, NULL);
-	if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) {
+	if (drop_capabilities() != 0) {
 		fprintf(stderr, "slurmckpt-init: cannot drop capabilities: %s\n", strerror(errno));
 		_exit(126);
+	}
+	if (workdir != NULL && chdir(workdir) != 0) {
+		fprintf(stderr, "slurmckpt: cannot chdir to %s: %s; running in /tmp\n", workdir,
+			strerror(errno));
+		if (chdir("/tmp") != 0)
+			_exit(126);
+	}
+	if (env_fd >= 0) {
+		char **envp = read_env(env_fd);
+
+		if (envp == NULL) {
+			fprintf(stderr, "slurmckpt-init: cannot read the environment: %s\n", strerror(errno));
+			_exit(126);
+		}
+		environ = envp;      /* execvp searches the workload's PATH, not init's */
 	}
 	execvp(argv[0], argv);
 	fprintf(stderr, "slurmckpt-init: exec %s: %s\n", argv[0], strerror(errno));
@@ -89,12 +158,22 @@ int main(int argc, char **argv)
 	sigset_t set;
 	pid_t pid;
 	int status, i;
-	const char *home = NULL;
+	const char *home = NULL, *workdir = NULL;
+	int env_fd = -1;
 
 	/* --chdir DIR: where init itself lives once the workload is forked. CRIU's parasite mounts a
-	 * transient proc at "proc.crtools" in the namespace init's cwd: it must be private to this task. */
-	if (argc > 2 && strcmp(argv[1], "--chdir") == 0) {
-		home = argv[2];
+	 * transient proc at "proc.crtools" in the namespace init's cwd: it must be private to this task.
+	 * --workdir DIR: the workload's cwd, entered by the child without capabilities. --env-fd N: the
+	 * workload's environment. */
+	while (argc > 2 && argv[1][0] == '-' && argv[1][1] == '-' && argv[1][2] != '\0') {
+		if (strcmp(argv[1], "--chdir") == 0)
+			home = argv[2];
+		else if (strcmp(argv[1], "--workdir") == 0)
+			workdir = argv[2];
+		else if (strcmp(argv[1], "--env-fd") == 0)
+			env_fd = atoi(argv[2]);
+		else
+			break;
 		argv += 2;
 		argc -= 2;
 	}
@@ -128,7 +207,9 @@ int main(int argc, char **argv)
 		return (127);
 	}
 	if (pid == 0)
-		child_exec(argv + 1);
+		child_exec(argv + 1, workdir, env_fd);
+	if (env_fd >= 0)
+		close(env_fd);
 	root_child = pid;
 	if (home && chdir(home) != 0)
 		fprintf(stderr, "slurmckpt-init: chdir %s: %s\n", home, strerror(errno));

@@ -19,6 +19,19 @@ check "child mask empty" "SigBlk:	0000000000000000" "$(grep SigBlk /tmp/init_tes
 check "child ignores only TERM" "SigIgn:	0000000000004000" "$(grep SigIgn /tmp/init_test.$$)"
 rm -f /tmp/init_test.$$
 
+# The workload's environment comes from --env-fd, not from init's own; --workdir is entered by the child.
+printf 'A=one\0PATH=/usr/bin:/bin\0B=two words\0' >/tmp/init_test.env.$$
+got=$(env -i X=leak "$INIT" --env-fd 5 -- sh -c 'echo "$A|$B|${X:-none}"' 5</tmp/init_test.env.$$)
+check "environment from --env-fd" "one|two words|none" "$got"
+rm -f /tmp/init_test.env.$$
+check "workdir" "/usr" "$("$INIT" --workdir /usr -- pwd)"
+check "bad workdir falls back to /tmp" "/tmp" "$("$INIT" --workdir /nonexistent/x -- pwd 2>/dev/null)"
+if [ "$(id -u)" = 0 ]; then   # as the agent starts it: a user with ambient capabilities
+	got=$(setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all,+sys_admin,+dac_override \
+		--ambient-caps=-all,+sys_admin,+dac_override "$INIT" -- grep -E '^Cap(Eff|Prm|Amb)' /proc/self/status | tr -d '\t\n')
+	check "child holds no capabilities" "CapPrm:0000000000000000CapEff:0000000000000000CapAmb:0000000000000000" "$got"
+fi
+
 # Forwarding: USR1 to init reaches the child (whose trap exits 42).
 "$INIT" -- sh -c 'trap "exit 42" USR1; while :; do sleep 0.1; done' &
 pid=$!; sleep 0.5; kill -USR1 $pid; wait $pid; check "USR1 forwarded" 42 $?
