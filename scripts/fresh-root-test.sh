@@ -21,8 +21,10 @@ command -v debootstrap >/dev/null || { echo "needs debootstrap: apt-get install 
 
 if [ ! -x "$ROOT/bin/bash" ]; then
   echo "== debootstrap $SUITE -> $ROOT"
-  debootstrap --variant=minbase "$SUITE" "$ROOT" http://deb.debian.org/debian >/tmp/fresh-debootstrap.log 2>&1 \
-    || { tail -20 /tmp/fresh-debootstrap.log; exit 1; }
+  dlog=$(mktemp)
+  debootstrap --variant=minbase "$SUITE" "$ROOT" http://deb.debian.org/debian >"$dlog" 2>&1 \
+    || { tail -20 "$dlog"; exit 1; }
+  rm -f "$dlog"
   rm -f "$ROOT/etc/apt/sources.list"
   sec=$SUITE-security
   cat >"$ROOT/etc/apt/sources.list.d/debian.sources" <<EOF

@@ -22,7 +22,12 @@ NODES=${NODES:-1}
 [[ "$NODES" =~ ^[1-9][0-9]?$ ]] || die "NODES must be a number from 1 to 99 (got '$NODES')"
 ALLOW_MISSING=${SLURMCKPT_DEV_ALLOW_MISSING:-0}
 CRIU_MIN=4.1
-CRIU_READY_FILE=/tmp/criu.ready
+# Set-up's own state and logs: a root-owned 0700 directory, never a fixed name in a world-writable /tmp that
+# another user could pre-create as a symlink (root would then write through it).
+SETUP_STATE=/var/lib/slurmckpt/setup      # made by main()
+CRIU_READY_FILE=$SETUP_STATE/criu.ready
+CRIU_CHECK_LOG=$SETUP_STATE/criu-check.log
+SPANK_BUILD_LOG=$SETUP_STATE/spank-build.log
 export DEBIAN_FRONTEND=noninteractive
 # The caller's PATH may put pyenv/other pythons first; everything here uses Debian's tools.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -92,8 +97,8 @@ criu_ok() {
   v=$(criu_version "$bin")
   [ -n "$v" ] || { warn "$bin --version printed no version"; return 1; }
   if ! dpkg --compare-versions "$v" ge "$CRIU_MIN"; then log "   $bin is CRIU $v (< $CRIU_MIN)"; return 1; fi
-  if ! "$bin" check >/tmp/slurmckpt-criu-check.log 2>&1; then
-    warn "$bin (CRIU $v) fails 'criu check':"; tail -n 5 /tmp/slurmckpt-criu-check.log >&2
+  if ! "$bin" check >"$CRIU_CHECK_LOG" 2>&1; then
+    warn "$bin (CRIU $v) fails 'criu check':"; tail -n 5 "$CRIU_CHECK_LOG" >&2
     return 1
   fi
   return 0
@@ -103,7 +108,7 @@ criu_ready() {
   local bin=$1
   CRIU_BIN=$bin
   echo "$bin" >"$CRIU_READY_FILE"
-  log "   CRIU ready: $bin ($("$bin" --version | tr '\n' ' ')); 'criu check': $(tail -n1 /tmp/slurmckpt-criu-check.log)"
+  log "   CRIU ready: $bin ($("$bin" --version | tr '\n' ' ')); 'criu check': $(tail -n1 "$CRIU_CHECK_LOG")"
 }
 
 criu_install_cached() {
@@ -244,10 +249,10 @@ SPANK_INIT=/usr/local/libexec/slurmckpt/slurmckpt-init
 step_spank() {
   step_start "SPANK plugin + slurmckpt-init"
   if [ -f "$REPO/spank/Makefile" ]; then
-    make -C "$REPO/spank" >/tmp/slurmckpt-spank-build.log 2>&1 \
-      || { tail -n 40 /tmp/slurmckpt-spank-build.log >&2; die "make -C spank failed"; }
-    make -C "$REPO/spank" install DESTDIR= >>/tmp/slurmckpt-spank-build.log 2>&1 \
-      || { tail -n 40 /tmp/slurmckpt-spank-build.log >&2; die "make -C spank install failed"; }
+    make -C "$REPO/spank" >"$SPANK_BUILD_LOG" 2>&1 \
+      || { tail -n 40 "$SPANK_BUILD_LOG" >&2; die "make -C spank failed"; }
+    make -C "$REPO/spank" install DESTDIR= >>"$SPANK_BUILD_LOG" 2>&1 \
+      || { tail -n 40 "$SPANK_BUILD_LOG" >&2; die "make -C spank install failed"; }
     [ -f "$SPANK_SO" ] || die "make -C spank install did not install $SPANK_SO"
     [ -x "$SPANK_INIT" ] || die "make -C spank install did not install $SPANK_INIT"
   elif [ "$ALLOW_MISSING" = 1 ]; then
@@ -262,13 +267,18 @@ step_spank() {
 step_users() {
   step_start "test users"
   local u
-  mkdir -p /var/tmp/slurmckpt-work; chmod 0755 /var/tmp/slurmckpt-work
+  # /var/tmp is world-writable: a directory another user made there (or a symlink) is refused, not reused
+  local work=/var/tmp/slurmckpt-work
+  if [ -L "$work" ] || { [ -e "$work" ] && [ "$(stat -c %u "$work")" != 0 ]; }; then
+    die "$work exists and is not a root-owned directory (remove it and re-run)"
+  fi
+  install -d -o root -g root -m 0755 "$work"
   for u in ckptuser1 ckptuser2; do
     if ! id -u "$u" >/dev/null 2>&1; then
       useradd --create-home --shell /bin/bash --comment "slurmckpt test user" "$u" || die "useradd $u failed"
       passwd -l "$u" >/dev/null   # no password login
     fi
-    install -d -o "$u" -g "$(id -gn "$u")" -m 0755 "/var/tmp/slurmckpt-work/$u"
+    install -d -o "$u" -g "$(id -gn "$u")" -m 0755 "$work/$u"
   done
   step_done
 }
@@ -416,6 +426,8 @@ step_smoke() {
 # ------------------------------------------------------------------------------------------------------- main
 main() {
   need_root
+  install -d -o root -g root -m 0755 /var/lib/slurmckpt
+  install -d -o root -g root -m 0700 "$SETUP_STATE"
   local steps=("$@") s t0
   [ ${#steps[@]} -gt 0 ] || steps=(packages criu python spank users files slurm-config cluster smoke)
   t0=$(date +%s)
