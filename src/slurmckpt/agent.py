@@ -22,9 +22,12 @@ from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.freezer import Freezer
 from slurmckpt.cuda.stage import PipelineGpu
+from slurmckpt import watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
+from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
+from slurmckpt import validate
 
 log = logging.getLogger("slurmckpt.agent")
 
@@ -42,23 +45,28 @@ class TaskIdentity:
 
 
 class Agent:
-    def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, wrapper_pid: int) -> None:
-        self.ident, self.channel, self.config, self.wrapper_pid = ident, channel, config, wrapper_pid
+    def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer) -> None:
+        self.ident, self.channel, self.config, self.peer = ident, channel, config, peer
+        self.wrapper_pid = peer.pid
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
         name = f"{ident.job}.{ident.step}.{ident.rank}.{ident.restart_count}"
         self.freezer = Freezer.for_task(config.freezer_root, name)
-        self.freezer.grant_thaw(ident.uid, ident.gid)
+        # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
+        self.watchdog_fd = watchdog.start(self.freezer, config.capture_timeout_s + 120)
         self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.freezer,
                                      CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s),
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
-                                     None, wrapper_pid, stall_after=config.stall())  # type: ignore[arg-type]
+                                     None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
+                                     peer_alive=peer.alive)
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
-        self.pipeline.creds = Credentials.of_process(self.wrapper_pid, self.ident.uid)
-        return self.pipeline.creds
+        creds = Credentials.of_process(self.peer.require(), self.ident.uid)
+        self.peer.require()            # what was read is the wrapper's, not a process that reused its pid
+        self.pipeline.creds = creds
+        return creds
 
     @property
     def _task_name(self) -> str:
@@ -76,6 +84,7 @@ class Agent:
                 self._reply_error(e)
                 break
             try:
+                self.peer.require()        # serve the wrapper, never a process that inherited its socket
                 handler = getattr(self, "op_" + str(message.get("op")), None)
                 if handler is None:
                     raise ProtocolError(f"unknown operation {message.get('op')!r}")
@@ -101,13 +110,8 @@ class Agent:
     def shutdown(self) -> None:
         """Wrapper gone. Whatever of the tree is left would escape Slurm's tracking (its subreaper died):
         end it, and never leave anything frozen."""
-        for pid in self.freezer.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         try:
-            self.freezer.thaw()
+            self.freezer.kill_all()
         except OSError:
             pass
         self.freezer.remove()
@@ -125,11 +129,11 @@ class Agent:
             epochs = self.store.committed()
         except StorageError as e:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
-                    "warning": str(e), "thaw_control": str(self.freezer.control)}
+                    "warning": str(e), "tree_procs": str(self.freezer.path / "cgroup.procs")}
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
-                "newest": epochs[0]["epoch"] if epochs else None, "thaw_control": str(self.freezer.control)}
+                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.freezer.path / "cgroup.procs")}
 
     def op_launch(self, m: dict, fds: list[int]) -> dict:
         if self.pipeline.root_pid:
@@ -139,6 +143,8 @@ class Agent:
                 and isinstance(env, dict) and isinstance(cwd, str) and len(fds) == 3):
             raise ProtocolError("launch needs argv (list of str), env (dict), cwd and 3 stdio fds")
         env = {str(k): str(v) for k, v in env.items()}
+        if any("\0" in a for a in [*argv, *env, *env.values(), cwd]) or any("=" in k or not k for k in env):
+            raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
         # CUDA refuses to work in a PID namespace that sees the host's /proc, and a private /proc would need
         # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
         own_pidns = not uses_gpus(env)
@@ -153,7 +159,7 @@ class Agent:
         return self.pipeline.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
-        return self.pipeline.capture(_epoch(m), final=bool(m.get("final", True)))
+        return self.pipeline.capture(_epoch(m), final=validate.flag(m.get("final", True), "final"))
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
         return self.pipeline.resume(_epoch(m))
@@ -167,9 +173,8 @@ class Agent:
         return {}
 
     def op_commit(self, m: dict, fds: list[int]) -> dict:
-        ranks, reason = m.get("ranks"), str(m.get("reason", "unknown"))
-        if not isinstance(ranks, dict) or not all(isinstance(v, dict) for v in ranks.values()):
-            raise ProtocolError("commit needs ranks: {name: record}")
+        ranks = validate.commit_ranks(m.get("ranks"))
+        reason = validate.label(m.get("reason", "unknown"), "reason")
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
@@ -189,22 +194,23 @@ class Agent:
 
     def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
         """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
-        epoch = _epoch(m)
-        rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {m.get('reason')}"[:500])
-        log.warning("epoch %d rejected for the whole job (%s)", epoch, m.get("reason"))
+        epoch, why = _epoch(m), validate.text(m.get("reason", ""), "reason")
+        rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {why}"[:500])
+        log.warning("epoch %d rejected for the whole job (%r)", epoch, why[:500])
         return {"rejected": rejected}
 
     def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
-        address = {"host": str(m["host"]), "port": int(m["port"]), "token": str(m["token"]),
+        address = {"host": validate.ip_address(m.get("host")), "port": validate.port(m.get("port")),
+                   "token": validate.token(m.get("token")),
                    "restart_count": self.ident.restart_count, "published_by": rank_name(self.ident.step,
                                                                                          self.ident.rank)}
-        atomic_write_json(self._coordinator_file(str(m.get("scope", "job"))), address)
+        atomic_write_json(self._coordinator_file(m.get("scope", "job")), address)
         return {}
 
     def op_lookup_coordinator(self, m: dict, fds: list[int]) -> dict:
         """The job's coordinator address, from a root-owned file only this job's agents read."""
-        deadline = time.monotonic() + min(float(m.get("wait_s", 0)), 120.0)
-        path = self._coordinator_file(str(m.get("scope", "job")))
+        deadline = time.monotonic() + validate.wait_s(m.get("wait_s", 0))
+        path = self._coordinator_file(m.get("scope", "job"))
         while True:
             try:
                 address = json.loads(path.read_text())
@@ -216,9 +222,8 @@ class Agent:
                 return {"found": False}
             time.sleep(0.2)
 
-    def _coordinator_file(self, scope: str) -> Path:
-        if scope != "job" and not scope.isdigit():
-            raise ProtocolError(f"bad coordinator scope {scope!r}")
+    def _coordinator_file(self, scope: object) -> Path:
+        scope = validate.scope(scope)
         return self.store.job_dir / f"coordinator-{scope}.json"
 
 
@@ -236,10 +241,7 @@ def _environ_of(pid: int) -> dict[str, str]:
 
 
 def _epoch(m: dict) -> int:
-    epoch = m.get("epoch")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 < epoch < 10**6:
-        raise ProtocolError(f"bad epoch {epoch!r}")
-    return epoch
+    return validate.epoch(m.get("epoch"))
 
 
 def cluster_name() -> str:
@@ -279,6 +281,6 @@ def run_agent(fd: int, job: int, step: str, rank: int, uid: int, gid: int, resta
     # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT: ask slurmctld, by the trusted job id.
     restart_count = restart_count or _restart_count(job)
     ident = TaskIdentity(cluster_name(), job, step, rank, uid, gid, restart_count)
-    agent = Agent(ident, Channel.from_fd(fd), config, os.getppid())
+    agent = Agent(ident, Channel.from_fd(fd), config, Peer.parent())
     log.info("agent up for wrapper pid %d", agent.wrapper_pid)
     agent.serve()

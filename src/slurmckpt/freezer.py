@@ -7,6 +7,7 @@ the coordinator decides when it thaws (RESUME) or dies (final capture).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +72,24 @@ class Freezer:
     def control(self) -> Path:
         return self.path / ("freezer.state" if self.v1 else "cgroup.freeze")
 
-    def grant_thaw(self, uid: int, gid: int) -> None:
-        """Let the task's own user write the freeze control: if its root agent dies while the tree is frozen,
-        the wrapper can still thaw it. Freezing or thawing one's own tree gives nothing new (SIGSTOP does)."""
-        os.chown(self.control, uid, gid)
+    def kill_all(self) -> None:
+        """SIGKILL every process of the tree, none that is not in it: on v2 the kernel does it (cgroup.kill);
+        on v1 the pids are read while the tree is frozen (a frozen process cannot exit, so no pid is reused
+        between the read and the kill), then the thaw lets the kills land."""
+        kill = self.path / "cgroup.kill"
+        if not self.v1 and kill.exists():
+            kill.write_text("1")
+            return
+        try:
+            self.freeze()
+        except CaptureError:
+            pass                   # thawed again by freeze(): kill what is there, as well as it can be done
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.thaw()
 
     def thaw(self) -> None:
         if self.v1:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import stat
 import time
@@ -24,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import ipc, netlock, proctree
+from slurmckpt import asuser, ipc, netlock, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
-from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
+from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.freezer import Freezer
 from slurmckpt.gpu import GpuStage
 from slurmckpt.launch import Credentials
@@ -62,6 +61,7 @@ class RankPipeline:
     record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
     stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
+    peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
     def prepare(self, epoch: int) -> dict:
@@ -97,15 +97,10 @@ class RankPipeline:
         self._rollback(epoch, keep_images=False)
 
     def finish(self, epoch: int) -> None:
-        """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further)."""
-        # Every process of the cgroup, not only the root: a GPU task runs in the host PID namespace, where
-        # the init's death does not take the tree with it.
-        for pid in set(self.freezer.pids()) | ({self.root_pid} if self.root_pid else set()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.freezer.thaw()
+        """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further).
+        Every process of the cgroup, not only the root: a GPU task runs in the host PID namespace, where the
+        init's death does not take the tree with it."""
+        self.freezer.kill_all()
         self.done = []
 
     # ---- internals -------------------------------------------------------------------------------------
@@ -199,8 +194,8 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "kind": "replay" if replay else "image",
         "stdio": [{"fd": t.fd, "link": t.link, "key": t.criu_key, "regular": t.regular, "size": t.size}
                   for t in stdio],
-        "truncate": [] if replay else [{"path": k, "size": v}
-                                       for k, v in proctree.written_files(pids, outputs).items()],
+        "truncate": [] if replay else [{"path": k, "size": t.size, "ino": t.ino}
+                                       for k, t in proctree.written_files(pids, outputs).items()],
         "processes": len(pids), "node": socket.gethostname(), "uid": p.creds.uid,
         "gpu": p.gpu_record,
         # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
@@ -238,7 +233,8 @@ def _discard_images(p: RankPipeline, epoch: int) -> None:
 def _snapshot_output(p: RankPipeline, epoch: int) -> None:
     """Copy the task's output files (the wrapper's stdout/stderr when Slurm gave it regular files) up to
     their size at the freeze: Slurm truncates the output file on requeue (without --open-mode=append) and
-    restore rewrites it to exactly this content, so the job's output holds everything exactly once."""
+    restore rewrites it to exactly this content, so the job's output holds everything exactly once.
+    The wrapper is the user's: its fds are read as the user (asuser.py), never through /proc as root."""
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     if p.replay:
         _wait_output_settled(p.wrapper_pid)
@@ -247,10 +243,22 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
         t = proctree.fd_target(p.wrapper_pid, fd)
         if t is None or not t.regular:
             continue
+        if t.path_only:
+            raise CaptureError(f"the task's fd {fd} is an O_PATH descriptor ({t.link}): its output cannot be "
+                               "kept across a restore", step=p.step, rank=p.rank)
         if t.link not in seen:
             seen[t.link] = f"output-{fd}.snap"
-            _copy_prefix(f"/proc/{p.wrapper_pid}/fd/{fd}", rdir / seen[t.link], t.size)
+            # Reopened through the wrapper's fd link, as the user: the kernel checks the user's read permission
+            # on the file itself (an O_PATH or write-only fd to a file the user cannot read gives nothing).
+            src = asuser.open_expected(p.creds, f"/proc/{p.wrapper_pid}/fd/{fd}", os.O_RDONLY, t.dev, t.ino,
+                                       f"the task's fd {fd} ({t.link}),")
+            try:
+                _copy_prefix(src, rdir / seen[t.link], t.size, t.link)
+            finally:
+                os.close(src)
         outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": seen[t.link]})
+    if p.peer_alive and not p.peer_alive():
+        raise CaptureError("the task's wrapper exited during the capture", step=p.step, rank=p.rank)
     p.record["outputs"] = outputs
 
 
@@ -271,13 +279,13 @@ def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.3, limit_s: float 
             last, since = now, time.monotonic()
 
 
-def _copy_prefix(src: str, dst: Path, size: int) -> None:
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+def _copy_prefix(src: int, dst: Path, size: int, name: str) -> None:
+    with os.fdopen(os.dup(src), "rb") as fin, open(dst, "wb") as fout:
         remaining = size
         while remaining:
             block = fin.read(min(remaining, 8 << 20))
             if not block:
-                raise CaptureError(f"output file shrank during capture ({src})")
+                raise CaptureError(f"output file shrank during capture ({name})")
             fout.write(block)
             remaining -= len(block)
 
@@ -355,32 +363,25 @@ def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:
 
 
 def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:
-    """Files the tree appends to are cut back to their size at the capture, as the job's user (never as
-    root: the path is user-controlled). A file that shrank cannot be restored consistently."""
-    if not entries:
-        return
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
+    """Files the tree appends to are cut back to their size at the capture, through an fd opened as the
+    job's user (never as root: the path is user-controlled) and only if it is still the inode the tree had
+    open. A file that shrank cannot be restored consistently."""
+    for e in entries:
         try:
-            os.setgroups(list(creds.groups))
-            os.setgid(creds.gid)
-            os.setuid(creds.uid)
-            for e in entries:
-                size = os.stat(e["path"]).st_size
-                if size < e["size"]:
-                    raise RestoreError(f"{e['path']} is shorter ({size} B) than at the checkpoint "
-                                       f"({e['size']} B); it was modified outside the job")
-                if size > e["size"]:
-                    os.truncate(e["path"], e["size"])
-            os._exit(0)
-        except BaseException as e:  # noqa: BLE001
-            os.write(w, str(e).encode())
-            os._exit(1)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        message = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        raise RestoreError(f"cannot prepare files for restore: {message}")
+            fd = asuser.open_as_user(creds, e["path"], os.O_WRONLY)
+        except PermissionDenied as err:
+            raise RestoreError(f"cannot prepare files for restore: {err}") from err
+        try:
+            st = os.fstat(fd)
+            if "ino" in e and st.st_ino != e["ino"]:
+                raise RestoreError(f"{e['path']} is not the file the job had open at the checkpoint (replaced "
+                                   "or a link to another file)")
+            if not stat.S_ISREG(st.st_mode):
+                raise RestoreError(f"{e['path']} is not a regular file any more")
+            if st.st_size < e["size"]:
+                raise RestoreError(f"{e['path']} is shorter ({st.st_size} B) than at the checkpoint "
+                                   f"({e['size']} B); it was modified outside the job")
+            if st.st_size > e["size"]:
+                os.ftruncate(fd, e["size"])
+        finally:
+            os.close(fd)

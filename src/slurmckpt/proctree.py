@@ -66,6 +66,9 @@ class FdTarget:
     regular: bool
     size: int
     writable: bool
+    dev: int = 0
+    ino: int = 0
+    path_only: bool = False      # an O_PATH descriptor: it grants neither read nor write
 
     @property
     def criu_key(self) -> str:
@@ -80,12 +83,17 @@ def fd_target(pid: int, fd: int) -> FdTarget | None:
             flags = int(next(l for l in f if l.startswith("flags:")).split()[1], 8)
     except (OSError, StopIteration):
         return None
-    return FdTarget(fd, link, stat.S_ISREG(st.st_mode), st.st_size, (flags & os.O_ACCMODE) != os.O_RDONLY)
+    return FdTarget(fd, link, stat.S_ISREG(st.st_mode), st.st_size, (flags & os.O_ACCMODE) != os.O_RDONLY,
+                    st.st_dev, st.st_ino, bool(flags & O_PATH))
 
 
-def written_files(pids: list[int], exclude: set[str]) -> dict[str, int]:
-    """Regular files open for writing anywhere in the tree: path -> size now (the tree is frozen)."""
-    out: dict[str, int] = {}
+O_PATH = 0o10000000
+
+
+def written_files(pids: list[int], exclude: set[str]) -> dict[str, FdTarget]:
+    """Regular files open for writing anywhere in the tree: path -> what the fd names now (the tree is
+    frozen)."""
+    out: dict[str, FdTarget] = {}
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
@@ -95,7 +103,7 @@ def written_files(pids: list[int], exclude: set[str]) -> dict[str, int]:
             t = fd_target(pid, int(name))
             if t and t.regular and t.writable and t.link.startswith("/") and t.link not in exclude \
                     and not t.link.endswith(" (deleted)"):
-                out[t.link] = t.size
+                out[t.link] = t
     return out
 
 

@@ -56,7 +56,7 @@ class Wrapper:
         self.agent_gone = False
         self.ending = False                  # the task is done: the agent channel is closed on purpose
         self.awaiting_requeue = False        # a coordinated fallback asked Slurm to restart the job
-        self.thaw_control: str | None = None
+        self.tree_procs: str | None = None     # the tree's cgroup.procs: ends the tree if the agent is gone
         self.schedule: Schedule | None = None
         self.pending: list[int] = []
         self.relays: list[threading.Thread] = []
@@ -71,21 +71,14 @@ class Wrapper:
                 raise SlurmckptError(f"the task's root agent is gone ({e})", op=op) from e
 
     def _agent_lost(self, op: str) -> None:
-        """The root agent died (killed, crashed). Without it nothing can be captured or restored here; what
-        must not happen is a tree left frozen: the wrapper may write its freeze control (Freezer.grant_thaw)."""
+        """The root agent died (killed, crashed). Without it nothing can be captured or restored here; its
+        watchdog (watchdog.py) thaws the tree if it was frozen, the freeze control being root's alone."""
         if self.agent_gone:
             return
         self.agent_gone = True
-        thawed = ""
-        if self.thaw_control:
-            try:
-                with open(self.thaw_control, "w") as f:
-                    f.write("THAWED" if self.thaw_control.endswith("freezer.state") else "0")
-                thawed = "; its tree was thawed"
-            except OSError as e:
-                thawed = f"; thawing its tree failed: {e}"
-        say(self.env, f"the task's root agent died (during {op}){thawed}: the task runs on, but can take no "
-                      "part in checkpoints; the last committed checkpoint stays the one restored")
+        say(self.env, f"the task's root agent died (during {op}); its watchdog thaws the tree: the task runs "
+                      "on, but can take no part in checkpoints; the last committed checkpoint stays the one "
+                      "restored")
 
     # ---- start ---------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -96,7 +89,7 @@ class Wrapper:
         for sig in (*FORWARDED, signal.SIGTERM, signal.SIGCHLD, CHECKPOINT_SIGNAL, REQUEUE_SIGNAL):
             signal.signal(sig, lambda s, f: self.pending.append(s))
         plan = self.call("plan")
-        self.thaw_control = plan.get("thaw_control")
+        self.tree_procs = plan.get("tree_procs")
         self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result,
                                              interval=self._set_host_interval))
         if self.member.supervisor:
@@ -342,9 +335,8 @@ class Wrapper:
 
     def _signal_tree(self, sig: int) -> None:
         """Every process of the tree (its cgroup), for when its root agent is gone."""
-        procs = os.path.join(os.path.dirname(self.thaw_control or "/nonexistent"), "cgroup.procs")
         try:
-            pids = [int(p) for p in open(procs).read().split()]
+            pids = [int(p) for p in open(self.tree_procs or "/nonexistent").read().split()]
         except OSError:
             pids = [self.root_pid] if self.root_pid else []
         for pid in pids:

@@ -131,12 +131,18 @@ def test_abort_after_prepare_keeps_previous_commit(tmp_path: Path) -> None:
 
 
 def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Path) -> None:
-    """GPU tasks run in the host PID namespace: the init's death does not take the tree with it."""
+    """GPU tasks run in the host PID namespace: the init's death does not take the tree with it. On a v1
+    freezer every pid of the cgroup is killed while it is frozen, then the cgroup is thawed."""
     import subprocess
+    from slurmckpt.freezer import Freezer
     procs = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "freezer.state").write_text("THAWED")
+    (cg / "cgroup.procs").write_text("\n".join(str(q.pid) for q in procs))
     p, j, _ = make(tmp_path)
     p.root_pid = procs[0].pid
-    p.freezer.pids = lambda: [q.pid for q in procs]          # type: ignore[method-assign]
+    p.freezer = Freezer(cg)
     p.finish(1)
     assert [q.wait(5) for q in procs] == [-9, -9, -9]
-    assert j.events[-1] == "thaw"
+    assert (cg / "freezer.state").read_text() == "THAWED"

@@ -1,0 +1,63 @@
+"""The thaw watchdog: a root process next to the agent that never lets the task's tree stay frozen.
+
+The freeze control is root's alone (the user could otherwise freeze its own tree and leave it so: Slurm
+cannot kill a frozen tree and drains the node). The watchdog stands in for the agent where the agent
+cannot act: it thaws the tree when the agent dies (kill -9, crash) and when the tree has been frozen
+longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+
+from slurmckpt.freezer import Freezer
+
+log = logging.getLogger("slurmckpt.watchdog")
+
+
+def start(freezer: Freezer, max_frozen_s: float, poll_s: float = 1.0) -> int:
+    """Fork the watchdog; returns the write end the agent keeps open for as long as it lives."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        code = 0
+        try:
+            watch(freezer, r, max_frozen_s, poll_s)
+        except BaseException:  # noqa: BLE001 - a watchdog exits, it never returns into the agent's code
+            code = 1
+        os._exit(code)
+    os.close(r)
+    return w
+
+
+def watch(freezer: Freezer, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0) -> None:
+    frozen_since: float | None = None
+    while True:
+        ready, _, _ = select.select([agent_fd], [], [], poll_s)
+        if ready and not os.read(agent_fd, 64):
+            _thaw(freezer, "the agent is gone")
+            return
+        try:
+            frozen = freezer.state() != "THAWED"
+        except OSError:
+            return                     # the cgroup was removed: the task is over
+        now = time.monotonic()
+        if not frozen:
+            frozen_since = None
+        elif frozen_since is None:
+            frozen_since = now
+        elif now - frozen_since > max_frozen_s:
+            _thaw(freezer, f"frozen for more than {max_frozen_s:.0f}s")
+            frozen_since = None
+
+
+def _thaw(freezer: Freezer, why: str) -> None:
+    try:
+        if freezer.state() != "THAWED":
+            freezer.thaw()
+            log.warning("watchdog thawed the tree: %s", why)
+    except OSError:
+        pass

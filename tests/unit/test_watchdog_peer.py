@@ -1,0 +1,59 @@
+"""The thaw watchdog (thaws when the agent's pipe closes, and after a freeze that outlasts any capture) and
+the pidfd-held wrapper (a peer that exited is refused)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmckpt import watchdog
+from slurmckpt.errors import PermissionDenied
+from slurmckpt.freezer import Freezer
+from slurmckpt.peer import Peer
+
+
+def _v1_cgroup(tmp_path: Path, state: str) -> Freezer:
+    (tmp_path / "freezer.state").write_text(state)
+    (tmp_path / "cgroup.procs").write_text("")
+    return Freezer(tmp_path)
+
+
+def test_watchdog_thaws_when_the_agent_is_gone(tmp_path: Path) -> None:
+    freezer = _v1_cgroup(tmp_path, "FROZEN")
+    r, w = os.pipe()
+    t = threading.Thread(target=watchdog.watch, args=(freezer, r, 3600, 0.05))
+    t.start()
+    time.sleep(0.2)
+    assert freezer.state() == "FROZEN", "a live agent's freeze is left alone"
+    os.close(w)
+    t.join(5)
+    assert not t.is_alive() and freezer.state() == "THAWED"
+
+
+def test_watchdog_thaws_a_freeze_that_outlasts_any_capture(tmp_path: Path) -> None:
+    freezer = _v1_cgroup(tmp_path, "FROZEN")
+    r, w = os.pipe()
+    t = threading.Thread(target=watchdog.watch, args=(freezer, r, 0.3, 0.05), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while freezer.state() != "THAWED" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert freezer.state() == "THAWED"
+    os.close(w)
+    t.join(5)
+
+
+def test_peer_that_exited_is_refused() -> None:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.3)
+        os._exit(0)
+    peer = Peer(pid, os.pidfd_open(pid))
+    assert peer.alive() and peer.require() == pid
+    os.waitpid(pid, 0)
+    assert not peer.alive()
+    with pytest.raises(PermissionDenied):
+        peer.require()
