@@ -11,6 +11,7 @@ import socket
 import struct
 
 from slurmckpt.errors import ProtocolError
+from slurmckpt.validate import loads
 
 MAX_FRAME = 4 * 1024 * 1024   # argv + environment of a task fit easily
 MAX_FDS = 8
@@ -26,7 +27,10 @@ class Channel:
         return cls(socket.socket(fileno=fd))
 
     def send(self, message: dict, fds: list[int] | None = None) -> None:
-        body = json.dumps(message, separators=(",", ":")).encode()
+        try:
+            body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+        except ValueError as e:          # NaN/Infinity: the receiver would refuse it
+            raise ProtocolError(f"message not sendable: {e}") from e
         if len(body) > MAX_FRAME:
             raise ProtocolError("message too large", size=len(body))
         frame = _HEADER.pack(len(body)) + body
@@ -54,7 +58,7 @@ class Channel:
                 raise ProtocolError("oversized frame", size=length)   # stream now out of sync: caller closes
             body = self._read_exact(length)
             try:
-                message = json.loads(body)
+                message = loads(body)        # NaN/Infinity and too-deep nesting refused here
             except ValueError as e:
                 raise ProtocolError(f"malformed frame: {e}") from e
             if not isinstance(message, dict):

@@ -62,7 +62,8 @@ class Membership:
         token = new_token()
         single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
         address = "127.0.0.1" if single_node else reachable_address(self.env.node)
-        settings = {"token": token, "next_epoch": plan["next_epoch"], "completed": dict(plan.get("completed", {})),
+        settings = {"token": token, "bind": address, "next_epoch": plan["next_epoch"],
+                    "completed": dict(plan.get("completed", {})),
                     "prepare_timeout_s": self.config.prepare_timeout_s,
                     "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds}
         host.commit = lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import xxhash
 
+from slurmckpt import validate
 from slurmckpt.errors import StorageError
 
 FORMAT_VERSION = 1
@@ -56,7 +57,8 @@ def _identity(st: os.stat_result) -> list[int]:
 
 
 def rank_name(step: str, rank: int) -> str:
-    return f"{step}.{rank}"
+    """Checked (validate.py) before it names a directory: a rank name is a path component."""
+    return f"{validate.step(step)}.{validate.rank_index(rank)}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class JobStore:
         return self.root / self.cluster / str(self.job)
 
     def epoch_dir(self, epoch: int) -> Path:
-        return self.job_dir / f"epoch-{epoch:06d}"
+        return self.job_dir / f"epoch-{validate.epoch(epoch):06d}"
 
     def rank_dir(self, epoch: int, step: str, rank: int) -> Path:
         return self.epoch_dir(epoch) / rank_name(step, rank)
@@ -162,9 +164,9 @@ class JobStore:
         """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record:
         kind image|replay need a complete rank.json; kind completed records a finished task's exit code."""
         for name, record in ranks.items():
+            step, rank = validate.rank_name(name)
             if record.get("kind") in ("image", "replay"):
-                step, _, rank = name.rpartition(".")
-                self.read_rank_manifest(epoch, step, int(rank))
+                self.read_rank_manifest(epoch, step, rank)
         manifest = self.read_manifest()
         manifest["epochs"] = [e for e in manifest["epochs"] if e["epoch"] != epoch]
         manifest["epochs"].append({"epoch": epoch, "reason": reason, "committed_at": time.time(), "ranks": ranks})

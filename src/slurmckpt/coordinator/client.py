@@ -6,12 +6,14 @@ import socket
 import threading
 from typing import Callable
 
-from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, parse_line
+from slurmckpt import validate
+from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, open_challenge
 from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator.client")
 
 # command -> reply type when it succeeded
+HANDSHAKE_S = 15
 REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish": "done", "abort": "done"}
 
 
@@ -19,13 +21,24 @@ class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
                  handler: Callable[[str, int, dict], dict], tasks: int = 1, last_epoch: int = 0) -> None:
         self.rank, self.handler = rank, handler
-        self.sock = socket.create_connection((host, port), timeout=15)
+        self.sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
+        # The whole handshake is bounded, not each read: a peer dribbling a byte at a time cannot hold us.
+        cutoff = threading.Timer(HANDSHAKE_S, self._cut)
+        cutoff.start()
+        try:
+            self._handshake(token, rank, node, interval, tasks, last_epoch)
+        except BaseException:        # whatever answered there (a squatter on a dead coordinator's port)
+            self.sock.close()
+            raise
+        finally:
+            cutoff.cancel()
+        self.closed = threading.Event()
+
+    def _handshake(self, token: str, rank: str, node: str, interval: int, tasks: int, last_epoch: int) -> None:
         self.file = self.sock.makefile("rb")
-        first = parse_line(self.file.readline(MAX_LINE + 1))
-        if first.get("type") != "challenge":
-            raise ProtocolError("coordinator did not send a challenge")
-        self.sealer = Sealer(token, first["nonce"])
-        self.peer = Sealer(token, first["nonce"])
+        nonce = open_challenge(self.file.readline(MAX_LINE + 1))
+        self.sealer = Sealer(token, nonce)
+        self.peer = Sealer(token, nonce)
         self._lock = threading.Lock()
         self._acks = threading.Condition()
         self._acked: set[int] = set()
@@ -35,7 +48,12 @@ class RankClient:
         if welcome.get("type") != "welcome":
             raise ProtocolError("coordinator refused the hello")
         self.sock.settimeout(None)
-        self.closed = threading.Event()
+
+    def _cut(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _read(self) -> dict:
         line = self.file.readline(MAX_LINE + 1)
@@ -56,13 +74,13 @@ class RankClient:
                 kind = msg["type"]
                 if kind == "ack":
                     with self._acks:
-                        self._acked.add(int(msg.get("ref", 0)))
+                        self._acked.add(validate.integer(msg.get("ref"), "ref", 1, 2**62))
                         self._acks.notify_all()
                     continue
                 if kind not in REPLIES:
                     log.warning("ignoring unexpected %s", kind)
                     continue
-                epoch = int(msg["epoch"])
+                epoch = validate.epoch(msg.get("epoch"))
                 try:
                     reply = self.handler(kind, epoch, msg) or {}
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})

@@ -19,10 +19,11 @@ import asyncio
 import itertools
 import json
 import logging
+import resource
 import signal
 import socket
 
-from slurmckpt.coordinator.server import Coordinator
+from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
 
 log = logging.getLogger("slurmckpt.coordinator.host")
 
@@ -45,8 +46,10 @@ class Host:
         self.coordinator = Coordinator(
             start["token"], self._commit, int(start["next_epoch"]), dict(start.get("completed", {})),
             float(start["prepare_timeout_s"]), float(start["capture_timeout_s"]),
-            on_started=self._started, on_trigger=self.epoch, lock_rounds=int(start.get("lock_rounds", 8)))
-        port = await self.coordinator.start()
+            on_started=self._started, on_trigger=self.epoch, lock_rounds=int(start.get("lock_rounds", 8)),
+            max_pending=max_pending())
+        # the job's own address only (loopback for a one-node job): never every interface of the node
+        port = await self.coordinator.start(str(start.get("bind", "127.0.0.1")))
         self.send({"op": "listening", "port": port})
         watcher = asyncio.ensure_future(self._watch_interval())
         try:
@@ -95,6 +98,12 @@ class Host:
             await asyncio.sleep(1)
 
 
+def max_pending() -> int:
+    """Unauthenticated connections may hold a quarter of our fds at most: ranks must still get in."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return MAX_PENDING if soft == resource.RLIM_INFINITY else max(16, min(MAX_PENDING, soft // 4))
+
+
 async def serve(link_fd: int) -> None:
     sock = socket.socket(fileno=link_fd)
     reader, writer = await asyncio.open_connection(sock=sock, limit=LINK_LIMIT)
@@ -110,6 +119,13 @@ def main() -> None:
     # into a final capture, which this process must outlive to coordinate.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+    # Room for every rank's connection plus the capped unauthenticated ones (server.MAX_PENDING)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
     logging.basicConfig(level=logging.WARNING, format=f"slurmckpt coordinator job {args.job}: %(message)s")
     asyncio.run(serve(args.link))
 

@@ -9,6 +9,7 @@ import hmac
 import json
 import secrets
 
+from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
 
 VERSION = 1
@@ -19,7 +20,7 @@ COMMANDS = {"prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
 EVENTS = {"hello", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
 
 _BLOCK = 64                     # SHA-256 block size, for the HMAC pads (RFC 2104)
-_decode = json.JSONDecoder().raw_decode     # json.loads minus its encoding sniffing and regex passes
+_decode = validate.DECODER.raw_decode   # json.loads minus its sniffing and regex passes; no NaN/Infinity
 
 
 def new_token() -> str:
@@ -31,7 +32,7 @@ def encode_prefix(message: dict) -> bytes:
     to every rank is encoded once; each connection only appends its own seq (see Sealer.seal_prefix)."""
     if "seq" in message:         # the sequence number is always ours, and always last
         message = {k: v for k, v in message.items() if k != "seq"}
-    body = json.dumps({**message, "v": VERSION}, separators=(",", ":"))
+    body = json.dumps({**message, "v": VERSION}, separators=(",", ":"), allow_nan=False)
     return body[:-1].encode() + b',"seq":'
 
 
@@ -113,7 +114,7 @@ def parse_line(line: bytes) -> dict:
         message, end = _decode(text)
         if end != len(text) and not text[end:].isspace():
             raise ValueError(f"extra data at {end}")
-    except ValueError as e:      # UnicodeDecodeError and JSONDecodeError included
+    except (ValueError, RecursionError) as e:    # UnicodeDecodeError, JSONDecodeError, NaN, deep nesting
         raise ProtocolError(f"malformed message: {e}") from e
     if not isinstance(message, dict):
         raise ProtocolError("message is not an object")
@@ -121,7 +122,17 @@ def parse_line(line: bytes) -> dict:
         raise ProtocolError(f"protocol version {message.get('v')!r} not supported (want {VERSION})")
     if not isinstance(message.get("type"), str):
         raise ProtocolError("message has no type")
+    if "seq" in message:
+        validate.integer(message["seq"], "seq", 1, 2**62)
     return message
+
+
+def open_challenge(line: bytes) -> str:
+    """The coordinator's first line -> its nonce. Whoever answers on the port may send anything here."""
+    first = parse_line(line)
+    if first.get("type") != "challenge":
+        raise ProtocolError("coordinator did not send a challenge")
+    return validate.nonce(first.get("nonce"))
 
 
 def challenge() -> bytes:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from slurmckpt.coordinator.protocol import LineReader, Sealer, challenge, encode_prefix, parse_line
+from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator")
@@ -97,9 +98,23 @@ class RankConn:
         self.waiting = None
 
 
-HELLO_TIMEOUT_S = 10
+HELLO_TIMEOUT_S = 5         # a connection that has not authenticated by then is closed
+MAX_PENDING = 1024          # unauthenticated connections at once; a new one beyond that evicts the oldest
 LINGER_S = 2                # a refused peer gets this long to see our EOF before the socket is closed
 READ_SIZE = 256 * 1024
+
+
+def _reply(msg: dict) -> dict:
+    """A rank's answer to a command, checked before it counts: epoch, and what a capture reports."""
+    validate.epoch(msg.get("epoch"))
+    if msg["type"] == "captured" and msg.get("kind", "image") not in ("image", "replay"):
+        raise ProtocolError(f"bad kind {msg.get('kind')!r}: not image or replay")
+    if "bytes" in msg:
+        validate.integer(msg["bytes"], "bytes", 0, 2**62)
+    if msg["type"] == "failed":
+        for name in ("phase", "stage", "error"):
+            validate.text(msg.get(name, ""), name)
+    return msg
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -125,6 +140,7 @@ class _Connection(asyncio.BufferedProtocol):
         hello = challenge()
         self.sealer = Sealer(self.coord.token, parse_line(hello)["nonce"])
         self.coord._conns.add(self)
+        self.coord._admit(self)
         transport.write(hello)
         self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
 
@@ -156,6 +172,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.timer is not None:
             self.timer.cancel()
         self.coord._conns.discard(self)
+        self.coord._pending.pop(self, None)
         self._drop()
 
     def _process(self, lines: list[bytes]) -> None:
@@ -170,6 +187,7 @@ class _Connection(asyncio.BufferedProtocol):
                 if self.rank is None:
                     self.rank = self.coord._hello(self, msg)
                     self.timer.cancel()
+                    self.coord._pending.pop(self, None)
                 else:
                     pending = self.coord._dispatch(self.rank, msg)
                     if pending is not None:
@@ -246,6 +264,7 @@ class Coordinator:
     lock_backoff_s: float = 0.2
     withdrawn: str = ""                  # set when a rank could not restore: no epoch may commit
     finished: bool = False
+    max_pending: int = MAX_PENDING
 
     def __post_init__(self) -> None:
         self._epoch_lock = asyncio.Lock()
@@ -253,10 +272,12 @@ class Coordinator:
         self._final_tried = -FINAL_QUIET_S      # when the last final epoch ended (committed or not)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Connection] = set()
+        self._pending: dict[_Connection, None] = {}     # not yet authenticated, oldest first
         self._tasks: set[asyncio.Task] = set()
         self._rbuf = memoryview(bytearray(READ_SIZE))
 
-    async def start(self, host: str = "0.0.0.0", port: int = 0) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on `host`: the job's own address (loopback for a one-node job), never every interface."""
         # backlog: a whole job's ranks connect at once (job start, coordinator restart)
         self._server = await asyncio.get_running_loop().create_server(
             lambda: _Connection(self), host, port, backlog=4096)
@@ -269,16 +290,33 @@ class Coordinator:
             conn.transport.close()
 
     # ---- connections -----------------------------------------------------------------------------------
+    def _admit(self, conn: _Connection) -> None:
+        """Anyone on the node can connect: at most max_pending connections wait for their hello (each for
+        HELLO_TIMEOUT_S); beyond that the oldest waiting one goes (a rank says hello within a round trip)."""
+        self._pending[conn] = None
+        while len(self._pending) > self.max_pending:
+            oldest = next(iter(self._pending))
+            self._pending.pop(oldest)
+            log.warning("connection from %s dropped: %d unauthenticated connections", oldest.peer,
+                        self.max_pending)
+            oldest.closing = True
+            if oldest.timer is not None:
+                oldest.timer.cancel()
+            if oldest.transport is not None:
+                oldest.transport.abort()
+
     def _hello(self, conn: _Connection, msg: dict) -> RankConn:
         """A connection's first authenticated message must be its rank's hello."""
-        if msg["type"] != "hello" or not isinstance(msg.get("rank"), str):
+        if msg["type"] != "hello":
             raise ProtocolError("expected hello")
-        rank = RankConn(msg["rank"], str(msg.get("node", "?")), int(msg.get("interval", 0)), conn.transport,
-                        conn.sealer)
-        step = rank.name.rpartition(".")[0]
-        self.expected[step] = max(self.expected.get(step, 1), int(msg.get("tasks", 1)))
-        last = msg.get("last_epoch")   # a restarted coordinator never reuses an epoch a rank has seen
-        if isinstance(last, int) and last >= self.next_epoch:
+        step, _ = validate.rank_name(msg.get("rank"))
+        tasks = validate.integer(msg.get("tasks", 1), "tasks", 1, validate.MAX_TASKS)
+        rank = RankConn(msg["rank"], validate.hostname(msg.get("node", "unknown")),
+                        validate.integer(msg.get("interval", 0), "interval", 0, validate.MAX_INTERVAL_S),
+                        conn.transport, conn.sealer)
+        last = validate.integer(msg.get("last_epoch", 0), "last_epoch", 0, validate.MAX_EPOCH)
+        self.expected[step] = max(self.expected.get(step, 1), tasks)
+        if last >= self.next_epoch:   # a restarted coordinator never reuses an epoch a rank has seen
             self.next_epoch = last + 1
         old = self.ranks.get(rank.name)
         if old is not None:
@@ -293,18 +331,23 @@ class Coordinator:
         callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
         if kind in ("ready", "captured", "failed", "done"):
-            rank.deliver(msg)
+            rank.deliver(_reply(msg))
         elif kind == "exited":
-            self.completed[rank.name] = {"kind": "completed", "exit_code": int(msg.get("exit_code", 0)),
-                                         "node": rank.node}
+            self.completed[rank.name] = {"kind": "completed", "node": rank.node,
+                                         "exit_code": validate.integer(msg.get("exit_code", 0), "exit_code",
+                                                                       -255, 255)}
         elif kind == "trigger":
+            reason = validate.label(msg.get("reason", "rank"), "reason")
+            final = validate.flag(msg.get("final", False), "final")
             if self.on_trigger:
-                self.on_trigger(str(msg.get("reason", "rank")), bool(msg.get("final", False)))
+                self.on_trigger(reason, final)
         elif kind == "withdrawn":   # a rank could not restore: the running ranks are at no common cut
-            self.withdrawn = (f"rank {rank.name} (node {rank.node}) could not restore epoch {msg.get('epoch')}; "
+            epoch = validate.epoch(msg.get("epoch"))
+            self.withdrawn = (f"rank {rank.name} (node {rank.node}) could not restore epoch {epoch}; "
                               "the job is being requeued to restart every rank from one older checkpoint")
             log.error("%s", self.withdrawn)
         elif kind == "started":
+            validate.label(msg.get("action", "run"), "action")
             if self.on_started:
                 return self._started(rank, msg)
             rank.send({"type": "ack", "ref": msg.get("seq")})
