@@ -14,6 +14,44 @@ import click
 
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmckptError
+from slurmckpt.slurm.jobref import BadJobSpec, JobInfo, JobRef, parse_job_spec
+
+
+class JobSpec(click.ParamType):
+    """`N` or `N_M` (array task), nothing else: int() would read `1234_5` as job 12345."""
+    name = "JOB_ID"
+
+    def convert(self, value, param, ctx) -> JobRef:
+        if isinstance(value, JobRef):
+            return value
+        try:
+            return parse_job_spec(value)
+        except BadJobSpec as e:
+            self.fail(str(e), param, ctx)
+
+
+JOB = JobSpec()
+
+
+def resolve_job(ref: JobRef) -> JobInfo:
+    from slurmckpt.slurm.control import CliSlurm
+    from slurmckpt.slurm.jobref import resolve
+    try:
+        return resolve(ref, CliSlurm()._run)
+    except SlurmckptError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def job_id_of(ref: JobRef) -> int:
+    """The job's id: N as written, an array task's own id through Slurm."""
+    return ref.job if ref.task is None else resolve_job(ref).job_id
+
+
+def shown(value: object) -> str:
+    """What a user wrote (argv, a path, a reason), safe for a terminal: control characters and escape
+    sequences come out escaped, repr-style; plain printable text as it is."""
+    text = value if isinstance(value, str) else str(value)
+    return text if text.isprintable() else repr(text)
 
 
 @click.group()
@@ -39,12 +77,17 @@ def agent(fd, job, step, rank, uid, gid, restart_count, init) -> None:
 
 
 @cli.command()
-@click.argument("job_id", type=int)
+@click.argument("job", type=JOB)
 @click.option("--requeue", is_flag=True, help="Capture, then requeue the job (it resumes from the capture).")
 @click.option("--force", is_flag=True, help="Signal even if the job does not look checkpointable.")
-def checkpoint(job_id: int, requeue: bool, force: bool) -> None:
-    """Capture JOB_ID now (it keeps running unless --requeue)."""
+def checkpoint(job: JobRef, requeue: bool, force: bool) -> None:
+    """Capture JOB (N, or N_M for an array task) now (it keeps running unless --requeue)."""
     from slurmckpt.wrapper import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
+    info = resolve_job(job)
+    if os.geteuid() != 0 and info.uid != os.getuid():     # before any signal: only the job's owner (or root)
+        raise click.ClickException(f"refused: job {job} belongs to uid {info.uid}, not to you (uid "
+                                   f"{os.getuid()}); nothing was sent")
+    job_id = info.job_id
     # The capture signal's default action ends a process: a job not started under slurmckpt would die of it.
     interval = None if force else submitted_interval(job_id)
     if interval == "unknown":
@@ -122,17 +165,18 @@ def list_cmd(as_json: bool) -> None:
         return
     click.echo(f"{'CLUSTER':<12} {'JOB':>8} {'EPOCH':>6} {'REASON':<15} {'RANKS':>5}")
     for r in rows:
-        click.echo(f"{r['cluster']:<12} {r['job']:>8} {r['epoch']:>6} {r['reason']:<15} {r['ranks']:>5}")
+        click.echo(f"{shown(r['cluster']):<12} {r['job']:>8} {r['epoch']:>6} {shown(r['reason']):<15} {r['ranks']:>5}")
 
 
 @cli.command()
-@click.argument("job_id", type=int)
+@click.argument("job", type=JOB)
 @click.option("--epoch", type=int, default=None, help="Default: the newest committed one.")
-def inspect(job_id: int, epoch: int | None) -> None:
+def inspect(job: JobRef, epoch: int | None) -> None:
     """What a checkpoint holds: ranks, processes, files, output snapshots, sizes, timings."""
     from slurmckpt.storage import JobStore, list_jobs
     config = Config.load()
     root = _store_root(config)
+    job_id = job_id_of(job)
     clusters = [c for c, j in list_jobs(root) if j == job_id]
     if not clusters:
         raise click.ClickException(f"no checkpoint for job {job_id}")
@@ -141,43 +185,46 @@ def inspect(job_id: int, epoch: int | None) -> None:
     chosen = next((e for e in epochs if epoch in (None, e["epoch"])), None)
     if chosen is None:
         raise click.ClickException(f"job {job_id} has no committed epoch {epoch}")
-    click.echo(f"job {job_id} epoch {chosen['epoch']} ({chosen['reason']}), {len(chosen['ranks'])} rank(s)")
+    click.echo(f"job {job_id} epoch {chosen['epoch']} ({shown(chosen['reason'])}), {len(chosen['ranks'])} rank(s)")
     for name, record in sorted(chosen["ranks"].items()):
         if record["kind"] == "completed":
-            click.echo(f"  {name}: completed before the capture, exit code {record['exit_code']}")
+            click.echo(f"  {shown(name)}: completed before the capture, exit code {shown(record['exit_code'])}")
             continue
         step, _, rank = name.rpartition(".")
         m = store.read_rank_manifest(chosen["epoch"], step, int(rank))
         total = sum(f["size"] for f in m["files"].values())
-        click.echo(f"  {name}: {m['kind']} on {m.get('node')}, {m.get('processes')} process(es), "
-                   f"{total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {m.get('uid')}")
+        click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
+                   f"process(es), {total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {shown(m.get('uid'))}")
+        if m.get("argv"):
+            click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
         for o in m.get("outputs", []):
-            click.echo(f"    output fd {o['fd']}: {o['link']} ({o['size']} B snapshot)")
+            click.echo(f"    output fd {shown(o['fd'])}: {shown(o['link'])} ({shown(o['size'])} B snapshot)")
         for t in m.get("truncate", []):
-            click.echo(f"    written file: {t['path']} at {t['size']} B")
+            click.echo(f"    written file: {shown(t['path'])} at {shown(t['size'])} B")
         if m.get("gpu"):
             click.echo(f"    gpu: {json.dumps(m['gpu'])}")
         click.echo(f"    timings: {json.dumps(m.get('timings', {}))}")
 
 
 @cli.command()
-@click.argument("job_id", type=int, required=False)
-def status(job_id: int | None) -> None:
+@click.argument("job", type=JOB, required=False)
+def status(job: JobRef | None) -> None:
     """Jobs with checkpointing on: state, restarts, newest checkpoint (root sees epochs)."""
+    job_id = job_id_of(job) if job else None
     fmt = "%i|%u|%T|%R"
     cmd = ["squeue", "-h", "-o", fmt] + (["-j", str(job_id)] if job_id else [])
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     click.echo(f"{'JOB':>8} {'USER':<12} {'STATE':<12} NODES/REASON")
     for line in out.splitlines():
         job, user, state, reason = (line.split("|") + ["", "", ""])[:4]
-        click.echo(f"{job:>8} {user:<12} {state:<12} {reason}")
+        click.echo(f"{shown(job):>8} {shown(user):<12} {shown(state):<12} {shown(reason)}")
     if os.geteuid() == 0 and job_id:
         from slurmckpt.storage import JobStore, list_jobs
         config = Config.load()
         for cluster, job in list_jobs(Path(config.storage_root)):
             if job == job_id:
                 epochs = JobStore(Path(config.storage_root), cluster, job).committed()
-                click.echo(f"newest checkpoint: epoch {epochs[0]['epoch']} ({epochs[0]['reason']})"
+                click.echo(f"newest checkpoint: epoch {epochs[0]['epoch']} ({shown(epochs[0]['reason'])})"
                            if epochs else "no committed checkpoint")
 
 
