@@ -1,8 +1,16 @@
 """cgroup freezer for one task's tree: every rank of an epoch is frozen before any rank is dumped.
 
-cgroup v1 (`/sys/fs/cgroup/freezer`) where mounted, else cgroup v2 (`cgroup.freeze`). criu is given the
-same path with --freeze-cgroup: it finds the tree already frozen and leaves it frozen after the dump, so
-the coordinator decides when it thaws (RESUME) or dies (final capture).
+The freeze cgroup is a cgroup v2 one wherever the kernel offers v2 (`cgroup.freeze`, `cgroup.kill`):
+- hybrid hosts (v1 controllers, v2 mounted at /sys/fs/cgroup/unified, as Slurm's cgroup/v1 runs): the
+  tree joins `unified/slurmckpt/<task>` and only that; its v1 memberships stay Slurm's, so Slurm's
+  proctrack/cgroup, task/cgroup and jobacct_gather/cgroup keep tracking, limiting and accounting it,
+  Slurm's own suspend (v1 freezer) is independent of ours, and a frozen tree still dies of SIGKILL (v2
+  frozen tasks do; v1 frozen ones do not until thawed);
+- pure v1: `/sys/fs/cgroup/freezer/slurmckpt/<task>` (the tree then leaves Slurm's v1 freezer cgroup:
+  docs/limitations.md);
+- pure v2: `/sys/fs/cgroup/slurmckpt/<task>`.
+criu is given the same path with --freeze-cgroup: it finds the tree already frozen and leaves it frozen
+after the dump, so the coordinator decides when it thaws (RESUME) or dies (final capture).
 """
 from __future__ import annotations
 
@@ -14,7 +22,28 @@ from pathlib import Path
 
 from slurmckpt.errors import CaptureError
 
-V1_ROOT = Path("/sys/fs/cgroup/freezer")
+CGROUP_FS = Path("/sys/fs/cgroup")
+V1_ROOT = CGROUP_FS / "freezer"
+UNIFIED = CGROUP_FS / "unified"
+CGROUP2_MAGIC = 0x63677270
+
+
+def default_root() -> Path:
+    """Where task freeze cgroups live on this host (see the module docstring)."""
+    if _is_cgroup2(UNIFIED):
+        return UNIFIED / "slurmckpt"
+    if _is_cgroup2(CGROUP_FS):
+        return CGROUP_FS / "slurmckpt"
+    return V1_ROOT / "slurmckpt"
+
+
+def _is_cgroup2(path: Path) -> bool:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split(" - ")[1].startswith("cgroup2 ") and line.split()[4] == str(path)
+                       for line in f if " - " in line)
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -23,9 +52,7 @@ class Freezer:
 
     @classmethod
     def for_task(cls, root: str, name: str) -> "Freezer":
-        base = Path(root)
-        if not V1_ROOT.exists() and base.is_relative_to(V1_ROOT):
-            base = Path("/sys/fs/cgroup/slurmckpt")          # cgroup v2 layout
+        base = default_root() if root == "auto" else Path(root)
         base.mkdir(parents=True, exist_ok=True)
         path = base / name
         path.mkdir(exist_ok=True)

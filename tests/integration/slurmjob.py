@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS = Path(__file__).parent / "workloads"
+
+
+def task_cgroups(job_id: int) -> list["Freezer"]:
+    """The freeze cgroups of this job's checkpointable trees on this host (all nodes share the kernel)."""
+    from slurmckpt.freezer import Freezer, default_root
+    return [Freezer(p) for p in sorted(default_root().glob(f"{job_id}.*"))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
 
 

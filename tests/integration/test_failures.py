@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import task_cgroups, run, submit, workdir
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from exchange import expected_lines  # noqa: E402
@@ -54,9 +54,12 @@ def pids(pattern: str) -> list[str]:
 def frozen_trees(job_id: int) -> list[str]:
     """Task freezer cgroups of this job that are FROZEN right now."""
     found = []
-    for state in Path("/sys/fs/cgroup/freezer/slurmckpt").glob(f"{job_id}.*/freezer.state"):
-        if state.read_text().strip() != "THAWED":
-            found.append(state.parent.name)
+    for cg in task_cgroups(job_id):
+        try:
+            if cg.state() != "THAWED":
+                found.append(cg.path.name)
+        except OSError:
+            pass
     return found
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 from slurmckpt import asuser
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.launch import Credentials
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import run, submit, task_cgroups, workdir
 from tests.integration.test_security import _agent_and_attacker
 
 USER = "ckptuser1"
-FREEZER = Path("/sys/fs/cgroup/freezer/slurmckpt")
 PRELOAD_C = r"""
 #include <stdio.h>
 #include <string.h>
@@ -35,10 +34,7 @@ __attribute__((constructor)) static void mark(void) {
 
 
 def _tree_pids(job_id: int) -> list[int]:
-    pids = []
-    for cg in FREEZER.glob(f"{job_id}.*"):
-        pids += [int(p) for p in (cg / "cgroup.procs").read_text().split()]
-    return pids
+    return [pid for cg in task_cgroups(job_id) for pid in cg.pids()]
 
 
 def _ns_init(job_id: int) -> int:
@@ -130,9 +126,10 @@ def test_user_can_touch_neither_the_init_directory_nor_the_freeze_control() -> N
                     ["mv", home, f"{home}.moved"]):
             p = run(*cmd, user=USER, check=False)
             assert p.returncode != 0, f"{cmd} worked as the job's user"
-        control = next(FREEZER.glob(f"{job.id}.*")) / "freezer.state"
-        p = run("sh", "-c", f"echo FROZEN > {control}", user=USER, check=False)
-        assert p.returncode != 0 and control.read_text().strip() == "THAWED", "the user froze its tree"
+        cg = task_cgroups(job.id)[0]
+        word = "FROZEN" if cg.v1 else "1"
+        p = run("sh", "-c", f"echo {word} > {cg.control}", user=USER, check=False)
+        assert p.returncode != 0 and cg.state() == "THAWED", "the user froze its tree"
         job.wait_output(r"committed \(interval\)", 2, timeout=60)
     finally:
         run("scancel", str(job.id))
