@@ -21,7 +21,7 @@ MAX_STEP = 2**32 - 256             # Slurm's special step ids (batch, extern, ..
 MAX_WAIT_S = 120.0
 MAX_INTERVAL_S = 366 * 24 * 3600
 MAX_RANKS_PER_COMMIT = MAX_TASKS * 4
-MAX_TEXT = 4096                    # free text (an error message): stored and shown escaped, never parsed
+MAX_TEXT = 64 * 1024              # free text (an error message, a criu log tail): stored cut, shown escaped
 RECORD_KINDS = ("image", "replay", "completed")
 
 _STEP = re.compile(r"batch|0|[1-9][0-9]{0,9}")
