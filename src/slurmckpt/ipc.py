@@ -186,6 +186,12 @@ def other_trees(freezer: Path) -> dict[int, str]:
     return out
 
 
+def job_trees(freezer: Path, job: str) -> dict[int, str]:
+    """other_trees restricted to the tasks of `job`: a capture's checks look at the job's own trees, so
+    nothing another job (another user) does with its processes can make this one's capture fail."""
+    return {pid: name for pid, name in other_trees(freezer).items() if (t := task_of(name)) and t[0] == job}
+
+
 def task_of(cgroup_name: str) -> tuple[str, str, int] | None:
     """(job, step, rank) of a task's cgroup name, None if it is not one."""
     parts = cgroup_name.split(".")

@@ -155,7 +155,10 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     if p.replay:
         return       # replayed, not imaged: srun's own connections to the step daemons are expected
     pids = p.freezer.pids()
-    remote = proctree.external_tcp(pids)
+    accepted: list[str] = []
+    remote = proctree.external_tcp(pids, accepted)
+    if accepted:
+        log.info("capturing with connection(s) accepted from outside the job: %s", ", ".join(accepted))
     if remote:
         raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
                            "connection only where both of its addresses exist again, so this job cannot be "
@@ -163,7 +166,8 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
-    trees = ipc.other_trees(p.freezer.path)
+    job = p.freezer.path.name.split(".")[0]
+    trees = ipc.job_trees(p.freezer.path, job)       # the job's own other tasks only, never another job's
     shared = ipc.unshareable(pids, {pid: ipc.task_label(name) for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
@@ -171,7 +175,6 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): loopback TCP, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
-    job = p.freezer.path.name.split(".")[0]
     peers = {pid: (t[1], t[2]) for pid, name in trees.items() if (t := ipc.task_of(name)) and t[0] == job}
     p.tcp_peers = netlock.internal_connections(pids, peers)
     p.shared_files = ipc.shared_files(pids, set(peers))

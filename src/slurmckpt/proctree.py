@@ -139,24 +139,36 @@ def socket_inodes(pids) -> set[str]:
     return out
 
 
-def external_tcp(pids: list[int]) -> list[str]:
-    """Established TCP connections of the tree whose peer is not loopback: CRIU restores a connection only
-    where both of its addresses exist again, so these make a capture unrestorable elsewhere."""
+def external_tcp(pids: list[int], accepted: list[str] | None = None) -> list[str]:
+    """Established TCP connections the tree opened to a peer that is not loopback: CRIU restores a connection
+    only where both of its addresses exist again, so these make a capture unrestorable elsewhere.
+    Connections the tree *accepted* on a port it listens on are not the job's doing (anybody on the network,
+    another user included, can open one and hold it): they are never a reason to refuse a capture, or one
+    user could keep another's job from ever being checkpointed. They are dumped like any other connection
+    (--tcp-established) and listed in `accepted` when given."""
     import ipaddress
     inodes = socket_inodes(pids)
     if not inodes or not pids:
         return []
-    found = []
+    rows = []
     for table in ("tcp", "tcp6"):
         try:
             lines = open(f"/proc/{pids[0]}/net/{table}").read().splitlines()[1:]
         except OSError:
             continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "01" or f[9] not in inodes:          # 01 = ESTABLISHED
-                continue
-            local, remote = _hex_addr(f[1]), _hex_addr(f[2])
-            if not ipaddress.ip_address(remote[0]).is_loopback:
-                found.append(f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}")
+        rows += [f for f in (line.split() for line in lines) if len(f) > 9 and f[9] in inodes]
+    listening = {_hex_addr(f[1])[1] for f in rows if f[3] == "0A"}          # 0A = LISTEN
+    found = []
+    for f in rows:
+        if f[3] != "01":                                                   # 01 = ESTABLISHED
+            continue
+        local, remote = _hex_addr(f[1]), _hex_addr(f[2])
+        if ipaddress.ip_address(remote[0]).is_loopback:
+            continue
+        text = f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}"
+        if local[1] in listening:
+            if accepted is not None:
+                accepted.append(text)
+            continue
+        found.append(text)
     return found
