@@ -21,11 +21,13 @@ from slurmckpt.config import Config
 from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.freezer import Freezer
+from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
+from slurmckpt.slurm.control import JobRecord, job_record
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt import validate
 
@@ -45,11 +47,19 @@ class TaskIdentity:
 
 
 class Agent:
-    def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer) -> None:
+    def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
+                 slurm_job: JobRecord | None = None) -> None:
         self.ident, self.channel, self.config, self.peer = ident, channel, config, peer
         self.wrapper_pid = peer.pid
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
+        # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
+        self.slurm_job = slurm_job
+        self.instance = None if slurm_job is None else JobInstance(
+            ident.cluster, ident.job, ident.uid, ident.gid, slurm_job.submit_time, ident.restart_count)
+        self.store_note = claim(self.store, self.instance) if self.instance else None
+        if self.store_note:
+            log.warning("%s", self.store_note)
         name = f"{ident.job}.{ident.step}.{ident.rank}.{ident.restart_count}"
         self.freezer = Freezer.for_task(config.freezer_root, name)
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
@@ -126,14 +136,33 @@ class Agent:
         """What this task should do: the committed epochs that hold it, newest first."""
         me = rank_name(self.ident.step, self.ident.rank)
         try:
-            epochs = self.store.committed()
+            why_not = self._not_restorable()
+            epochs = [] if why_not is not None else self.store.committed()
         except StorageError as e:
+            why_not, epochs = str(e), []
+        if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
-                    "warning": str(e), "tree_procs": str(self.freezer.path / "cgroup.procs")}
+                    **({"warning": why_not} if why_not else {}),
+                    "tree_procs": str(self.freezer.path / "cgroup.procs")}
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
+        notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
-                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.freezer.path / "cgroup.procs")}
+                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.freezer.path / "cgroup.procs"),
+                **({"warning": notes[0]} if notes else {})}
+
+    def _not_restorable(self) -> str | None:
+        """None when this task may restore the store's images; else why not ("" for a first run with
+        nothing to say). Images are bound to the job instance that wrote them (instance.py)."""
+        if self.instance is None:
+            return (f"checkpoints of job {self.ident.job} are not restored: slurmckpt could not learn the "
+                    "job's instance (uid, gid, submit time) from Slurm")
+        if self.ident.restart_count == 0:       # a job that was never requeued has nothing to restore
+            return "; ".join([self.store_note] if self.store_note else moved_aside_notes(self.store)[-1:])
+        why = mismatch(self.store.read_manifest().get("instance"), self.instance)
+        if why:
+            return f"checkpoints of job {self.ident.job} are not restored: {why}"
+        return None
 
     def op_launch(self, m: dict, fds: list[int]) -> dict:
         if self.pipeline.root_pid:
@@ -175,22 +204,47 @@ class Agent:
     def op_commit(self, m: dict, fds: list[int]) -> dict:
         ranks = validate.commit_ranks(m.get("ranks"))
         reason = validate.label(m.get("reason", "unknown"), "reason")
+        # A foreign store copied in meanwhile is moved aside; without a known instance the commit stays
+        # unbound, which no restore accepts (and the next bound agent moves aside).
+        note = claim(self.store, self.instance, keep_epoch=_epoch(m)) if getattr(self, "instance", None) else None
+        if note:
+            log.warning("%s", note)
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
         return {}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:
+        why_not = self._not_restorable()
+        if why_not is not None or not any(e["epoch"] == _epoch(m) for e in self.store.committed()):
+            raise StorageError(why_not or f"epoch {_epoch(m)} is not a committed checkpoint of this job")
         if self.pipeline.root_pid:
             raise PermissionDenied("a tree is already running for this task")
         if len(fds) != 3:
             raise ProtocolError("restore needs the 3 stdio fds")
         init_home(self.config.run_dir, self._task_name, self._task_credentials())
-        self.pipeline.gpu.visible_devices = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES")
+        self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()
         start = time.monotonic()
         pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
         return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
+
+    def _allocated_gpus(self) -> tuple[str, str]:
+        """The GPUs this task restores onto: Slurm's allocation of the job on this node (indices in gres.conf
+        File= order, i.e. /dev/nvidiaN order = PCI bus order), never the wrapper's environment. A step that
+        narrows them with CUDA_VISIBLE_DEVICES to allocated indices keeps its narrowing; any other value is
+        ignored (a user naming a GPU of another job changes nothing)."""
+        node = socket.gethostname()
+        gpus = self.slurm_job.gpus if self.slurm_job else {}
+        allocated = gpus.get(node, gpus.get(node.split(".")[0], []))
+        claimed = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
+        items = [s.strip() for s in claimed.split(",") if s.strip()]
+        narrowed = bool(items) and all(s.isdigit() and int(s) in allocated for s in items) \
+            and len(set(items)) == len(items)
+        chosen = [int(s) for s in items] if narrowed else allocated
+        log.info("GPUs for restore from Slurm's allocation on %s: %s; used: %s (wrapper's CUDA_VISIBLE_DEVICES "
+                 "%r %s)", node, allocated, chosen, claimed[:64], "narrows it" if narrowed else "not used")
+        return ",".join(str(i) for i in chosen), "PCI_BUS_ID"
 
     def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
         """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
@@ -264,6 +318,24 @@ def _restart_count(job: int) -> int:
         return 0
 
 
+def _slurm_job(job: int, uid: int, gid: int, attempts: int = 3) -> JobRecord | None:
+    """The job as slurmctld knows it; None (restore and commit refused) if it cannot say, or names another
+    owner than the shim's argv."""
+    for attempt in range(attempts):
+        try:
+            record = job_record(job)
+        except SlurmckptError as e:
+            log.warning("scontrol show job %d (attempt %d): %s", job, attempt + 1, e)
+            time.sleep(1 + attempt)
+            continue
+        if (record.uid, record.gid) != (uid, gid):
+            log.error("Slurm says job %d belongs to uid %d gid %d, the shim said %d/%d: not bound", job,
+                      record.uid, record.gid, uid, gid)
+            return None
+        return record
+    return None
+
+
 def run_agent(fd: int, job: int, step: str, rank: int, uid: int, gid: int, restart_count: int,
               init: str | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
@@ -278,9 +350,12 @@ def run_agent(fd: int, job: int, step: str, rank: int, uid: int, gid: int, resta
     logging.basicConfig(filename=f"{config.log_dir}/agent-{job}.{step}.{rank}.log", level=logging.INFO,
                         format=f"%(asctime)s %(name)s job={job} step={step} rank={rank} pid=%(process)d "
                                "%(levelname)s %(message)s")
-    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT: ask slurmctld, by the trusted job id.
-    restart_count = restart_count or _restart_count(job)
+    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT (and its squeue --json says restart_cnt 0
+    # after a requeue): ask slurmctld, by the trusted job id.
+    slurm_job = _slurm_job(job, uid, gid)
+    restart_count = max(restart_count, slurm_job.restarts) if slurm_job else (restart_count or _restart_count(job))
     ident = TaskIdentity(cluster_name(), job, step, rank, uid, gid, restart_count)
-    agent = Agent(ident, Channel.from_fd(fd), config, Peer.parent())
+    agent = Agent(ident, Channel.from_fd(fd), config, Peer.parent(), slurm_job)
+    log.info("job instance from Slurm: %s; restart count %d", slurm_job, restart_count)
     log.info("agent up for wrapper pid %d", agent.wrapper_pid)
     agent.serve()

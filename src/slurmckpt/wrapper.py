@@ -124,6 +124,8 @@ class Wrapper:
 
     def _start(self, plan: dict) -> None:
         stdio = [0, 1, 2]
+        if plan.get("warning"):        # the agent's word on what it will not restore, and why
+            say(self.env, str(plan["warning"]))
         for candidate in plan["candidates"]:
             kind, epoch = candidate["kind"], candidate["epoch"]
             if kind == "completed":

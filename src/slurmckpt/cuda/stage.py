@@ -279,8 +279,9 @@ class NullGpuStage:
 class PipelineGpu:
     """slurmckpt.gpu.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
     lock(pids) picks the CUDA stage or the null one; restore(record, pids) remaps onto the GPUs visible now:
-    `visible_devices` is the new task's CUDA_VISIBLE_DEVICES (the agent reads it from the wrapper's
-    environment; the restored processes still carry the old value); None: the value recorded at capture."""
+    `visible_devices` is the new task's GPU list in CUDA_VISIBLE_DEVICES form (the agent takes it from Slurm's
+    allocation, with `device_order` PCI_BUS_ID; the restored processes still carry the old value); None: the
+    value recorded at capture."""
 
     def __init__(self, lock_timeout_ms: int = 2000, *, driver_factory: Callable[[], GpuDriver] = load_driver,
                  proc: str = "/proc", nccl_env_required: bool = True, context: dict[str, Any] | None = None):
@@ -288,6 +289,7 @@ class PipelineGpu:
         self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
         self.stage: GpuStage | NullGpuStage = NullGpuStage()
         self.visible_devices: str | None = None
+        self.device_order: str | None = None      # set with visible_devices (the agent: Slurm's index order)
 
     def lock(self, pids: list[int]) -> None:
         self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory, proc=self.proc,
@@ -317,7 +319,7 @@ class PipelineGpu:
         stage = GpuStage.adopt_restored(driver, record, pids, self.proc, self.context)
         env = process_environ(stage.pids[0], self.proc) if stage.pids else {}
         cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
-        now = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
+        now = visible_gpus(driver.devices(), cvd, self.device_order or env.get("CUDA_DEVICE_ORDER"))
         pairs = build_pairs(stage.gpus, now)
         self.stage = stage
         stage.restore_all(pairs)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from slurmckpt.errors import SlurmError
@@ -93,3 +95,82 @@ def default_control() -> SlurmControl:
     if shutil.which("scontrol") is None:
         raise SlurmError("scontrol not found: Slurm client tools are required")
     return CliSlurm()
+
+
+# ---- `scontrol show job -d -o`: the job's instance and its GPU allocation, by the trusted job id ----------
+@dataclass(frozen=True)
+class JobRecord:
+    """What the root side takes from slurmctld about a job (never from the job's environment).
+    `submit_time` is Slurm's SubmitTime as printed (reset by every requeue); `gpus` maps node name -> the
+    GPU indices (gres.conf File= order) allocated to the job there."""
+    job: int
+    uid: int
+    gid: int
+    submit_time: str
+    restarts: int
+    state: str
+    gpus: dict[str, list[int]]
+
+
+_GRES_IDX = re.compile(r"(?:^|,)gpu(?::[^:(,]+)?:\d+\(IDX:([^)]*)\)")
+_NODE_ALLOC = re.compile(r"\bNodes=(\S+)\s+CPU_IDs=\S*\s+Mem=\S*\s+GRES=(\S*)")
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """node[1-3,5],gpu7 -> node1 node2 node3 node5 gpu7 (Slurm's hostlist syntax, one bracket per name)."""
+    out: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", expr):
+        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
+        if not prefix:
+            continue
+        if ranges is None:
+            out.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{prefix}{i:0{width}d}{suffix}")
+    return out
+
+
+def parse_indices(text: str) -> list[int]:
+    """0-1,3 -> [0, 1, 3]"""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def parse_gpu_allocation(text: str) -> dict[str, list[int]]:
+    """Per-node GPU indices of `scontrol show job -d` (either layout: one line or many). Shapes seen:
+    22.05 `Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)`; 24.11 `Nodes=gpu[01-02] CPU_IDs=0-3 Mem=1024
+    GRES=gpu:a100:2(IDX:0-1)`; several types `GRES=gpu:a100:1(IDX:0),gpu:v100:1(IDX:2)`; none: `GRES=`."""
+    out: dict[str, list[int]] = {}
+    for nodes, gres in _NODE_ALLOC.findall(text):
+        idx = sorted({i for m in _GRES_IDX.finditer(gres) for i in parse_indices(m.group(1))})
+        for node in expand_hostlist(nodes):
+            out[node] = idx
+    return out
+
+
+def parse_job_record(text: str, job_id: int) -> JobRecord:
+    def field(name: str) -> str:
+        m = re.search(rf"(?:^|\s){name}=(\S*)", text)
+        if not m:
+            raise SlurmError(f"scontrol show job has no {name}", job=job_id)
+        return m.group(1)
+
+    if field("JobId") != str(job_id):
+        raise SlurmError(f"scontrol show job answered for job {field('JobId')}", job=job_id)
+    uid, gid = re.search(r"\((\d+)\)", field("UserId")), re.search(r"\((\d+)\)", field("GroupId"))
+    if not uid or not gid:
+        raise SlurmError("scontrol show job: UserId/GroupId without a number", job=job_id)
+    return JobRecord(job_id, int(uid.group(1)), int(gid.group(1)), field("SubmitTime"),
+                     int(field("Restarts")), field("JobState"), parse_gpu_allocation(text))
+
+
+def job_record(job_id: int, timeout_s: float = 20.0) -> JobRecord:
+    """The job as slurmctld knows it (the one call the root agent makes to learn its job's instance)."""
+    return parse_job_record(CliSlurm(timeout_s)._run("scontrol", "show", "job", "-d", "-o", str(job_id)), job_id)

@@ -1,0 +1,220 @@
+"""Images bound to the job instance (instance.py), Slurm's view of the job (slurm/control.py parsers: real
+`scontrol show job -d` shapes of 22.05 and 24.11), and the same-job filter of the pre-capture checks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurmckpt import instance, ipc
+from slurmckpt.instance import JobInstance, claim, mismatch
+from slurmckpt.slurm.control import expand_hostlist, parse_gpu_allocation, parse_job_record
+from slurmckpt.storage import JobStore
+
+# scontrol show job -d 43 on this cluster (Slurm 22.05.8), multi-line layout
+SCONTROL_2205 = """JobId=43 JobName=t.sh
+   UserId=ckptuser1(1001) GroupId=ckptuser1(1001) MCS_label=N/A
+   Priority=4294901707 Nice=0 Account=(null) QOS=normal
+   JobState=RUNNING Reason=None Dependency=(null)
+   Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0
+   SubmitTime=2026-12-03T11:26:17 EligibleTime=2026-12-03T11:26:17
+   NodeList=node1
+   BatchHost=node1
+   NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
+   TRES=cpu=1,node=1,billing=1
+   JOB_GRES=gpu:1
+     Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)
+   MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0
+   TresPerNode=gres:gpu:1
+"""
+# the one-line layout (-o) of the same job
+SCONTROL_2205_ONELINE = " ".join(l.strip() for l in SCONTROL_2205.splitlines())
+# Slurm 24.11 (Debian 13), typed GPUs on a node range, a second node group, a requeued job
+SCONTROL_2411 = """JobId=5120 JobName=train
+   UserId=alice(2001) GroupId=ml(3000) MCS_label=N/A
+   JobState=RUNNING Reason=None Dependency=(null)
+   Requeue=1 Restarts=2 BatchFlag=1 Reboot=0 ExitCode=0:0
+   SubmitTime=2026-11-30T08:15:02 EligibleTime=2026-11-30T08:17:02
+   NodeList=gpu[01-03]
+   NumNodes=3 NumCPUs=24 NumTasks=3 CPUs/Task=8 ReqB:S:C:T=0:0:*:*
+   JOB_GRES=gpu:a100:6
+     Nodes=gpu[01-02] CPU_IDs=0-7 Mem=65536 GRES=gpu:a100:2(IDX:0-1)
+     Nodes=gpu03 CPU_IDs=8-15 Mem=65536 GRES=gpu:a100:1(IDX:1),gpu:v100:1(IDX:3)
+   MinCPUsNode=8 MinMemoryNode=64G MinTmpDiskNode=0
+"""
+NO_GPU = """JobId=7 JobName=x
+   UserId=bob(1002) GroupId=bob(1002) MCS_label=N/A
+   JobState=RUNNING Reason=None Dependency=(null)
+   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0
+   SubmitTime=2026-12-03T10:00:00 EligibleTime=2026-12-03T10:00:10
+     Nodes=node2 CPU_IDs=0 Mem=0 GRES=
+"""
+
+
+def test_job_record_22_05_both_layouts() -> None:
+    for text in (SCONTROL_2205, SCONTROL_2205_ONELINE):
+        r = parse_job_record(text, 43)
+        assert (r.uid, r.gid, r.submit_time, r.restarts, r.state) == (1001, 1001, "2026-12-03T11:26:17", 0, "RUNNING")
+        assert r.gpus == {"node1": [0]}
+
+
+def test_job_record_24_11_typed_gpus_node_ranges() -> None:
+    r = parse_job_record(SCONTROL_2411, 5120)
+    assert (r.uid, r.gid, r.restarts) == (2001, 3000, 2)
+    assert r.gpus == {"gpu01": [0, 1], "gpu02": [0, 1], "gpu03": [1, 3]}
+
+
+def test_job_record_without_gpus_and_of_another_job() -> None:
+    assert parse_job_record(NO_GPU, 7).gpus == {"node2": []}
+    with pytest.raises(Exception, match="answered for job 43"):
+        parse_job_record(SCONTROL_2205, 44)
+
+
+def test_numnodes_is_not_a_node_allocation_and_hostlists_expand() -> None:
+    assert parse_gpu_allocation("NumNodes=1 NumCPUs=1") == {}
+    assert expand_hostlist("node[1-3,5],gpu07,n[08-10]") == ["node1", "node2", "node3", "node5", "gpu07",
+                                                             "n08", "n09", "n10"]
+
+
+def _me(uid: int = 1001, submit: str = "2026-12-03T11:26:17", restarts: int = 0, gid: int = 1001) -> JobInstance:
+    return JobInstance("c", 43, uid, gid, submit, restarts)
+
+
+def _store(tmp_path: Path) -> JobStore:
+    store = JobStore(tmp_path, "c", 43)
+    store.ensure()
+    return store
+
+
+def _foreign_epoch(store: JobStore, epoch: int = 1) -> None:
+    (store.rank_dir(epoch, "batch", 0)).mkdir(parents=True)
+    manifest = json.loads((store.job_dir / "manifest.json").read_text())
+    manifest["epochs"].append({"epoch": epoch, "ranks": {"batch.0": {"kind": "image"}}})
+    (store.job_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_first_write_binds_and_the_same_instance_is_accepted(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    assert claim(store, _me()) is None
+    assert store.read_manifest()["instance"] == {"cluster": "c", "job": 43, "uid": 1001, "gid": 1001,
+                                                 "submit_time": "2026-12-03T11:26:17"}
+    _foreign_epoch(store)
+    assert claim(store, _me()) is None                                  # another rank of the same run
+    # requeued: Slurm reset SubmitTime to the requeue's time; the store keeps the first run's
+    later = _me(submit="2026-12-03T11:40:00", restarts=1)
+    assert claim(store, later) is None and store.committed()
+    assert store.read_manifest()["instance"]["submit_time"] == "2026-12-03T11:26:17"
+
+
+@pytest.mark.parametrize("intruder, why", [
+    (_me(uid=1002, restarts=1, submit="2026-12-03T12:00:00"), "uid 1001"),
+    (_me(gid=1002, restarts=1, submit="2026-12-03T12:00:00"), "gid 1001"),
+    (_me(submit="2026-12-03T12:00:00", restarts=0), "earlier job with the same id"),
+    (_me(submit="2026-12-03T11:00:00", restarts=1), "submitted later"),
+])
+def test_a_store_of_another_instance_is_moved_aside_and_never_offered(tmp_path: Path, intruder: JobInstance,
+                                                                      why: str) -> None:
+    store = _store(tmp_path)
+    claim(store, _me())
+    _foreign_epoch(store)
+    assert why in mismatch(store.read_manifest()["instance"], intruder)
+    note = claim(store, intruder)
+    assert note and why in note and "moved aside" in note
+    assert store.committed() == [] and not store.epoch_dir(1).exists()
+    assert store.read_manifest()["instance"]["uid"] == intruder.uid
+    stale = list((tmp_path / "c").glob(".stale-43-*"))
+    assert len(stale) == 1 and (stale[0] / "epoch-000001" / "batch.0").is_dir()
+    assert instance.moved_aside_notes(store) == [note]
+    assert claim(store, intruder) is None                               # now it is the intruder's own
+
+
+def test_an_unbound_store_with_content_is_not_trusted(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    (store.job_dir / "manifest.json").write_text(json.dumps(
+        {"version": 1, "job": 43, "cluster": "c", "epochs": [{"epoch": 1, "ranks": {}}]}))
+    assert "no job-instance binding" in claim(store, _me(restarts=1))
+    assert store.committed() == []
+
+
+def test_a_store_copied_in_during_a_run_keeps_the_epoch_being_committed(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    claim(store, _me(uid=1002))                # the old job's store, copied over the new job's
+    _foreign_epoch(store, 1)
+    store.rank_dir(2, "batch", 0).mkdir(parents=True)     # the new job's own images of epoch 2
+    (store.rank_dir(2, "batch", 0) / "rank.json").write_text("{}")
+    note = claim(store, _me(restarts=0), keep_epoch=2)
+    assert note and "uid 1002" in note
+    assert (store.rank_dir(2, "batch", 0) / "rank.json").exists() and not store.epoch_dir(1).exists()
+    assert store.commit(2, {"batch.0": {"kind": "image"}}, "interval", 2)["instance"]["uid"] == 1001
+
+
+def test_pre_capture_checks_see_only_trees_of_the_same_job(tmp_path: Path) -> None:
+    for name, pids in (("43.batch.0.0", "10"), ("43.0.1.0", "11 12"), ("77.batch.0.0", "20"), ("x", "30")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cgroup.procs").write_text(pids)
+    assert ipc.job_trees(tmp_path / "43.batch.0.0", "43") == {11: "43.0.1.0", 12: "43.0.1.0"}
+    assert set(ipc.other_trees(tmp_path / "43.batch.0.0")) == {11, 12, 20, 30}
+
+
+def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
+    from types import SimpleNamespace
+
+    from slurmckpt.agent import Agent, TaskIdentity
+    from slurmckpt.slurm.control import JobRecord
+    a = object.__new__(Agent)
+    a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
+    a.store = _store(tmp_path)
+    a.instance, a.store_note = me, (claim(a.store, me) if me else None)
+    a.freezer = SimpleNamespace(path=tmp_path / "cg")
+    a.wrapper_pid = 0
+    a.pipeline = SimpleNamespace(root_pid=None)
+    a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
+    return a
+
+
+def _commit_foreign(a, uid: int) -> None:
+    manifest = a.store.read_manifest()
+    manifest["instance"]["uid"] = uid
+    (a.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
+    _foreign_epoch(a.store)
+
+
+def test_plan_offers_nothing_to_a_job_that_was_never_requeued(tmp_path: Path) -> None:
+    a = _agent(tmp_path, _me(restarts=0))
+    _foreign_epoch(a.store)                 # even images bound to this very instance
+    assert a.op_plan({}, [])["candidates"] == []
+    from slurmckpt.errors import StorageError
+    with pytest.raises(StorageError):
+        a.op_restore({"epoch": 1}, [0, 1, 2])
+
+
+def test_plan_and_restore_refuse_images_bound_to_another_uid(tmp_path: Path) -> None:
+    from slurmckpt.errors import StorageError
+    a = _agent(tmp_path, _me(restarts=1))
+    _commit_foreign(a, 1002)
+    plan = a.op_plan({}, [])
+    assert plan["candidates"] == [] and "uid 1002" in plan["warning"]
+    with pytest.raises(StorageError, match="uid 1002"):
+        a.op_restore({"epoch": 1}, [0, 1, 2])
+    b = _agent(tmp_path / "b", _me(restarts=1))
+    _foreign_epoch(b.store)
+    assert [c["epoch"] for c in b.op_plan({}, [])["candidates"]] == [1]
+
+
+def test_plan_refuses_when_slurm_did_not_say_who_the_job_is(tmp_path: Path) -> None:
+    a = _agent(tmp_path, None)
+    assert "could not learn" in a.op_plan({}, [])["warning"]
+
+
+def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    from slurmckpt import agent as agent_mod
+    a = _agent(tmp_path, _me(restarts=1), gpus={socket.gethostname(): [0, 2]})
+    for claimed, used in (("1", "0,2"), ("", "0,2"), ("2", "2"), ("2,0", "2,0"), ("0,0", "0,2"),
+                          ("GPU-abc", "0,2"), ("3,0", "0,2")):
+        monkeypatch.setattr(agent_mod, "_environ_of", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
+        assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
+    a.slurm_job = None
+    assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
