@@ -165,7 +165,8 @@ def list_cmd(as_json: bool) -> None:
         return
     click.echo(f"{'CLUSTER':<12} {'JOB':>8} {'EPOCH':>6} {'REASON':<15} {'RANKS':>5}")
     for r in rows:
-        click.echo(f"{shown(r['cluster']):<12} {r['job']:>8} {r['epoch']:>6} {shown(r['reason']):<15} {r['ranks']:>5}")
+        click.echo(f"{shown(r['cluster']):<12} {r['job']:>8} {r['epoch']:>6} {shown(r['reason']):<15} "
+                   f"{r['ranks']:>5}")
 
 
 @cli.command()

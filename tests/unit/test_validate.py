@@ -69,7 +69,8 @@ def test_step_and_rank_index():
             validate.rank_index(bad)
 
 
-@pytest.mark.parametrize("bad", ["0.0.0.0.0", "evil.example", "", "::1%lo", "0.0.0.0", "224.0.0.1", "1.2.3", "1" * 100, 1, None])
+@pytest.mark.parametrize("bad", ["0.0.0.0.0", "evil.example", "", "::1%lo", "0.0.0.0", "224.0.0.1", "1.2.3",
+                                 "1" * 100, 1, None])
 def test_ip_address(bad):
     with pytest.raises(ProtocolError, match="host"):
         validate.ip_address(bad)
