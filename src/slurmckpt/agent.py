@@ -27,7 +27,7 @@ from slurmckpt import watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
-from slurmckpt.slurm.control import JobRecord, job_record
+from slurmckpt.slurm.control import JobRecord, job_record, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt import validate
 
@@ -234,9 +234,9 @@ class Agent:
         File= order, i.e. /dev/nvidiaN order = PCI bus order), never the wrapper's environment. A step that
         narrows them with CUDA_VISIBLE_DEVICES to allocated indices keeps its narrowing; any other value is
         ignored (a user naming a GPU of another job changes nothing)."""
-        node = socket.gethostname()
         gpus = self.slurm_job.gpus if self.slurm_job else {}
-        allocated = gpus.get(node, gpus.get(node.split(".")[0], []))
+        node = this_node(sorted(gpus), socket.gethostname()) or socket.gethostname()
+        allocated = gpus.get(node, [])
         claimed = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
         items = [s.strip() for s in claimed.split(",") if s.strip()]
         narrowed = bool(items) and all(s.isdigit() and int(s) in allocated for s in items) \

@@ -48,7 +48,7 @@ def mismatch(bound: object, me: JobInstance) -> str | None:
     """Why the store bound to `bound` (the manifest's "instance") is not this instance's, or None."""
     if not isinstance(bound, dict):
         return "the store carries no job-instance binding (written by an older slurmckpt or not by an agent)"
-    for key in ("cluster", "job", "uid", "gid"):
+    for key in ("uid", "gid", "cluster", "job"):
         if bound.get(key) != getattr(me, key):
             return (f"its images were written by another job instance ({key} {bound.get(key)!r}, this job has "
                     f"{getattr(me, key)!r})")

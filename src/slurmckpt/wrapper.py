@@ -95,6 +95,8 @@ class Wrapper:
         if self.member.supervisor:
             self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
+        if plan.get("warning"):   # the agent's word on what it did not restore; after a restore rewrote the output
+            say(self.env, str(plan["warning"]))
         code = self._supervise(wake_r)
         self.member.stop()
         with self.agent_lock:
@@ -124,8 +126,6 @@ class Wrapper:
 
     def _start(self, plan: dict) -> None:
         stdio = [0, 1, 2]
-        if plan.get("warning"):        # the agent's word on what it will not restore, and why
-            say(self.env, str(plan["warning"]))
         for candidate in plan["candidates"]:
             kind, epoch = candidate["kind"], candidate["epoch"]
             if kind == "completed":

@@ -218,3 +218,29 @@ def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monke
         assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
     a.slurm_job = None
     assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
+
+
+FIB_TRIE = """Main:
+  +-- 0.0.0.0/0 3 0 5
+     |-- 10.77.0.0
+        /24 link UNICAST
+     |-- 10.77.0.2
+        /32 host LOCAL
+     |-- 10.77.0.255
+        /32 link BROADCAST
+     |-- 127.0.0.1
+        /32 host LOCAL
+"""
+
+
+def test_the_node_is_found_by_name_or_by_its_address_never_from_the_environment(tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    from slurmckpt.slurm import control
+    (tmp_path / "fib").write_text(FIB_TRIE)
+    assert control._local_addresses(str(tmp_path / "fib")) == {"10.77.0.2", "127.0.0.1"}
+    assert control.this_node(["node1", "node2"], "node2.cluster") == "node2"
+    monkeypatch.setattr(control.CliSlurm, "_run", lambda self, *cmd: (
+        "NodeName=node1 Arch=x86_64 NodeAddr=10.77.0.1 NodeHostName=vm Version=22.05.8\n"
+        "NodeName=node2 Arch=x86_64 NodeAddr=10.77.0.2 NodeHostName=vm Version=22.05.8\n"))
+    assert control.this_node(["node1", "node2"], "vm", local={"10.77.0.2", "127.0.0.1"}) == "node2"
+    assert control.this_node([], "vm") is None

@@ -174,3 +174,38 @@ def parse_job_record(text: str, job_id: int) -> JobRecord:
 def job_record(job_id: int, timeout_s: float = 20.0) -> JobRecord:
     """The job as slurmctld knows it (the one call the root agent makes to learn its job's instance)."""
     return parse_job_record(CliSlurm(timeout_s)._run("scontrol", "show", "job", "-d", "-o", str(job_id)), job_id)
+
+
+def _local_addresses(fib_trie: str = "/proc/net/fib_trie") -> set[str]:
+    """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host)."""
+    try:
+        lines = open(fib_trie).read().splitlines()
+    except OSError:
+        return set()
+    return {lines[i - 1].split()[-1] for i, line in enumerate(lines)
+            if i and line.strip() == "/32 host LOCAL" and lines[i - 1].strip().startswith("|--")}
+
+
+def this_node(candidates: list[str], hostname: str, local: set[str] | None = None,
+              timeout_s: float = 20.0) -> str | None:
+    """Which of the job's nodes this process runs on: by NodeName or NodeHostname first, else by NodeAddr
+    among the local addresses (never from the job's environment, SLURMD_NODENAME included)."""
+    if not candidates:
+        return None
+    short = hostname.split(".")[0]
+    if hostname in candidates or short in candidates:
+        return hostname if hostname in candidates else short
+    try:
+        text = CliSlurm(timeout_s)._run("scontrol", "show", "node", "-o", ",".join(candidates))
+    except SlurmError:
+        return None
+    local = _local_addresses() if local is None else local
+    nodes = [(n.group(1), a.group(1) if a else "", h.group(1) if h else "")
+             for line in text.splitlines() if (n := re.search(r"NodeName=(\S+)", line))
+             for a, h in [(re.search(r"\bNodeAddr=(\S+)", line), re.search(r"\bNodeHost[Nn]ame=(\S+)", line))]]
+    by_addr = [name for name, addr, _ in nodes if addr in local]
+    by_host = [name for name, _, host in nodes if host in (hostname, short)]
+    for found in (by_addr, by_host):        # one answer or none: several nodes may share a host name
+        if len(found) == 1:
+            return found[0]
+    return None
