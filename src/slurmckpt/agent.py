@@ -220,8 +220,8 @@ class Agent:
             raise StorageError(why_not or f"epoch {_epoch(m)} is not a committed checkpoint of this job")
         if self.pipeline.root_pid:
             raise PermissionDenied("a tree is already running for this task")
-        if len(fds) != 3:
-            raise ProtocolError("restore needs the 3 stdio fds")
+        if len(fds) not in (3, 4):
+            raise ProtocolError("restore needs the 3 stdio fds (and the batch script's, for a batch step)")
         init_home(self.config.run_dir, self._task_name, self._task_credentials())
         self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()
         start = time.monotonic()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import stat
@@ -199,6 +200,9 @@ def _record(p: RankPipeline, epoch: int) -> None:
                   for t in stdio],
         "truncate": [] if replay else [{"path": k, "size": t.size, "ino": t.ino}
                                        for k, t in proctree.written_files(pids, outputs).items()],
+        # The batch shell reads its script from the node's spool (<SlurmdSpoolDir>/jobNNNNN/slurm_script),
+        # which is elsewhere on another node: restored from the new start's script fd (same content).
+        "batch_script": [] if replay or p.step != "batch" else _batch_script_fds(pids, p.store.job),
         "processes": len(pids), "node": socket.gethostname(), "uid": p.creds.uid,
         "gpu": p.gpu_record,
         # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
@@ -208,6 +212,21 @@ def _record(p: RankPipeline, epoch: int) -> None:
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
     os.chmod(rdir.parent, 0o700)
+
+
+SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
+
+
+def _batch_script_fds(pids: list[int], job: int) -> list[dict]:
+    """The tree's fds on this job's spooled batch script: criu key and file position (bash reads its
+    script through such an fd as it goes; the restored one must continue where it was)."""
+    found: dict[str, int] = {}
+    for pid in pids:
+        for t in proctree.open_files(pid):
+            m = SCRIPT_RE.search(t.link)
+            if m and int(m.group(1)) == job and t.criu_key not in found:
+                found[t.criu_key] = proctree.fd_position(pid, t.fd)
+    return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
 
 
 def _gpu_checkpoint(p: RankPipeline, epoch: int) -> None:
@@ -331,6 +350,12 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
             continue
         seen.add(entry["key"])
         inherit.append(InheritedFd(entry["key"], stdio[entry["fd"]]))
+    if manifest.get("batch_script"):
+        if len(stdio) < 4:
+            raise RestoreError("the batch script is open in the checkpoint, but this start passed no script fd")
+        for entry in manifest["batch_script"]:   # one file, one key: every fd on it shares this position
+            os.lseek(stdio[3], entry["pos"], os.SEEK_SET)
+            inherit.append(InheritedFd(entry["key"], stdio[3]))
     work = Path(p.store.job_dir) / f".restore-{p.step}.{p.rank}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(mode=0o700)

@@ -90,6 +90,22 @@ def fd_target(pid: int, fd: int) -> FdTarget | None:
 O_PATH = 0o10000000
 
 
+def fd_position(pid: int, fd: int) -> int:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            return int(next(l for l in f if l.startswith("pos:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def open_files(pid: int) -> list[FdTarget]:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    return [t for name in names if (t := fd_target(pid, int(name)))]
+
+
 def written_files(pids: list[int], exclude: set[str]) -> dict[str, FdTarget]:
     """Regular files open for writing anywhere in the tree: path -> what the fd names now (the tree is
     frozen)."""

@@ -136,7 +136,7 @@ class Wrapper:
             self._started("restore")
             try:
                 t0 = time.monotonic()
-                reply = self.call("restore", stdio, epoch=epoch)
+                reply = self._restore(stdio, epoch)
             except SlurmckptError as e:
                 if self._shares_cut():
                     self._withdraw(epoch, e)
@@ -157,6 +157,20 @@ class Wrapper:
             say(self.env, "no checkpoint could be restored: starting the task from the beginning")
         self._started("run")
         self._launch(relay=False)
+
+    def _restore(self, stdio: list[int], epoch: int) -> dict:
+        """The batch step also hands over its script (the spool path differs on another node)."""
+        script = -1
+        if self.env.step == "batch" and self.argv:
+            try:
+                script = os.open(self.argv[0], os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                script = -1
+        try:
+            return self.call("restore", stdio + ([script] if script >= 0 else []), epoch=epoch)
+        finally:
+            if script >= 0:
+                os.close(script)
 
     def _shares_cut(self) -> bool:
         """Other ranks restore the same epoch: falling back alone would leave the job at no common cut."""

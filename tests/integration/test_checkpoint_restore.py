@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import job_field, run, submit, workdir
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from zdtm import expected_lines  # noqa: E402
@@ -126,3 +126,23 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
     assert manifest["kind"] == "image"
     listed = json.loads(run("/opt/slurmckpt/venv/bin/slurmckpt", "list", "--json").stdout)
     assert any(r["job"] == job.id for r in listed)
+
+
+def test_batch_script_restored_on_another_node_continues_where_it_was() -> None:
+    """The batch shell reads its script from the node's spool directory: restored on another node, it
+    reads the new start's copy from the same position (the preamble does not run again, the epilogue
+    runs once)."""
+    wd = workdir(USER, "elsewhere")
+    job = submit(USER, wd, "#!/bin/bash\n" + PREAMBLE +
+                 "python3 zdtm.py --steps 150 --sleep 0.2 --tag main --data data.txt\necho epilogue\n",
+                 "-w", "node1", "--checkpoint-interval=10s")
+    job.wait_output(r"committed \(interval\)")
+    run("scontrol", "requeuehold", str(job.id))
+    job.wait_for(lambda: job.state() == "PENDING", "the requeue-hold", 120)
+    run("scontrol", "update", f"JobId={job.id}", "NumNodes=1", "ReqNodeList=node2")
+    run("scontrol", "release", str(job.id))
+    job.wait_output(r"restored from checkpoint epoch")
+    assert job_field(job.id, "NodeList") == "node2"
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == ["preamble", *expected_lines("main", 150), "epilogue"]
+    assert len((wd / "preamble.log").read_text().splitlines()) == 1, "the batch preamble ran again"
