@@ -318,15 +318,15 @@ def _restart_count(job: int) -> int:
         return 0
 
 
-def _slurm_job(job: int, uid: int, gid: int, attempts: int = 3) -> JobRecord | None:
-    """The job as slurmctld knows it; None (restore and commit refused) if it cannot say, or names another
-    owner than the shim's argv."""
+def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | None:
+    """The job as slurmctld knows it; None (nothing restored, commits stay unbound) if it cannot say, or
+    if it names another owner than the shim's argv."""
     for attempt in range(attempts):
         try:
             record = job_record(job)
         except SlurmckptError as e:
             log.warning("scontrol show job %d (attempt %d): %s", job, attempt + 1, e)
-            time.sleep(1 + attempt)
+            time.sleep(0.5)
             continue
         if (record.uid, record.gid) != (uid, gid):
             log.error("Slurm says job %d belongs to uid %d gid %d, the shim said %d/%d: not bound", job,
