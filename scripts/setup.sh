@@ -47,6 +47,8 @@ PACKAGES=(
   # CRIU build dependencies (DESIGN.md)
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
   libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev libnftables-dev libbsd-dev uuid-dev
+  # Real programs the integration tests run (tests/integration/test_programs.py)
+  gromacs
 )
 
 missing_packages() {
@@ -319,9 +321,13 @@ step_slurm_config() {
   step_start "Slurm config in $SLURM_ETC (NODES=$NODES)"
   local d
   for d in state spool log dev; do install -d -m 0755 "$CLUSTER_DIR/$d"; done
-  # Fake GPUs: character devices like /dev/null (c 1 3); gres/gpu needs File= entries.
+  # Fake GPUs: character devices with NVIDIA's numbers (c 195 N; no driver: opening them fails). gres/gpu
+  # needs File= entries, and ConstrainDevices denies the unallocated ones: with /dev/null's numbers that
+  # would deny /dev/null to every job.
   for d in 0 1; do
-    [ -c "$CLUSTER_DIR/dev/nvidia$d" ] || { rm -f "$CLUSTER_DIR/dev/nvidia$d"; mknod -m 0666 "$CLUSTER_DIR/dev/nvidia$d" c 1 3; }
+    if [ "$(stat -c '%t:%T' "$CLUSTER_DIR/dev/nvidia$d" 2>/dev/null)" != "c3:$d" ]; then
+      rm -f "$CLUSTER_DIR/dev/nvidia$d"; mknod -m 0666 "$CLUSTER_DIR/dev/nvidia$d" c 195 "$d"
+    fi
   done
 
   # Hardware of this machine, as slurmd sees it.
@@ -335,8 +341,8 @@ step_slurm_config() {
     boards=1 sockets=1 cores=$cpus threads=1
   fi
   # RealMemory: 90% of MemTotal rounded down to whole GiB, split between the nodes in multi-node mode. Not
-  # MemAvailable: that moves with the load, and the config (and the restart) should not. Memory is not a
-  # consumable resource here (CR_Core), so the value only has to stay below what slurmd detects.
+  # MemAvailable: that moves with the load, and the config (and the restart) should not. Memory is a
+  # consumable resource (CR_Core_Memory): split between the nodes, it must stay below what slurmd detects.
   local mem_total
   mem_total=$(awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo)
   realmem=$(( mem_total * 9 / 10 / NODES / 1024 * 1024 ))
@@ -383,6 +389,7 @@ step_slurm_config() {
   install -d -m 0755 "$SLURM_ETC"
   render "$REPO/etc/slurm.conf.in"      "$SLURM_ETC/slurm.conf"      0644
   render "$REPO/etc/gres.conf.in"       "$SLURM_ETC/gres.conf"       0644
+  render "$REPO/etc/cgroup.conf.in"     "$SLURM_ETC/cgroup.conf"     0644
   render "$REPO/etc/plugstack.conf.in"  "$SLURM_ETC/plugstack.conf"  0644
   render "$REPO/etc/slurmdbd.conf.in"   "$SLURM_ETC/slurmdbd.conf"   0600
   echo "$NODES" >"$CLUSTER_DIR/nodes"

@@ -178,11 +178,22 @@ class Agent:
         # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
         own_pidns = not uses_gpus(env)
         creds = self._task_credentials()
+        self._place_with_slurm()
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.freezer,
                          init_home(self.config.run_dir, self._task_name, creds), own_pidns)
         self.pipeline.root_pid = pid
         log.info("launched %s as pid %d", argv[0], pid)
         return {"pid": pid}
+
+    def _place_with_slurm(self) -> None:
+        """The tree goes where Slurm put the task (its step/task cgroups, read from the wrapper now that
+        slurmstepd has placed it), and into our freeze cgroup: Slurm keeps tracking, limiting and
+        accounting it (freezer.py)."""
+        self.freezer = self.freezer.in_slurm_cgroups_of(self.peer.require(), self.ident.job)
+        self.peer.require()
+        self.pipeline.freezer = self.freezer
+        log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.freezer.slurm_procs) or "-",
+                 self.freezer.path)
 
     def op_prepare(self, m: dict, fds: list[int]) -> dict:
         return self.pipeline.prepare(_epoch(m))
@@ -223,6 +234,7 @@ class Agent:
         if len(fds) not in (3, 4):
             raise ProtocolError("restore needs the 3 stdio fds (and the batch script's, for a batch step)")
         init_home(self.config.run_dir, self._task_name, self._task_credentials())
+        self._place_with_slurm()
         self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()
         start = time.monotonic()
         pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)

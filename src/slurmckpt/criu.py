@@ -8,7 +8,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from slurmckpt.errors import CriuError
 
@@ -29,7 +29,8 @@ class InheritedFd:
 
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None) -> float: ...
-    def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None) -> int: ...
+    def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
+                pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int: ...
 
 
 @dataclass
@@ -60,9 +61,10 @@ class CriuDriver:
         return self._run(args, images, "dump.log", pid=pid)
 
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
-                pidfile: Path | None = None) -> int:
+                pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int:
         """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
-        Returns the restored root's host PID."""
+        `join(pid)` places the criu process (whose cgroups the restored tree inherits); by default it joins
+        `freezer`. Returns the restored root's host PID."""
         pidfile = pidfile or images / "restore.pid"
         pidfile.unlink(missing_ok=True)        # criu refuses an existing pidfile
         args = ["restore", "-D", str(images), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
@@ -72,7 +74,9 @@ class CriuDriver:
 
         def join_freezer() -> None:   # runs in the criu child: the restored tree inherits the cgroup
             _default_signals()
-            if freezer is not None:
+            if join is not None:
+                join(os.getpid())
+            elif freezer is not None:
                 (freezer / "cgroup.procs").write_text(str(os.getpid()))
 
         self._run(args, images, "restore.log", pass_fds=[i.fd for i in inherit], preexec=join_freezer)

@@ -46,9 +46,45 @@ def _is_cgroup2(path: Path) -> bool:
         return False
 
 
+def slurm_cgroups(pid: int, job: int) -> tuple[Path, ...]:
+    """The cgroup.procs files of `pid`'s cgroups that belong to Slurm's job `job` (every v1 hierarchy, and
+    v2 where it is Slurm's), from /proc/PID/cgroup: a new process placed there is tracked, limited and
+    accounted by Slurm like the task itself. The agent is forked before slurmstepd places the task in its
+    step and task cgroups, so the tree must be put there explicitly (v1 moves no children)."""
+    found = []
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = f.read().splitlines()
+    mounts = _cgroup_mounts()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if f"/job_{job}/" not in path + "/":
+            continue
+        mount = mounts.get(controllers or "0::")
+        if mount is not None:
+            found.append(mount / path.lstrip("/") / "cgroup.procs")
+    return tuple(found)
+
+
+def _cgroup_mounts() -> dict[str, Path]:
+    """controllers (as /proc/PID/cgroup names them; "0::" for v2) -> mount point."""
+    out: dict[str, Path] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, tail = line.partition(" - ")
+            fstype, _source, options = (tail.split() + ["", "", ""])[:3]
+            if fstype == "cgroup2":
+                out.setdefault("0::", Path(fields.split()[4]))
+            elif fstype == "cgroup":
+                names = [o for o in options.split(",") if o not in ("rw", "ro", "relatime", "nosuid", "nodev",
+                                                                   "noexec", "clone_children")]
+                out.setdefault(",".join(names), Path(fields.split()[4]))
+    return out
+
+
 @dataclass(frozen=True)
 class Freezer:
     path: Path
+    slurm_procs: tuple[Path, ...] = ()     # Slurm's cgroups of the task (slurm_cgroups), joined first
 
     @classmethod
     def for_task(cls, root: str, name: str) -> "Freezer":
@@ -63,7 +99,16 @@ class Freezer:
         return (self.path / "freezer.state").exists()
 
     def add(self, pid: int) -> None:
+        """Put `pid` in the task's Slurm cgroups, then in the freeze cgroup."""
+        for procs in self.slurm_procs:
+            if procs.parent != self.path:
+                procs.write_text(str(pid))
         (self.path / "cgroup.procs").write_text(str(pid))
+
+    def in_slurm_cgroups_of(self, pid: int, job: int) -> "Freezer":
+        """This freeze cgroup, placing new processes also in the Slurm cgroups `pid` (the wrapper) is in."""
+        own = [p for p in slurm_cgroups(pid, job) if not p.is_relative_to(self.path.parent)]
+        return Freezer(self.path, tuple(own))
 
     def pids(self) -> list[int]:
         try:

@@ -363,7 +363,8 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
                              lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
     try:
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
-            pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid")
+            pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid",
+                                   join=p.freezer.add)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     p.root_pid = pid
