@@ -84,8 +84,14 @@ def wrapper_of(job_id: int, rank: int) -> list[str]:
 
 VICTIMS = {
     "wrapper": lambda job: wrapper_of(job.id, 1),
-    "agent": lambda job: pids(f"slurmckpt agent .*--job {job.id} --step 0 --rank 1 "),
+    "agent": lambda job: agent_of(job.id, 1),
 }
+
+
+def agent_of(job_id: int, rank: int) -> list[str]:
+    """The root agent of rank 0.<rank>, not its thaw watchdog (a fork of it, with the same command line)."""
+    found = pids(f"slurmckpt agent .*--job {job_id} --step 0 --rank {rank} ")
+    return [p for p in found if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] not in found]
 
 
 @pytest.mark.parametrize("victim", ["wrapper", "agent"])

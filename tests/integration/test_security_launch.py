@@ -98,7 +98,10 @@ r, w = os.pipe()
 attempt("launch", "launch", [0, w, w], argv=["/bin/sh", "-c", "pwd; ls . 2>&1 | head -1"],
         env={{"PATH": "/usr/bin:/bin"}}, cwd="{private}")
 os.close(w)
-results.append(["output", "ok", os.read(r, 4096).decode()])
+out = b""
+while chunk := os.read(r, 4096):
+    out += chunk
+results.append(["output", "ok", out.decode()])
 """
     try:
         results = {name: (kind, detail) for name, kind, detail in _agent_and_attacker(USER, USER, attack)}
