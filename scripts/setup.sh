@@ -44,7 +44,7 @@ PACKAGES=(
   slurmctld slurmd slurm-client slurmdbd munge libslurm-dev mariadb-server
   build-essential patch pkg-config python3 python3-venv python3-dev
   iproute2 nftables iptables procps psmisc ca-certificates xz-utils
-  # CRIU build dependencies (DESIGN.md)
+  # CRIU build dependencies (docs/architecture.md)
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
   libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev libnftables-dev libbsd-dev uuid-dev
   # Real programs the integration tests run (tests/integration/test_programs.py)

@@ -1,4 +1,4 @@
-"""Issue 4 item 6a, "via the wrapper" (root; driven by tests/gpu/e2e_wrapper.sh): a deterministic training loop
+"""Through the wrapper (root; driven by tests/gpu/e2e_wrapper.sh): a deterministic training loop
 started through tests.support.fakestepd (the real root agent + the real wrapper, as the SPANK shim starts them,
 for an unprivileged user) is captured mid-run by our pipeline -- one periodic capture (SIGRTMIN+4 to the
 wrapper; the job runs on), then a final one (SIGTERM; the tree is killed after the commit) -- and restored by a

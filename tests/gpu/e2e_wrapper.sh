@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 4 item 6a "via the wrapper", on the device machine (root): installs what the pipeline needs (patched
+# On the device machine (root): installs what the pipeline needs (patched
 # CRIU + slurmckpt-init carried in .carry/criu-patched, an unprivileged user, config), stages the working
 # tree world-readable, then runs tests/gpu/e2e_wrapper.py (fakestepd -> real agent + wrapper -> periodic
 # capture, SIGTERM final capture, restore with --restart 1; losses and magic value checked).

@@ -1,5 +1,5 @@
-"""Issue 4 item 6b, last part (root; driven by tests/gpu/throughput.sh): what periodic checkpoints cost a running
-training job. The same deterministic loop (tests/gpu/workload_throughput.py, several GiB on the GPU) runs twice
+"""What periodic checkpoints cost a running training job (root; driven by tests/gpu/throughput.sh).
+The same deterministic loop (tests/gpu/workload_throughput.py, several GiB on the GPU) runs twice
 as the job's unprivileged user:
 
   OFF  plain, no slurmckpt, for --seconds S (N steps);

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 4 item 6b, last part, on the device machine (root): throughput of one training loop with periodic
+# On the device machine (root): throughput of one training loop with periodic
 # checkpoints OFF (plain run as the job's user) vs ON (fakestepd -> real agent + wrapper, SLURMCKPT_INTERVAL).
 # Set-up as tests/gpu/e2e_wrapper.sh (carried patched CRIU + slurmckpt-init + setpriv, an unprivileged user,
 # config, a world-readable staged copy of the tree), then tests/gpu/throughput.py.

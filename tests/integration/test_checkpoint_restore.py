@@ -1,4 +1,4 @@
-"""Issue 2, tests a-f: a real job on the real cluster is captured, requeued and restored mid-run."""
+"""A real job on the real cluster is captured, requeued and restored mid-run."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 3 (b) and the coordinator's own death, on the real cluster: a rank's wrapper or root agent killed
+"""Deaths inside an epoch and the coordinator's own death, on the real cluster: a rank's wrapper or root agent killed
 with SIGKILL inside PREPARE or CAPTURE, or the job's coordinator process killed between or inside epochs;
 the two ranks run on two nodes (`make setup NODES=3`).
 Every time: the epoch aborts (nothing committed), nothing stays frozen, the job runs on, and after a requeue

@@ -1,4 +1,4 @@
-"""Issue 3 on the multi-node cluster (`make setup NODES=3`, one slurmd per network namespace): every rank of
+"""The multi-node cluster (`make setup NODES=3`, one slurmd per network namespace): every rank of
 a job across nodes is captured at one consistent cut, restored after requeues, and on other nodes."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lock rounds: a consistent cut across the GPU ranks of a job (DESIGN.md, "Consistency across GPUs").
+"""Lock rounds: a consistent cut across the GPU ranks of a job (docs/architecture.md, GPU lock rounds).
 
 cuCheckpointProcessLock waits for submitted GPU work. A rank inside an NCCL collective whose peer is already
 locked never finishes that collective, so its lock times out. One round therefore locks every rank at once

@@ -361,7 +361,7 @@ class Coordinator:
 
     # ---- epochs ------------------------------------------------------------------------------------------
     async def run_epoch(self, reason: str, final: bool) -> dict:
-        """One capture. GPU lock rounds (DESIGN.md): PREPARE locks every rank's GPUs concurrently with a short
+        """One capture. GPU lock rounds (docs/architecture.md): PREPARE locks every rank's GPUs concurrently with a short
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
         same round. Bounded by `lock_rounds`."""
