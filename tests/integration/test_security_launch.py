@@ -174,3 +174,21 @@ attempt("capture", "capture", epoch=1, final=False)
         assert not leaked, f"the secret was copied into {leaked}"
     finally:
         secret.unlink()
+
+
+def test_special_file_stdout_is_not_copied() -> None:
+    """A wrapper whose stdout is a character device (/dev/zero, endless when read): the capture copies
+    nothing of it (only regular files are snapshotted) and still completes."""
+    attack = """
+fd = os.open("/dev/zero", os.O_RDWR)
+os.dup2(fd, 1)
+r, w = os.pipe()
+attempt("launch", "launch", [0, w, w], argv=["sleep", "30"], env={"PATH": "/usr/bin:/bin"}, cwd="/tmp")
+attempt("prepare", "prepare", epoch=2)
+attempt("capture", "capture", epoch=2, final=False)
+attempt("resume", "resume", epoch=2)
+"""
+    results = {name: (kind, detail) for name, kind, detail in _agent_and_attacker(USER, USER, attack)}
+    assert results["capture"][0] == "ok" and results["resume"][0] == "ok", results
+    snaps = list(Path("/var/lib/slurmckpt/images").glob("*/990001/epoch-000002/*/output-*.snap"))
+    assert not snaps, f"a special file was snapshotted: {snaps}"
