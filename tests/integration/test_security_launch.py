@@ -182,6 +182,7 @@ def test_special_file_stdout_is_not_copied() -> None:
     attack = """
 fd = os.open("/dev/zero", os.O_RDWR)
 os.dup2(fd, 1)
+os.dup2(fd, 2)      # not the test runner's stderr (a file of root's, which the user may not read)
 r, w = os.pipe()
 attempt("launch", "launch", [0, w, w], argv=["sleep", "30"], env={"PATH": "/usr/bin:/bin"}, cwd="/tmp")
 attempt("prepare", "prepare", epoch=2)
