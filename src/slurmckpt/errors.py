@@ -3,12 +3,22 @@ from __future__ import annotations
 
 
 class SlurmckptError(Exception):
-    """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known."""
+    """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known.
+
+    `retryable`: the same operation may succeed if tried again. Only LockContended sets it; a lock round
+    (coordinator/server.py, barrier/lock_round.py) retries on that and on nothing else."""
+
+    retryable = False
 
     def __init__(self, message: str, **context: object) -> None:
         self.context = {k: v for k, v in context.items() if v is not None}
         detail = " ".join(f"{k}={v}" for k, v in self.context.items())
         super().__init__(f"{message} [{detail}]" if detail else message)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether `exc` is typed retryable (LockContended); never decided from an error's text."""
+    return isinstance(exc, SlurmckptError) and exc.retryable
 
 
 class ConfigError(SlurmckptError):
@@ -21,6 +31,13 @@ class ProtocolError(SlurmckptError):
 
 class PermissionDenied(SlurmckptError):
     """A request outside what the requester may do (other job, other user, foreign pid)."""
+
+
+class LockContended(SlurmckptError):
+    """A lock could not be taken within its timeout because work was still in flight (a GPU kernel inside a
+    collective whose peer is already locked): every rank unlocks, and the lock round is tried again."""
+
+    retryable = True
 
 
 class CaptureError(SlurmckptError):

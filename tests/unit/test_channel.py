@@ -10,7 +10,7 @@ import pytest
 
 from slurmckpt import channel as channel_mod
 from slurmckpt.channel import MAX_FRAME, Channel
-from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError
+from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, SlurmckptError
 
 
 @pytest.fixture
@@ -139,6 +139,23 @@ def test_call_maps_error_reply_to_named_exception(pair):
         assert type(e.value) is SlurmckptError
     assert a.call("echo", x=5)["echo"] == 5
     t.join()
+
+
+def test_a_retryable_lock_error_keeps_its_type_across_the_channel(pair):
+    """The agent replies with the error's type name; the wrapper raises that type again, so LockContended
+    (the one error a lock round retries) reaches the coordinator client as a type, not as text."""
+    a, b = pair
+
+    def agent():
+        b.recv()
+        e = LockContended("GPU lock of pid 7 timed out after 500 ms (CUDA_ERROR_NOT_READY)", pid=7)
+        b.send({"ok": False, "error": str(e), "error_type": type(e).__name__})
+    t = threading.Thread(target=agent)
+    t.start()
+    with pytest.raises(LockContended) as e:
+        a.call("prepare", epoch=3)
+    t.join()
+    assert e.value.retryable and "pid=7" in str(e.value) and e.value.context["op"] == "prepare"
 
 
 def test_call_closes_fds_a_reply_carries(pair):

@@ -14,7 +14,8 @@ from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import (MAX_LINE, VERSION, LineReader, Sealer, encode_prefix, new_token,
                                             parse_line)
 from slurmckpt.coordinator.server import Coordinator
-from slurmckpt.errors import ProtocolError
+from slurmckpt.cuda.stage import GpuUnsupportedError
+from slurmckpt.errors import LockContended, ProtocolError, SlurmckptError
 
 TIMEOUT = 10
 
@@ -416,8 +417,9 @@ def test_epoch_refused_while_a_rank_of_a_step_is_missing(job):
 
 
 def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
-    """A rank whose lock times out (peer's collective half done) aborts the round: everyone is unlocked
-    (ABORT), and the next round is tried after a backoff; the cut is taken in the round where all locked."""
+    """A rank whose lock times out (peer's collective half done: LockContended, sent as error_kind retryable)
+    aborts the round: everyone is unlocked (ABORT), and the next round is tried after a backoff; the cut is
+    taken in the round where all locked."""
     job.coord.lock_backoff_s = 0.01
     fails = {"n": 2}
 
@@ -426,7 +428,7 @@ def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
             if kind == "prepare" and fails["n"] > 0:
                 fails["n"] -= 1
                 self.got.append((kind, epoch))
-                raise RuntimeError("gpu lock of pid 7 failed: CUDA_ERROR_NOT_READY")
+                raise LockContended("GPU lock of pid 7 timed out after 500 ms (CUDA_ERROR_NOT_READY)")
             return super().handle(kind, epoch, message)
 
     ok = job.rank("0.0")
@@ -439,6 +441,54 @@ def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
     job.coord.lock_rounds, fails["n"] = 2, 5
     res = job.epoch()
     assert res["status"] == "aborted" and res["lock_rounds"] == 2
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("gpu lock of pid 7 failed: CUDA_ERROR_NOT_READY"),        # a bug's text that says "lock"
+    GpuUnsupportedError(["pid 7 uses CUDA IPC: nothing was locked"]),
+    SlurmckptError("lock file /var/lock/x is held by another job"),
+])
+def test_a_failed_prepare_whose_text_says_lock_is_not_retried(job, error):
+    """Only a typed retryable error (LockContended) starts another lock round: an error of any other type is
+    one round, one PREPARE, one ABORT, whatever its text says."""
+    job.coord.lock_backoff_s = 0.01
+
+    class Refusing(FakeRank):
+        def handle(self, kind, epoch, message=None):
+            if kind == "prepare":
+                self.got.append((kind, epoch))
+                raise error
+            return super().handle(kind, epoch, message)
+
+    ok = job.rank("0.0")
+    job.ranks.append(Refusing(job, "0.1"))
+    job.coord.expected["0"] = 2
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
+    assert "lock" in res["error"]
+    assert ok.commands() == ["prepare", "abort"]
+
+
+def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):
+    """error_kind is checked like every field of a reply: a value outside protocol.ERROR_KINDS is refused
+    (the rank is dropped), and "retryable" on a phase other than PREPARE is no reason to retry."""
+    job.coord.lock_backoff_s = 0.01
+
+    class Contended(FakeRank):
+        def handle(self, kind, epoch, message=None):
+            if kind == "capture":
+                self.got.append((kind, epoch))
+                raise LockContended("not a lock phase")
+            return super().handle(kind, epoch, message)
+
+    job.ranks.append(Contended(job, "0.0"))
+    wait_for(lambda: "0.0" in job.coord.ranks)
+    res = job.epoch()
+    assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
+    assert job.ranks[0].commands().count("prepare") == 1
+    with pytest.raises(ProtocolError, match="error_kind"):
+        server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
+    assert server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
 
 
 # ---- framing and sealing (protocol.LineReader / Sealer) ---------------------------------------------------

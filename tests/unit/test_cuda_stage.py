@@ -11,6 +11,7 @@ import pytest
 from slurmckpt.cuda.driver import GpuDriverError, ProcessState
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.remap import GpuRemapError
+from slurmckpt.errors import LockContended
 from slurmckpt.cuda.procscan import find_cuda_pids, frozen_reason, ns_pid, unsupported_reasons
 from slurmckpt.cuda.stage import (GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage,
                                   PipelineGpu)
@@ -210,10 +211,13 @@ def test_periodic_capture_in_order(three, driver):
 
 
 def test_lock_timeout_unlocks_the_ones_already_locked(three, driver):
+    """A lock that times out on work in flight is LockContended (the one error a lock round retries), and
+    whatever was already locked is unlocked."""
     driver.busy(62, 60.0)
-    with pytest.raises(GpuDriverError) as e:
+    with pytest.raises(LockContended) as e:
         three.lock_all(100)
-    assert e.value.timed_out and e.value.pid == 62
+    assert e.value.retryable and e.value.context["pid"] == 62 and "CUDA_ERROR_NOT_READY" in str(e.value)
+    assert isinstance(e.value.__cause__, GpuDriverError) and e.value.__cause__.timed_out
     assert states(driver) == [ProcessState.RUNNING] * 3
     assert ("unlock", 61) in driver.calls and ("lock", 63) not in driver.calls
     driver.busy(62, 0)                                 # the work ended: the stage is reusable

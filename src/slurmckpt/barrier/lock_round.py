@@ -3,8 +3,9 @@
 cuCheckpointProcessLock waits for submitted GPU work. A rank inside an NCCL collective whose peer is already
 locked never finishes that collective, so its lock times out. One round therefore locks every rank at once
 with a short timeout; if any rank fails, every rank is unlocked (unlock must be idempotent: a rank with
-nothing locked does nothing), the round backs off with jitter (so the ranks' collectives can progress) and
-tries again. A cut exists only when every rank locked in the same round; after `max_rounds` failed rounds (or
+nothing locked does nothing). When every failure is typed retryable (errors.LockContended: the lock timed out
+on work in flight) the round backs off with jitter (so the ranks' collectives can progress) and tries again;
+any other error aborts at once, whatever its text says. A cut exists only when every rank locked in the same round; after `max_rounds` failed rounds (or
 past `deadline_s`) the attempt is given up with LockRoundAborted, every rank unlocked, the job running on.
 
 Pure logic: ranks are callables (the coordinator's RPC to each rank's agent, or GpuStage methods in tests);
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
-from slurmckpt.errors import SlurmckptError
+from slurmckpt.errors import SlurmckptError, is_retryable
 
 log = logging.getLogger("slurmckpt.barrier")
 
@@ -85,11 +86,6 @@ def run_in_threads(calls: Sequence[Callable[[], None]]) -> list[Outcome]:
         return list(pool.map(guarded, calls))
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """A failed lock is retried unless the error says it never can succeed (unsupported, wrong state)."""
-    return bool(getattr(exc, "retryable", True)) and isinstance(exc, Exception)
-
-
 @dataclass
 class LockRound:
     ranks: Sequence[RankLock]
@@ -102,7 +98,7 @@ class LockRound:
     sleep: Callable[[float], None] = time.sleep
     random: Callable[[], float] = _random.random
     concurrently: Callable[[Sequence[Callable[[], None]]], list[Outcome]] = run_in_threads
-    retryable: Callable[[BaseException], bool] = is_retryable
+    retryable: Callable[[BaseException], bool] = is_retryable      # typed: errors.LockContended only
     context: dict = field(default_factory=dict)
 
     def backoff(self, round_index: int) -> float:

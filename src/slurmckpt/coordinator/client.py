@@ -7,7 +7,7 @@ import threading
 from typing import Callable
 
 from slurmckpt import validate
-from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, open_challenge
+from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, error_kind, open_challenge
 from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator.client")
@@ -86,7 +86,8 @@ class RankClient:
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})
                 except Exception as e:  # reported to the coordinator, which aborts the epoch
                     log.error("%s of epoch %d failed: %s", kind, epoch, e)
-                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": kind, "error": str(e)})
+                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": kind, "error": str(e),
+                               "error_kind": error_kind(e)})
         except (EOFError, OSError, ProtocolError) as e:
             log.info("coordinator connection lost: %s", e)
         finally:

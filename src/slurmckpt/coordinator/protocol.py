@@ -10,7 +10,7 @@ import json
 import secrets
 
 from slurmckpt import validate
-from slurmckpt.errors import ProtocolError
+from slurmckpt.errors import ProtocolError, is_retryable
 
 VERSION = 1
 MAX_LINE = 64 * 1024
@@ -18,6 +18,15 @@ MAX_LINE = 64 * 1024
 # Message types. Coordinator -> rank: commands; rank -> coordinator: replies and events.
 COMMANDS = {"prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
 EVENTS = {"hello", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
+
+# What a `failed` reply says of its error, as a kind and never as text: "retryable" (errors.LockContended, a
+# GPU lock that timed out on work in flight: the coordinator tries the lock round again) or "fatal".
+ERROR_KINDS = ("fatal", "retryable")
+
+
+def error_kind(exc: BaseException) -> str:
+    return "retryable" if is_retryable(exc) else "fatal"
+
 
 _BLOCK = 64                     # SHA-256 block size, for the HMAC pads (RFC 2104)
 _decode = validate.DECODER.raw_decode   # json.loads minus its sniffing and regex passes; no NaN/Infinity

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from slurmckpt.coordinator.protocol import LineReader, Sealer, challenge, encode_prefix, parse_line
+from slurmckpt.coordinator.protocol import (ERROR_KINDS, LineReader, Sealer, challenge, encode_prefix,
+                                            parse_line)
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
 
@@ -28,9 +29,12 @@ Committer = Callable[[int, dict, str], None]
 
 
 class EpochFailed(Exception):
-    def __init__(self, rank: str, stage: str, error: str, node: str = "?") -> None:
+    """`error_kind` (protocol.ERROR_KINDS): "retryable" only for a rank's failed PREPARE that said so."""
+
+    def __init__(self, rank: str, stage: str, error: str, node: str = "?", error_kind: str = "fatal") -> None:
         super().__init__(f"rank {rank} (node {node}) failed in {stage}: {error}")
         self.rank, self.stage, self.error, self.node = rank, stage, error, node
+        self.error_kind = error_kind
 
 
 class _Barrier:
@@ -84,8 +88,9 @@ class RankConn:
         if barrier.future.done() or msg.get("epoch") != epoch:
             return
         if msg["type"] == "failed" and msg.get("phase") == command:
+            kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
             barrier.fail(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
-                                     self.node))
+                                     self.node, kind))
         elif msg["type"] == reply:
             barrier.arrive(index, msg)
         else:
@@ -114,6 +119,8 @@ def _reply(msg: dict) -> dict:
     if msg["type"] == "failed":
         for name in ("phase", "stage", "error"):
             validate.text(msg.get(name, ""), name)
+        if msg.get("error_kind", "fatal") not in ERROR_KINDS:
+            raise ProtocolError(f"bad error_kind {msg.get('error_kind')!r}: not one of {', '.join(ERROR_KINDS)}")
     return msg
 
 
@@ -364,7 +371,8 @@ class Coordinator:
         """One capture. GPU lock rounds (docs/architecture.md): PREPARE locks every rank's GPUs concurrently with a short
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
-        same round. Bounded by `lock_rounds`."""
+        same round. Bounded by `lock_rounds`. Retried only when the failing rank typed its error retryable
+        (`error_kind`, errors.LockContended), never because of what the error's text says."""
         if final in self._wanted:   # every rank's SIGTERM asks for the same final capture: one serves all
             return {"status": "skipped", "reason": reason, "why": "a capture of the same kind is under way"}
         if final and time.monotonic() - self._final_tried < FINAL_QUIET_S:
@@ -387,8 +395,7 @@ class Coordinator:
             t0 = time.monotonic()
             for round_no in range(1, self.lock_rounds + 1):
                 result = await self._attempt(reason, final)
-                retry = (result["status"] == "aborted" and result.get("stage") in ("prepare", "gpu-lock")
-                         and ("NOT_READY" in str(result.get("error")) or "lock" in str(result.get("error"))))
+                retry = result["status"] == "aborted" and result.get("error_kind") == "retryable"
                 if not retry or round_no == self.lock_rounds:
                     break
                 log.info("lock round %d failed (%s); retrying", round_no, result.get("error"))
@@ -430,7 +437,8 @@ class Coordinator:
             log.error("epoch %d aborted: %s", epoch, e)
             if not resumed:
                 await self._abort(parts, epoch)
-            result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error)
+            result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
+                          error_kind=e.error_kind)
         except asyncio.TimeoutError:
             if not resumed:
                 await self._abort(parts, epoch)

@@ -71,12 +71,8 @@ class GpuDriverError(GpuError):
 
     @property
     def timed_out(self) -> bool:
+        """The lock waited its timeout for work in flight; GpuStage raises LockContended for it."""
         return self.code == CUDA_ERROR_NOT_READY
-
-    @property
-    def retryable(self) -> bool:
-        """A lock round may try again after this error (work in flight), not after any other."""
-        return self.timed_out
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.procscan import find_cuda_pids, frozen_reason, ns_pid, process_environ, unsupported_reasons
 from slurmckpt.cuda.remap import visible_gpus
-from slurmckpt.errors import GpuError
+from slurmckpt.errors import GpuError, LockContended
 
 log = logging.getLogger("slurmckpt.cuda")
 
@@ -31,7 +31,6 @@ log = logging.getLogger("slurmckpt.cuda")
 
 class GpuUnsupportedError(GpuError):
     """The tree uses a GPU feature the CUDA checkpoint API cannot capture; nothing was locked or frozen."""
-    retryable = False
 
     def __init__(self, reasons: Sequence[str], **context: object) -> None:
         self.reasons = list(reasons)
@@ -40,12 +39,10 @@ class GpuUnsupportedError(GpuError):
 
 class GpuStateError(GpuError):
     """A process is not in the state this step needs (locked or checkpointed by someone else)."""
-    retryable = False
 
 
 class GpuRollbackError(GpuError):
     """Rolling back failed: `stuck` maps pid -> state it was left in. The tree must not be left running."""
-    retryable = False
 
     def __init__(self, message: str, stuck: dict[int, str], **context: object) -> None:
         self.stuck = stuck
@@ -213,7 +210,15 @@ class GpuStage:
 
     # ---- internals ----
     def _lock(self, p: GpuProcess, timeout_ms: int) -> None:
-        self._call("lock", p, lambda: self.driver.lock(p.pid, timeout_ms))
+        """A lock that timed out (work in flight) is the one failure a lock round retries: LockContended."""
+        try:
+            self._call("lock", p, lambda: self.driver.lock(p.pid, timeout_ms))
+        except GpuDriverError as e:
+            if not e.timed_out:
+                raise
+            raise LockContended(f"GPU lock of pid {p.pid} timed out after {timeout_ms} ms ({e.result}): work "
+                                "still in flight, e.g. a collective waiting for a peer", pid=p.pid,
+                                **self.context) from e
         p.locked = True
 
     def _checkpoint(self, p: GpuProcess) -> None:
