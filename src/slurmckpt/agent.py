@@ -27,7 +27,7 @@ from slurmckpt import watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
-from slurmckpt.slurm.control import JobRecord, job_record, this_node
+from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt import validate
 
@@ -311,19 +311,13 @@ def _epoch(m: dict) -> int:
 
 
 def cluster_name() -> str:
-    import subprocess
     try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
-        for line in out.splitlines():
-            if line.startswith("ClusterName"):
-                return line.split("=", 1)[1].strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return "cluster"
+        return CliSlurm(timeout_s=20).cluster_name() or "cluster"
+    except SlurmckptError:
+        return "cluster"
 
 
 def _restart_count(job: int) -> int:
-    from slurmckpt.slurm.control import CliSlurm
     try:
         return int(CliSlurm(timeout_s=20).job(job).get("restart_cnt", 0))
     except (SlurmckptError, ValueError, TypeError):

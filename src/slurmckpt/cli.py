@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,8 @@ from pathlib import Path
 import click
 
 from slurmckpt.config import Config
-from slurmckpt.errors import SlurmckptError
+from slurmckpt.errors import SlurmckptError, SlurmError
+from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobref import BadJobSpec, JobInfo, JobRef, parse_job_spec
 
 
@@ -34,7 +34,6 @@ JOB = JobSpec()
 
 
 def resolve_job(ref: JobRef) -> JobInfo:
-    from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.slurm.jobref import resolve
     try:
         return resolve(ref, CliSlurm()._run)
@@ -100,9 +99,10 @@ def checkpoint(job: JobRef, requeue: bool, force: bool) -> None:
             "slurmckpt, and the capture signal would end it; nothing was sent (--force sends it anyway)")
     sig = int(REQUEUE_SIGNAL if requeue else CHECKPOINT_SIGNAL)
     # Slurm authorises the signal: only the job's owner (or an admin) can ask for its capture.
-    p = subprocess.run(["scancel", "--batch", f"--signal={sig}", str(job_id)], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise click.ClickException(f"scancel refused: {p.stderr.strip()}")
+    try:
+        CliSlurm().signal_batch(job_id, sig)
+    except SlurmError as e:
+        raise click.ClickException(f"scancel refused: {e}") from e
     click.echo(f"checkpoint of job {job_id} requested{' (then requeue)' if requeue else ''}")
 
 
@@ -124,16 +124,17 @@ def interval_in(submit_line: str, batch_script: str) -> str | None:
 def submitted_interval(job_id: int, wait_s: float = 20.0) -> str | None:
     """What the job was submitted with; "unknown" while accounting has no record of it (slurmdbd learns of
     a job a few seconds after its submission)."""
-    def out(*cmd: str) -> str:
+    slurm = CliSlurm()
+
+    def ask(question, *args):
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
+            return question(*args) or ""
+        except SlurmError:
             return ""
-    script = out("scontrol", "write", "batch_script", str(job_id), "-")
+    script = ask(slurm.batch_script, job_id)
     deadline = time.monotonic() + wait_s
     while True:     # the record can exist a while before its SubmitLine is filled in
-        line = out("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,SubmitLine").strip()
-        submit_line = line.partition("|")[2].strip()
+        submit_line = ask(slurm.submit_line, job_id)
         if submit_line or time.monotonic() > deadline:
             break
         time.sleep(1)
@@ -212,11 +213,12 @@ def inspect(job: JobRef, epoch: int | None) -> None:
 def status(job: JobRef | None) -> None:
     """Jobs with checkpointing on: state, restarts, newest checkpoint (root sees epochs)."""
     job_id = job_id_of(job) if job else None
-    fmt = "%i|%u|%T|%R"
-    cmd = ["squeue", "-h", "-o", fmt] + (["-j", str(job_id)] if job_id else [])
-    out = subprocess.run(cmd, capture_output=True, text=True).stdout
+    try:
+        lines = CliSlurm().queue("%i|%u|%T|%R", job_id)
+    except SlurmError as e:
+        raise click.ClickException(str(e)) from e
     click.echo(f"{'JOB':>8} {'USER':<12} {'STATE':<12} NODES/REASON")
-    for line in out.splitlines():
+    for line in lines:
         job, user, state, reason = (line.split("|") + ["", "", ""])[:4]
         click.echo(f"{shown(job):>8} {shown(user):<12} {shown(state):<12} {shown(reason)}")
     if os.geteuid() == 0 and job_id:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import threading
 import time
 from typing import Callable
@@ -14,7 +13,8 @@ from slurmckpt.config import Config
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import new_token
 from slurmckpt.coordinator.supervisor import CoordinatorSupervisor, HostCallbacks
-from slurmckpt.errors import SlurmckptError
+from slurmckpt.errors import SlurmckptError, SlurmError
+from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.env import TaskEnv
 
 AgentCall = Callable[..., dict]
@@ -162,12 +162,10 @@ def reachable_address(node: str) -> str:
     """The address other nodes reach this one at: Slurm's NodeAddr for it, else the default route's
     source address (a UDP connect sends nothing), else loopback."""
     try:
-        out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True,
-                             timeout=10).stdout
-        for word in out.split():
-            if word.startswith("NodeAddr="):
-                return socket.gethostbyname(word.split("=", 1)[1])
-    except (OSError, subprocess.TimeoutExpired):
+        addr = CliSlurm(timeout_s=10).node_addr(node)
+        if addr:
+            return socket.gethostbyname(addr)
+    except (SlurmError, OSError):
         pass
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:

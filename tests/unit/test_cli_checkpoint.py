@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from fake_slurm import FakeSlurm, Ran
 from slurmckpt.cli import interval_in
 
 SCRIPT = "#!/bin/bash\n#SBATCH -n2\n#SBATCH --checkpoint-interval=10m\nsrun app\n"
@@ -21,20 +22,18 @@ def test_interval_in(submit_line, script, want):
     assert interval_in(submit_line, script) == want
 
 
-class Done:
-    def __init__(self, stdout: str) -> None:
-        self.stdout = stdout
-
-
 def test_job_unknown_to_accounting_and_script_is_unknown_not_refused_as_plain(monkeypatch):
+    """"unknown" (not "no interval") while accounting has no SubmitLine and the script names none."""
     import slurmckpt.cli as cli
-    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: Done(""))
+    FakeSlurm().install(monkeypatch)
     assert cli.submitted_interval(7, wait_s=0) == "unknown"
-    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: Done("7|\n" if cmd[0] == "sacct" else ""))
+    FakeSlurm(sacct="7|\n").install(monkeypatch)
     assert cli.submitted_interval(7, wait_s=0) == "unknown"         # a record whose SubmitLine is not in yet
-    monkeypatch.setattr(cli.subprocess, "run",
-                        lambda cmd, **kw: Done("7|sbatch job.sh\n" if cmd[0] == "sacct" else "#!/bin/bash\n"))
+    FakeSlurm(sacct=Ran(1, "", "slurmdbd down"), scontrol=Ran(1, "", "Invalid job id")).install(monkeypatch)
+    assert cli.submitted_interval(7, wait_s=0) == "unknown"         # Slurm's errors: no answer, not "plain"
+    FakeSlurm(sacct="7|sbatch job.sh\n", scontrol="#!/bin/bash\n").install(monkeypatch)
     assert cli.submitted_interval(7, wait_s=0) is None
-    monkeypatch.setattr(cli.subprocess, "run",
-                        lambda cmd, **kw: Done("" if cmd[0] == "sacct" else SCRIPT))
+    slurm = FakeSlurm(scontrol=SCRIPT).install(monkeypatch)
     assert cli.submitted_interval(7, wait_s=0) == "10m"
+    assert slurm.ran("scontrol") == [["scontrol", "write", "batch_script", "7", "-"]]
+    assert slurm.ran("sacct") == [["sacct", "-n", "-X", "-P", "-j", "7", "-o", "JobID,SubmitLine"]]

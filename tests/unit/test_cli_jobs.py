@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import slurmckpt.cli as cli
+from fake_slurm import FakeSlurm
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm import jobref
 from slurmckpt.slurm.jobref import BadJobSpec, JobRef, parse_job_spec
@@ -63,21 +64,11 @@ def test_forgotten_job_resolves_through_accounting_and_unknown_is_an_error():
 
 
 def _fake_slurm(monkeypatch, uid: int, job_id: int = 1240):
-    sent = []
-
     def resolve(ref, run):
         return jobref.JobInfo(job_id, uid, ref)
     monkeypatch.setattr(jobref, "resolve", resolve)
     monkeypatch.setattr(cli, "submitted_interval", lambda job, wait_s=20.0: "10s")
-
-    class Done:
-        returncode, stdout, stderr = 0, "", ""
-
-    def run(cmd, **kw):
-        sent.append(cmd)
-        return Done()
-    monkeypatch.setattr(cli.subprocess, "run", run)
-    return sent
+    return FakeSlurm().install(monkeypatch).calls
 
 
 def test_checkpoint_refuses_another_users_job_before_any_signal(monkeypatch):

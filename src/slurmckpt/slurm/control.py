@@ -1,5 +1,8 @@
-"""Job control behind one interface: the CLI backend (scontrol/squeue/sacct, always present) and pyslurm
-when it is installed and built for the running Slurm's major version."""
+"""Job control behind one interface: the CLI backend (scontrol/squeue/sacct/scancel, always present) and
+pyslurm when it is installed and built for the running Slurm's major version.
+
+Every Slurm command slurmckpt runs goes through CliSlurm (one place per outside world): the CLI, the wrapper,
+the agent and the membership code call its methods, never subprocess."""
 from __future__ import annotations
 
 import json
@@ -46,6 +49,35 @@ class CliSlurm:
         if not jobs:
             raise SlurmError("job not found in squeue", job=job_id)
         return jobs[0]
+
+    def signal_batch(self, job_id: int, signum: int) -> None:
+        """`scancel --batch --signal`: only the batch shell gets it, and Slurm authorises it (the job's owner
+        or an admin)."""
+        self._run("scancel", "--batch", f"--signal={signum}", str(job_id))
+
+    def batch_script(self, job_id: int) -> str:
+        return self._run("scontrol", "write", "batch_script", str(job_id), "-")
+
+    def submit_line(self, job_id: int) -> str | None:
+        """The job's SubmitLine from accounting: None while accounting has no record of the job, "" while
+        the record has no SubmitLine yet (slurmdbd fills it in a few seconds after the submission)."""
+        line = self._run("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,SubmitLine").strip()
+        return line.partition("|")[2].strip() if line else None
+
+    def queue(self, fmt: str, job_id: int | None = None) -> list[str]:
+        """`squeue -h -o FMT [-j JOB]`, one line per job."""
+        return self._run("squeue", "-h", "-o", fmt, *(["-j", str(job_id)] if job_id else [])).splitlines()
+
+    def cluster_name(self) -> str | None:
+        for line in self._run("scontrol", "show", "config").splitlines():
+            if line.startswith("ClusterName"):
+                return line.split("=", 1)[1].strip() or None
+        return None
+
+    def node_addr(self, node: str) -> str | None:
+        """Slurm's NodeAddr of `node` (a name or address other nodes reach it at)."""
+        m = re.search(r"\bNodeAddr=(\S+)", self._run("scontrol", "show", "node", node))
+        return m.group(1) if m else None
 
     def end_time(self, job_id: int) -> float | None:
         job = self.job(job_id)
