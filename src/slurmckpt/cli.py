@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from slurmckpt.config import Config
+from slurmckpt.duration import parse_duration
 from slurmckpt.errors import SlurmckptError, SlurmError
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobref import BadJobSpec, JobInfo, JobRef, parse_job_spec
@@ -93,7 +94,7 @@ def checkpoint(job: JobRef, requeue: bool, force: bool) -> None:
         raise click.ClickException(
             f"cannot tell whether job {job_id} runs under slurmckpt (accounting has no record of it); the "
             "capture signal would end a job that does not: nothing was sent (--force sends it anyway)")
-    if not force and interval in (None, "off", "0"):
+    if not force and not interval_on(interval):
         raise click.ClickException(
             f"job {job_id} was not submitted with --checkpoint-interval (or it is off): it does not run under "
             "slurmckpt, and the capture signal would end it; nothing was sent (--force sends it anyway)")
@@ -118,7 +119,19 @@ def interval_in(submit_line: str, batch_script: str) -> str | None:
             found = found or INTERVAL_OPTION.findall(line)
         elif line.strip() and not line.startswith("#"):
             break                        # sbatch stops reading #SBATCH at the first command
-    return found[-1].strip("'\"").lower() if found else None
+    return found[-1].strip("'\"") if found else None
+
+
+def interval_on(value: str | None) -> bool:
+    """Whether a --checkpoint-interval value turns checkpointing on, by the shim's own grammar (duration.py):
+    0 in any spelling it accepts (off, 0, 0s, 0m, 00:00, 0:00:00, 0h0m...) is off, and so is a value it would
+    have refused (the job cannot run under slurmckpt with it)."""
+    if value is None:
+        return False
+    try:
+        return parse_duration(value) > 0
+    except ValueError:
+        return False
 
 
 def submitted_interval(job_id: int, wait_s: float = 20.0) -> str | None:
@@ -211,7 +224,8 @@ def inspect(job: JobRef, epoch: int | None) -> None:
 @cli.command()
 @click.argument("job", type=JOB, required=False)
 def status(job: JobRef | None) -> None:
-    """Jobs with checkpointing on: state, restarts, newest checkpoint (root sees epochs)."""
+    """Jobs with checkpointing on: state, restarts, newest checkpoint and last failed capture (root sees
+    the image store), and slurmckpt's note in the job's AdminComment (why it started from the beginning)."""
     job_id = job_id_of(job) if job else None
     try:
         lines = CliSlurm().queue("%i|%u|%T|%R", job_id)
@@ -226,9 +240,35 @@ def status(job: JobRef | None) -> None:
         config = Config.load()
         for cluster, job in list_jobs(Path(config.storage_root)):
             if job == job_id:
-                epochs = JobStore(Path(config.storage_root), cluster, job).committed()
+                store = JobStore(Path(config.storage_root), cluster, job)
+                epochs = store.committed()
                 click.echo(f"newest checkpoint: epoch {epochs[0]['epoch']} ({shown(epochs[0]['reason'])})"
                            if epochs else "no committed checkpoint")
+                show_failed_capture(store)
+    if job_id:
+        show_notes(job_id)
+
+
+def show_failed_capture(store) -> None:
+    from slurmckpt.fresh_start import failures
+    failed = failures(store)
+    if failed:
+        f = failed[0]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f.at))
+        click.echo(f"last failed capture: {shown(f.describe())} (node {shown(f.node or '?')}, stage "
+                   f"{shown(f.stage)}, {when})")
+
+
+def show_notes(job_id: int) -> None:
+    """What slurmckpt's agents told Slurm about the job (AdminComment, or Comment where that was refused)."""
+    from slurmckpt.slurm.control import CliSlurm
+    try:
+        notes = CliSlurm(timeout_s=20).comments(job_id)
+    except SlurmckptError:
+        return
+    for name, text in notes.items():
+        if text.startswith("slurmckpt:"):
+            click.echo(f"{name}: {shown(text)}")
 
 
 @cli.command()

@@ -1,4 +1,5 @@
-"""--checkpoint-interval values: exactly the grammar of the SPANK shim's spank/duration.c."""
+"""--checkpoint-interval values: exactly the grammar of the SPANK shim's spank/duration.c (the one Python
+parser of it; `slurmckpt checkpoint` uses it to tell whether a job's interval is on)."""
 from __future__ import annotations
 
 import re
