@@ -69,7 +69,7 @@ class Agent:
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
                                      None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
-                                     peer_alive=peer.alive)
+                                     peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max)
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""

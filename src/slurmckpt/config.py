@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,9 @@ class Config:
     gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
     gpu_lock_rounds: int = 8
     criu_extra_args: tuple[str, ...] = ()
+    # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
+    # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
+    ghost_limit_max: int = field(default=256 << 20, metadata={"size": True})
     # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
     # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
     debug_stall_after: str = ""
@@ -91,8 +95,23 @@ class Config:
         for key, raw in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
-            kwargs[key] = _coerce(key, raw, fields[key].type, source)
+            if fields[key].metadata.get("size"):
+                kwargs[key] = _coerce(key, parse_size(key, raw, source), "int", source)
+            else:
+                kwargs[key] = _coerce(key, raw, fields[key].type, source)
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(key: str, raw: object, source: str = "config") -> int:
+    """A byte count: an integer, or a number with a unit (KiB, MiB, GiB; K/M/G mean the same)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(raw))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: want bytes or a number with KiB, MiB "
+                          "or GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _coerce(key: str, raw: object, typ: object, source: str) -> object:

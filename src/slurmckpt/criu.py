@@ -28,7 +28,8 @@ class InheritedFd:
 
 
 class CheckpointEngine(Protocol):
-    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None) -> float: ...
+    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
+             ghost_limit: int = 0) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int: ...
 
@@ -51,9 +52,14 @@ class CriuDriver:
         p = subprocess.run([self.binary, "check"], capture_output=True, text=True, env=self.env)
         return p.returncode == 0, (p.stdout + p.stderr).strip()
 
-    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None) -> float:
-        """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu."""
+    def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
+             ghost_limit: int = 0) -> float:
+        """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
+        `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
+        ghost.py sizes it from the tree)."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON]
+        if ghost_limit:
+            args += ["--ghost-limit", str(ghost_limit)]
         if leave_running:
             args.append("--leave-running")
         if freezer is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, ipc, netlock, proctree
+from slurmckpt import asuser, ghost, ipc, netlock, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.freezer import Freezer
@@ -63,6 +63,8 @@ class RankPipeline:
     timings: dict[str, float] = field(default_factory=dict)
     stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
+    ghost_limit_max: int = 256 << 20                       # Config.ghost_limit_max (ghost.py)
+    ghost_limit: int = 0                                   # criu --ghost-limit for this epoch's dump (record)
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
     def prepare(self, epoch: int) -> dict:
@@ -173,6 +175,9 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
                            + "; ".join(shared), step=p.step, rank=p.rank)
+    # Deleted files the tree still uses: refused here, before the freeze, when above the cap; sized again
+    # once frozen (_record), since the tree runs on until then.
+    ghost.limit_for(proctree.deleted_files(pids), p.ghost_limit_max, step=p.step, rank=p.rank)
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): loopback TCP, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
@@ -191,6 +196,8 @@ def _gpu_unlock(p: RankPipeline, epoch: int) -> None:
 
 def _record(p: RankPipeline, epoch: int) -> None:
     pids = p.freezer.pids()
+    ghosts = [] if p.replay else proctree.deleted_files(pids)
+    p.ghost_limit = ghost.limit_for(ghosts, p.ghost_limit_max, step=p.step, rank=p.rank)
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
     outputs = {t.link for t in stdio if t.regular}
     replay = p.replay
@@ -208,6 +215,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
         "tcp_ranks": [] if replay else netlock.still_established(pids, p.tcp_peers),
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
+        "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -243,7 +251,7 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
-                                               freezer=p.freezer.path)
+                                               freezer=p.freezer.path, ghost_limit=p.ghost_limit)
         if not p.final and p.freezer.state() != "FROZEN":   # consistency depends on the tree staying frozen
             raise CaptureError("tree was thawed by the dump", epoch=epoch)
 

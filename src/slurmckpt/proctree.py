@@ -123,6 +123,45 @@ def written_files(pids: list[int], exclude: set[str]) -> dict[str, FdTarget]:
     return out
 
 
+@dataclass(frozen=True)
+class DeletedFile:
+    """A regular file the tree holds open or mapped after it was unlinked: criu copies its contents into the
+    images (a "ghost file"), and refuses any bigger than its --ghost-limit."""
+    path: str          # the name it had, without " (deleted)"
+    size: int
+    pid: int           # one process holding it
+    how: str           # "open" (an fd) or "mapped" (a mapping, /proc/PID/map_files)
+
+
+# Deleted files criu dumps by other means, not as ghost files: memfd (own image), shared anonymous memory
+# (shown as /dev/zero), SysV segments.
+_NOT_GHOSTS = ("/memfd:", "/dev/zero", "/SYSV")
+
+
+def deleted_files(pids: list[int]) -> list[DeletedFile]:
+    """Every unlinked regular file `pids` hold, once per inode, biggest first. Sizes are read from the
+    inode itself (stat through the fd or map_files link), never by path."""
+    found: dict[tuple[int, int], DeletedFile] = {}
+    for pid in pids:
+        for kind, folder in (("open", "fd"), ("mapped", "map_files")):
+            try:
+                names = os.listdir(f"/proc/{pid}/{folder}")
+            except OSError:
+                continue
+            for name in names:
+                link_path = f"/proc/{pid}/{folder}/{name}"
+                try:
+                    link = os.readlink(link_path)
+                    if not link.endswith(" (deleted)") or link.startswith(_NOT_GHOSTS):
+                        continue
+                    st = os.stat(link_path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and (st.st_dev, st.st_ino) not in found:
+                    found[(st.st_dev, st.st_ino)] = DeletedFile(link[:-len(" (deleted)")], st.st_size, pid, kind)
+    return sorted(found.values(), key=lambda f: (-f.size, f.path))
+
+
 def has_slurm_client(pids: list[int]) -> bool:
     """A running srun in the tree: its connections to Slurm cannot be restored, so the tree is replayed."""
     return any(exe_name(p) in ("srun", "sattach") for p in pids)

@@ -23,6 +23,7 @@ class FakeFreezer:
     journal: Journal
     path: Path = Path("/nonexistent")
     frozen: bool = False
+    name: str = "7.batch.0.0"
 
     def pids(self) -> list[int]:
         return [os.getpid()]
@@ -61,22 +62,24 @@ class FakeGpu:
 class FakeEngine:
     journal: Journal
     fail: bool = False
+    ghost_limit: int = -1
 
-    def dump(self, pid, images, *, leave_running, freezer):
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0):
         self.journal.events.append("dump")
+        self.ghost_limit = ghost_limit
         if self.fail:
             raise CriuError("injected criu failure")
         (images / "pages-1.img").write_bytes(b"x" * 100)
         return 0.01
 
 
-def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False):
+def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap: int = 256 << 20):
     j = Journal()
     store = JobStore(tmp_path, "c", 7)
     store.ensure()
     creds = Credentials(os.getuid(), os.getgid(), (), ())
     p = RankPipeline(store, "batch", 0, FakeFreezer(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
-                     wrapper_pid=os.getpid(), root_pid=os.getpid())
+                     wrapper_pid=os.getpid(), root_pid=os.getpid(), ghost_limit_max=ghost_cap)
     return p, j, store
 
 
@@ -146,3 +149,26 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     p.finish(1)
     assert [q.wait(5) for q in procs] == [-9, -9, -9]
     assert (cg / "freezer.state").read_text() == "THAWED"
+
+
+def test_capture_sizes_criu_ghost_limit_from_what_the_tree_holds(tmp_path: Path) -> None:
+    """A deleted 4 MiB shared-memory file (like OpenMPI's PMIx segment) held by the tree (this process): the
+    dump gets --ghost-limit of at least its size and the rank's record lists it (docs/mpi.md)."""
+    from test_ghost import deleted
+    p, _, store = make(tmp_path)
+    with deleted(tmp_path, "pmix-seg", (4 << 20) + 4096, mapped=True, keep_fd=False):
+        p.prepare(1)
+        p.capture(1, final=False)
+    p.resume(1)
+    assert p.engine.ghost_limit >= (4 << 20) + 4096
+    ghosts = store.read_rank_manifest(1, "batch", 0)["ghost_files"]
+    assert any(g["path"].endswith("pmix-seg") and g["size"] == (4 << 20) + 4096 for g in ghosts)
+
+
+def test_deleted_files_above_the_cap_are_refused_before_anything_is_frozen(tmp_path: Path) -> None:
+    from test_ghost import deleted
+    p, j, _ = make(tmp_path, ghost_cap=2 << 20)
+    with deleted(tmp_path, "too-big", 3 << 20, mapped=False, keep_fd=True):
+        with pytest.raises(CaptureError, match=r"too-big \(3.0 MiB, open by pid"):
+            p.prepare(1)
+    assert "freeze" not in j.events and "dump" not in j.events and "gpu-lock" not in j.events
