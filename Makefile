@@ -1,15 +1,18 @@
 # slurmckpt: top-level targets. Everything runs as root (it installs packages and starts a Slurm test cluster).
 #   make setup [NODES=3]   packages, CRIU, venv, SPANK plugin, config, running cluster (scripts/setup.sh)
 #   make demo              setup, then scripts/demo.sh
-#   make test              setup with 3 nodes (one slurmd per network namespace), then the unit and
-#                          integration tests (single-node ones run on node1..3, multi-node ones need 3)
+#   make test              setup with 3 nodes (one slurmd per network namespace), then the linter, the
+#                          shim's C unit tests (make -C spank test), the unit and integration tests
+#                          (single-node ones run on node1..3, multi-node ones need 3)
+#   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
 #   make status | stop     cluster status / stop every daemon of the test cluster
 #   make clean             remove build artefacts from the tree (the cluster and installed files stay)
 NODES ?= 1
 PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
+PYFLAKES := pyflakes3
 
-.PHONY: setup demo test status stop clean
+.PHONY: setup demo test lint status stop clean
 
 setup:
 	NODES=$(NODES) bash scripts/setup.sh
@@ -19,7 +22,12 @@ demo: setup
 
 test: NODES = 3
 test: setup
+	$(MAKE) lint
+	$(MAKE) -C spank test
 	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration
+
+lint:
+	$(PYFLAKES) src tests
 
 status:
 	bash scripts/cluster.sh status

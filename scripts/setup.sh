@@ -42,7 +42,7 @@ step_done()  { local ms=$(( ($(date +%s%N) - STEP_T0) / 1000000 )); log "   done
 # --------------------------------------------------------------------------------------------------- packages
 PACKAGES=(
   slurmctld slurmd slurm-client slurmdbd munge libslurm-dev mariadb-server
-  build-essential patch pkg-config python3 python3-venv python3-dev
+  build-essential patch pkg-config python3 python3-venv python3-dev pyflakes3
   iproute2 nftables iptables procps psmisc ca-certificates xz-utils
   # CRIU build dependencies (docs/architecture.md)
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf

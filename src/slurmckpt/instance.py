@@ -22,7 +22,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterator
 
 from slurmckpt.errors import StorageError

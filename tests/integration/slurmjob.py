@@ -9,11 +9,15 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slurmckpt.freezer import Freezer
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
 
-def task_cgroups(job_id: int) -> list["Freezer"]:
+def task_cgroups(job_id: int) -> list[Freezer]:
     """The freeze cgroups of this job's checkpointable trees on this host (all nodes share the kernel)."""
     from slurmckpt.freezer import Freezer, default_root
     return [Freezer(p) for p in sorted(default_root().glob(f"{job_id}.*"))]

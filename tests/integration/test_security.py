@@ -6,7 +6,6 @@ import json
 import os
 import pwd
 import socket
-import subprocess
 import sys
 
 from tests.integration.slurmjob import run, submit, workdir

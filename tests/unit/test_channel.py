@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from slurmckpt import channel as channel_mod
 from slurmckpt.channel import MAX_FRAME, Channel
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, SlurmckptError
 

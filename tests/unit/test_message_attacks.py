@@ -3,7 +3,6 @@ wrapper<->agent channel, the coordinator (before and after authentication) and a
 asserts the effect that must not happen (a hang, a crash, a commit, a path outside the store)."""
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import threading
