@@ -1,0 +1,193 @@
+"""The root agent's decisions, with a fake channel, a fake peer and a fake tree cgroup: every request gets one
+reply (errors keep their type, a bug is reported and serving goes on), nothing is done for a process that is
+not the wrapper, a bad frame or the wrapper's exit ends the service and the tree; the plan offers the committed
+epochs that hold this rank, newest first; a restore is refused before anything is touched. The real agent
+under Slurm: tests/integration (test_security.py for a hostile wrapper)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from slurmckpt.agent import Agent, TaskIdentity
+from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
+from slurmckpt.instance import JobInstance, claim
+from slurmckpt.slurm.control import JobRecord
+from slurmckpt.storage import JobStore
+
+
+class FakeChannel:
+    """The wrapper's side: `inbox` holds the requests ((message, fds) or an exception recv raises); EOF after
+    the last one."""
+
+    def __init__(self, *inbox) -> None:
+        self.inbox = list(inbox)
+        self.sent: list[dict] = []
+
+    def recv(self):
+        if not self.inbox:
+            raise EOFError("peer closed the channel")
+        item = self.inbox.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def send(self, message: dict, fds=None) -> None:
+        self.sent.append(message)
+
+
+class FakePeer:
+    def __init__(self, gone: bool = False) -> None:
+        self.pid, self.gone = 4321, gone
+
+    def require(self) -> int:
+        if self.gone:
+            raise PermissionDenied("the task's wrapper has exited", pid=self.pid)
+        return self.pid
+
+
+class FakeTree:
+    """The tree's cgroup as the agent ends it."""
+
+    def __init__(self, path: Path, kill_fails: bool = False) -> None:
+        self.path, self.kill_fails = path, kill_fails
+        self.done: list[str] = []
+
+    def kill_all(self) -> None:
+        self.done.append("kill_all")
+        if self.kill_fails:
+            raise OSError("cgroup.kill: No such device")
+
+    def remove(self) -> None:
+        self.done.append("remove")
+
+
+ME = JobInstance("c", 43, 1001, 1001, "2026-12-03T11:26:17", 1)
+
+
+def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePeer | None = None,
+               tree: FakeTree | None = None, rank: int = 0) -> Agent:
+    a = object.__new__(Agent)          # what serve() and the operations below use, nothing started
+    a.ident = TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count)
+    a.channel, a.peer = channel or FakeChannel(), peer or FakePeer()
+    a.freezer = tree or FakeTree(tmp_path / "cg")
+    a.wrapper_pid = a.peer.pid
+    a.store = JobStore(tmp_path / "images", "c", 43)
+    a.store.ensure()
+    a.instance, a.slurm_job = ME, JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {})
+    a.store_note = claim(a.store, ME)
+    a.pipeline = SimpleNamespace(root_pid=None)
+    return a
+
+
+def request(op: str, fds: list[int] | None = None, **args) -> tuple[dict, list[int]]:
+    return {"op": op, **args}, list(fds or [])
+
+
+# ---- the service loop ------------------------------------------------------------------------------------
+def test_each_request_gets_one_reply_its_fds_are_closed_and_the_wrappers_exit_ends_the_tree(tmp_path):
+    r, w = os.pipe()
+    chan = FakeChannel(request("hello", [r]), request("hello"))
+    a = make_agent(tmp_path, chan)
+    a.serve()
+    assert [m["ok"] for m in chan.sent] == [True, True] and chan.sent[0]["job"] == 43
+    with pytest.raises(OSError):
+        os.fstat(r)                       # closed by the agent once handled
+    os.close(w)
+    assert a.freezer.done == ["kill_all", "remove"]      # nothing of the tree outlives its wrapper
+
+
+def test_an_unknown_operation_is_refused_and_serving_goes_on(tmp_path):
+    chan = FakeChannel(request("become_root"), request("hello"))
+    make_agent(tmp_path, chan).serve()
+    assert chan.sent[0] == {"ok": False, "error": "unknown operation 'become_root'", "error_type": "ProtocolError"}
+    assert chan.sent[1]["ok"] is True
+
+
+def test_errors_are_replied_with_their_type_and_a_bug_does_not_stop_the_agent(tmp_path):
+    """A typed error crosses as its type's name (LockContended stays retryable on the wrapper's side); an
+    unexpected exception is reported as SlurmckptError, and the next request is still served (an agent that
+    died would leave a frozen tree to its watchdog)."""
+    chan = FakeChannel(request("prepare", epoch=3), request("abort", epoch=3), request("hello"))
+    a = make_agent(tmp_path, chan)
+
+    def contended(m, fds):
+        raise LockContended("GPU lock of pid 7 timed out after 500 ms", pid=7)
+
+    def buggy(m, fds):
+        raise KeyError("root_pid")
+    a.op_prepare, a.op_abort = contended, buggy
+    a.serve()
+    assert chan.sent[0]["error_type"] == "LockContended" and "pid=7" in chan.sent[0]["error"]
+    assert chan.sent[1]["error_type"] == "SlurmckptError" and "KeyError" in chan.sent[1]["error"]
+    assert chan.sent[2]["ok"] is True
+
+
+def test_nothing_is_done_for_a_process_that_is_not_the_wrapper(tmp_path):
+    """The wrapper exited and something else holds its socket: every request is refused before its handler."""
+    chan = FakeChannel(request("abort", epoch=3))
+    a = make_agent(tmp_path, chan, FakePeer(gone=True))
+    ran = []
+    a.op_abort = lambda m, fds: ran.append(m)
+    a.serve()
+    assert ran == [] and chan.sent[0]["ok"] is False and chan.sent[0]["error_type"] == "PermissionDenied"
+
+
+def test_a_bad_frame_ends_the_service_and_the_tree(tmp_path):
+    """After a malformed frame the stream cannot be trusted: what follows it is not served."""
+    chan = FakeChannel(ProtocolError("oversized frame"), request("hello"))
+    a = make_agent(tmp_path, chan)
+    a.serve()
+    assert len(chan.sent) == 1 and chan.sent[0]["error_type"] == "ProtocolError"
+    assert a.freezer.done == ["kill_all", "remove"]
+
+
+def test_the_tree_cgroup_is_removed_even_when_killing_fails(tmp_path):
+    a = make_agent(tmp_path, tree=FakeTree(tmp_path / "cg", kill_fails=True))
+    a.serve()
+    assert a.freezer.done == ["kill_all", "remove"]
+
+
+# ---- what the task should do: restore, or run -----------------------------------------------------------
+def commit(store: JobStore, epoch: int, ranks: dict) -> None:
+    """A committed epoch in the job manifest (the images themselves are not what the plan looks at)."""
+    path = store.job_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["epochs"].append({"epoch": epoch, "reason": "test", "ranks": ranks})
+    path.write_text(json.dumps(manifest))
+
+
+def test_plan_offers_the_epochs_that_hold_this_rank_newest_first(tmp_path):
+    a = make_agent(tmp_path)
+    commit(a.store, 1, {"0.0": {"kind": "image"}, "0.1": {"kind": "image"}})
+    commit(a.store, 2, {"0.1": {"kind": "image"}})                        # this rank not in it
+    commit(a.store, 3, {"0.0": {"kind": "image"}, "0.1": {"kind": "completed", "exit_code": 0}})
+    plan = a.op_plan({}, [])
+    assert [c["epoch"] for c in plan["candidates"]] == [3, 1] and plan["newest"] == 3
+    assert plan["completed"] == {"0.1": {"kind": "completed", "exit_code": 0}}
+    assert "warning" not in plan
+
+
+def test_plan_offers_nothing_to_a_first_run(tmp_path):
+    a = make_agent(tmp_path)
+    commit(a.store, 1, {"0.0": {"kind": "image"}})
+    a.ident = TaskIdentity("c", 43, "0", 0, 1001, 1001, 0)
+    assert a.op_plan({}, [])["candidates"] == []
+
+
+def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
+    """Only a committed epoch, only into a task without a tree, only with the task's own stdio."""
+    a = make_agent(tmp_path)
+    commit(a.store, 1, {"0.0": {"kind": "image"}})
+    with pytest.raises(StorageError, match="epoch 2 is not a committed checkpoint"):
+        a.op_restore({"epoch": 2}, [0, 1, 2])
+    a.pipeline.root_pid = 999
+    with pytest.raises(PermissionDenied, match="already running"):
+        a.op_restore({"epoch": 1}, [0, 1, 2])
+    a.pipeline.root_pid = None
+    with pytest.raises(ProtocolError, match="stdio"):
+        a.op_restore({"epoch": 1}, [0, 1])
+    assert a.freezer.done == [] and not (tmp_path / "cg").exists()

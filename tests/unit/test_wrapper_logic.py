@@ -1,0 +1,301 @@
+"""The wrapper's decisions, with a fake agent channel, a fake membership and a fake Slurm: restore the newest
+committed epoch, fall back to an older one, then to a fresh start; withdraw the epoch for the whole job when
+other ranks share the cut; SIGTERM asks for a final capture (never forwarded), the capture signals ask for
+captures, other signals are forwarded to the tree; a lost agent is said once and the tree ends with the task.
+The same wrapper against the real agent, Slurm and CRIU: tests/integration."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmckpt import wrapper
+from slurmckpt.config import Config
+from slurmckpt.errors import LockContended, RestoreError, SlurmckptError
+from slurmckpt.slurm import control
+from slurmckpt.slurm.env import TaskEnv
+
+
+class FakeChannel:
+    """The agent's side of Channel.call: `answers` maps an op to a reply, an exception to raise, or a function
+    of the call's arguments returning either; an op without an answer replies {}."""
+
+    def __init__(self, answers: dict) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, dict]] = []
+
+    def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
+        self.calls.append((op, {**args, "nfds": len(fds or [])}))
+        answer = self.answers.get(op, {})
+        if callable(answer) and not isinstance(answer, type):
+            answer = answer(args)
+        if isinstance(answer, BaseException):
+            raise answer
+        return dict(answer)
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.calls]
+
+    def close(self) -> None:
+        pass
+
+
+class FakeMember:
+    """Membership as the wrapper uses it: records events and capture triggers."""
+
+    def __init__(self, connected: bool) -> None:
+        self.connected = connected
+        self.events: list[tuple[str, dict]] = []
+        self.triggers: list[tuple[str, bool]] = []
+        self.closed: list[int] = []
+
+    def event(self, kind: str, wait_ack: bool = False, **fields: object) -> None:
+        self.events.append((kind, fields))
+
+    def trigger(self, reason: str, final: bool) -> None:
+        self.triggers.append((reason, final))
+
+    def reaped(self, pid: int, code: int) -> None:
+        pass
+
+    def close(self, status: int) -> None:
+        self.closed.append(status)
+
+    def stop(self) -> None:
+        pass
+
+
+class FakeControl:
+    """slurm.control's job control, as the wrapper asks it: requeue, and the job's state."""
+
+    def __init__(self) -> None:
+        self.requeued: list[int] = []
+
+    def requeue(self, job_id: int) -> None:
+        self.requeued.append(job_id)
+
+    def job(self, job_id: int) -> dict:
+        return {"job_state": "REQUEUED" if self.requeued else "RUNNING"}
+
+
+@pytest.fixture
+def said(monkeypatch) -> list[str]:
+    lines: list[str] = []
+    monkeypatch.setattr(wrapper, "say", lambda env, text: lines.append(text))
+    return lines
+
+
+@pytest.fixture
+def slurm(monkeypatch) -> FakeControl:
+    fake = FakeControl()
+    monkeypatch.setattr(control, "default_control", lambda: fake)
+    monkeypatch.setattr(control, "CliSlurm", lambda timeout_s=30.0: fake)
+    return fake
+
+
+@pytest.fixture
+def make(monkeypatch, said, slurm):
+    monkeypatch.setattr(wrapper, "load_user_config", Config)
+    socks: list[socket.socket] = []
+
+    def build(answers: dict | None = None, step: str = "0", tasks: int = 1, connected: bool = False):
+        mine, theirs = socket.socketpair()
+        socks.append(theirs)
+        env = TaskEnv(job_id=7, step=step, rank=0, restart_count=1, interval_s=0, agent_fd=mine.detach(),
+                      argv0=None, node="n1", tasks=tasks)
+        w = wrapper.Wrapper(env, ["app"])
+        w.agent.close()                          # the channel the wrapper opened on that fd: not used here
+        w.agent, w.member = FakeChannel(answers or {}), FakeMember(connected)
+        return w
+    yield build
+    for s in socks:
+        s.close()
+
+
+@pytest.fixture
+def tree():
+    """A real process standing for the task's tree (signals reach it for real)."""
+    p = subprocess.Popen(["sleep", "60"])
+    yield p
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+def image(epoch: int) -> dict:
+    return {"epoch": epoch, "kind": "image"}
+
+
+def restores(failing: set[int], pid: int = 4242):
+    return lambda args: (RestoreError(f"criu restore of epoch {args['epoch']} failed")
+                         if args["epoch"] in failing else {"pid": pid, "kind": "image", "seconds": 0.1})
+
+
+# ---- restore, fall back, start fresh -------------------------------------------------------------------------
+def test_nothing_committed_starts_the_task_fresh(make, said):
+    w = make({"launch": {"pid": 99}})
+    w._start({"candidates": []})
+    assert w.agent.ops() == ["launch"] and w.root_pid == 99
+    assert w.member.events == [("started", {"action": "run"})]
+    assert not any("restore" in line for line in said)        # a first start has nothing to say about it
+
+
+def test_the_newest_committed_epoch_is_restored_and_nothing_is_launched(make, said):
+    w = make({"restore": restores(set())})
+    w._start({"candidates": [image(5), image(4)]})
+    assert w.agent.calls == [("restore", {"epoch": 5, "nfds": 3})] and w.root_pid == 4242
+    assert w.member.events == [("started", {"action": "restore"})]
+    assert any("restored from checkpoint epoch 5" in line for line in said)
+
+
+def test_a_failed_restore_falls_back_to_the_previous_epoch(make, said):
+    w = make({"restore": restores({5})})
+    w._start({"candidates": [image(5), image(4)]})
+    assert [a["epoch"] for op, a in w.agent.calls if op == "restore"] == [5, 4] and "launch" not in w.agent.ops()
+    assert w.root_pid == 4242
+    assert any("epoch 5" in line and "FAILED" in line for line in said)     # never silent
+
+
+def test_when_no_epoch_restores_the_task_starts_fresh_and_says_so(make, said):
+    w = make({"restore": restores({5, 4}), "launch": {"pid": 99}})
+    w._start({"candidates": [image(5), image(4)]})
+    assert w.agent.ops() == ["restore", "restore", "launch"] and w.root_pid == 99
+    assert [e for e, _ in w.member.events] == ["started", "started", "started"]
+    assert w.member.events[-1] == ("started", {"action": "run"})
+    assert any("from the beginning" in line for line in said)
+
+
+def test_a_rank_sharing_its_cut_withdraws_the_epoch_for_the_job_instead_of_falling_back(make, said, slurm):
+    """Other ranks restore the same epoch: falling back alone would leave the job at no common cut. The
+    epoch is rejected for every rank, the coordinator told, the job requeued; nothing is launched."""
+    w = make({"restore": restores({5})}, tasks=2, connected=True)
+    w._start({"candidates": [image(5), image(4)]})
+    assert w.agent.ops() == ["restore", "reject_epoch"]
+    assert w.agent.calls[1][1]["epoch"] == 5 and "criu restore" in w.agent.calls[1][1]["reason"]
+    assert ("withdrawn", {"epoch": 5}) in w.member.events
+    assert w.awaiting_requeue and slurm.requeued == [7] and w.root_pid is None
+
+
+def test_a_completed_rank_is_not_rerun(make, said):
+    w = make()
+    w._start({"candidates": [{"epoch": 5, "kind": "completed", "exit_code": 3}]})
+    assert w.agent.ops() == [] and w.completed_code == 3
+    assert w.member.events == [("started", {"action": "skip"})]
+
+
+def test_a_replayed_batch_step_relaunches_with_its_output_held_back(make):
+    """A batch step that ran srun at the capture is replayed: its output is restored, the script re-run
+    through relays that discard what it prints until a step resumes."""
+    w = make({"restore": {"kind": "replay"}, "launch": {"pid": 98}}, connected=False)
+    w._start({"candidates": [{"epoch": 5, "kind": "replay"}]})
+    assert w.agent.ops() == ["restore", "launch"] and w.agent.calls[1][1]["nfds"] == 3
+    assert not w.gate.is_set() and w.root_pid == 98
+    w._on_rank_started("0.0", "restore")
+    assert w.gate.is_set()
+
+
+# ---- signals ---------------------------------------------------------------------------------------------
+def test_sigterm_asks_for_a_final_capture_and_is_not_forwarded(make, tree):
+    w = make()
+    w.root_pid = tree.pid
+    w._on_signal(signal.SIGTERM)
+    assert w.member.triggers == [("sigterm", True)]
+    time.sleep(0.1)
+    assert tree.poll() is None
+
+
+def test_sigterm_after_the_final_commit_asks_for_nothing(make, tree):
+    w = make()
+    w.root_pid = tree.pid
+    w.final_committed.set()
+    w._on_signal(signal.SIGTERM)
+    assert w.member.triggers == [] and tree.poll() is None
+
+
+def test_capture_signals_ask_for_captures(make):
+    w = make()
+    w._on_signal(wrapper.CHECKPOINT_SIGNAL)
+    w._on_signal(wrapper.REQUEUE_SIGNAL)
+    w._on_signal(signal.SIGCHLD)
+    assert w.member.triggers == [("manual", False), ("manual-requeue", True)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT, signal.SIGHUP])
+def test_other_signals_are_forwarded_to_the_tree(make, tree, sig):
+    w = make()
+    w.root_pid = tree.pid
+    w._on_signal(sig)
+    assert tree.wait(5) == -sig and w.member.triggers == []
+
+
+def test_a_committed_final_capture_for_walltime_requeues_the_job(make, slurm):
+    w = make()
+    result = {"status": "committed", "epoch": 3, "ranks": 1, "bytes": 0, "commit_s": 0.5}
+    w._epoch_result(result, "interval", False)
+    w._epoch_result(result, "walltime", True)
+    deadline = time.monotonic() + 5
+    while not slurm.requeued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slurm.requeued == [7]
+
+
+# ---- the agent gone ---------------------------------------------------------------------------------------
+def test_a_lost_agent_is_said_once_and_the_call_fails_typed(make, said):
+    w = make({"prepare": EOFError("peer closed the channel"), "resume": OSError("broken pipe")})
+    with pytest.raises(SlurmckptError, match="agent is gone"):
+        w.call("prepare", epoch=1)
+    with pytest.raises(SlurmckptError):
+        w.call("resume", epoch=1)
+    assert w.agent_gone and len([line for line in said if "agent died" in line]) == 1
+
+
+def test_closing_the_agent_on_purpose_is_not_a_loss(make, said):
+    w = make({"hello": EOFError("peer closed the channel")})
+    w.ending = True
+    with pytest.raises(SlurmckptError):
+        w.call("hello")
+    assert not w.agent_gone and said == []
+
+
+def test_sigterm_without_an_agent_ends_the_tree_like_a_plain_task(make, tree, tmp_path: Path):
+    """No capture is possible: the whole tree (its cgroup's pids) gets SIGTERM, and the job's final epoch is
+    still asked for (it aborts: the previous commit stays)."""
+    w = make()
+    w.root_pid, w.agent_gone = tree.pid, True
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w.tree_procs = str(procs)
+    w._on_signal(signal.SIGTERM)
+    assert tree.wait(5) == -signal.SIGTERM and w.member.triggers == [("sigterm", True)]
+
+
+def test_the_task_ending_without_an_agent_kills_what_is_left_of_the_tree(make, tree, tmp_path: Path):
+    w = make()
+    w.agent_gone = True
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w.tree_procs = str(procs)
+    assert w._exit(5) == 5
+    assert tree.wait(5) == -signal.SIGKILL and w.member.closed == [5]
+
+
+# ---- commands from the coordinator ----------------------------------------------------------------------
+def test_commands_go_to_the_agent_and_track_the_final_capture(make):
+    w = make({"capture": {"ok": True, "kind": "image", "bytes": 10}})
+    assert w._on_command("capture", 4, {"final": True}) == {"kind": "image", "bytes": 10}
+    assert w.final_capture.is_set() and w.agent.calls[-1] == ("capture", {"epoch": 4, "final": True, "nfds": 0})
+    w._on_command("abort", 4, {})
+    assert not w.final_capture.is_set()
+    w._on_command("finish", 4, {})
+    assert w.final_committed.is_set()
+
+
+def test_a_contended_lock_reaches_the_coordinator_client_as_its_type(make):
+    """The agent's LockContended is raised again here, so RankClient reports it as error_kind retryable."""
+    w = make({"prepare": LockContended("GPU lock of pid 7 timed out after 500 ms")})
+    with pytest.raises(LockContended):
+        w._on_command("prepare", 4, {})
