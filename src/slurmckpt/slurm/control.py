@@ -43,6 +43,33 @@ class CliSlurm:
         self._run("scontrol", "requeue", str(job_id))
         log.info("requeued job %d in %.2fs", job_id, time.monotonic() - start)
 
+    def annotate(self, job_id: int, text: str) -> str:
+        """Root only: `text` (one sanitized line, fresh_start.py) becomes the job's AdminComment, which sacct
+        and `scontrol show job` show; Comment when slurmctld refuses AdminComment. Returns the field set."""
+        try:
+            self._run("scontrol", "update", f"JobId={job_id}", f"AdminComment={text}")
+            return "AdminComment"
+        except SlurmError as first:
+            try:
+                self._run("scontrol", "update", f"JobId={job_id}", f"Comment={text}")
+            except SlurmError as second:
+                raise SlurmError(f"neither AdminComment ({first}) nor Comment ({second}) could be set",
+                                 job=job_id) from second
+            log.warning("job %d: AdminComment refused (%s); the note went to Comment", job_id, first)
+            return "Comment"
+
+    def comments(self, job_id: int) -> dict[str, str]:
+        """The job's AdminComment and Comment where set: from slurmctld while it knows the job, else from
+        accounting. Multi-line `scontrol show job` puts each on a line of its own (they hold spaces)."""
+        try:
+            lines = self._run("scontrol", "show", "job", str(job_id)).splitlines()
+            return {k: v.strip() for line in lines for k, _, v in [line.strip().partition("=")]
+                    if k in ("AdminComment", "Comment") and v.strip()}
+        except SlurmError:
+            row = self._run("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "AdminComment,Comment")
+            values = (row.splitlines() or [""])[-1].split("|")
+            return {k: v.strip() for k, v in zip(("AdminComment", "Comment"), values) if v.strip()}
+
     def job(self, job_id: int) -> dict:
         data = json.loads(self._run("squeue", "--json", "-j", str(job_id)))
         jobs = [j for j in data.get("jobs", []) if j.get("job_id") == job_id]
