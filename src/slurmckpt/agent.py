@@ -21,6 +21,7 @@ from slurmckpt.config import Config
 from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.freezer import Freezer
+from slurmckpt.fresh_start import FailureReporter, coordinator_verdict
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import watchdog
@@ -47,6 +48,8 @@ class TaskIdentity:
 
 
 class Agent:
+    restored: int | None = None          # the epoch this task restored (None: not restored)
+
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None) -> None:
         self.ident, self.channel, self.config, self.peer = ident, channel, config, peer
@@ -70,6 +73,8 @@ class Agent:
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
                                      None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
                                      peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max)
+        self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
+                                        socket.gethostname())
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
@@ -176,6 +181,8 @@ class Agent:
             raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
         # CUDA refuses to work in a PID namespace that sees the host's /proc, and a private /proc would need
         # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
+        if self.ident.step == "batch" and self.ident.restart_count and self.restored is None:
+            self._fresh_start_notice()      # said (AdminComment) even if the wrapper did not ask
         own_pidns = not uses_gpus(env)
         creds = self._task_credentials()
         self._place_with_slurm()
@@ -195,14 +202,41 @@ class Agent:
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.freezer.slurm_procs) or "-",
                  self.freezer.path)
 
+    def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
+        """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also
+        set as the job's AdminComment (fresh_start.py). None for a first run or a restored one."""
+        if self.ident.step != "batch" or not self.ident.restart_count or self.restored is not None:
+            return {"notice": None}
+        return {"notice": self._fresh_start_notice()}
+
+    def _fresh_start_notice(self) -> str:
+        try:
+            why_not = self._not_restorable()
+        except StorageError as e:
+            why_not = str(e)
+        return self.reporter.fresh_start(self.ident.restart_count, why_not or self.store_note)
+
+    def op_capture_failed(self, m: dict, fds: list[int]) -> dict:
+        """The job's coordinator aborted an epoch (its verdict, relayed by the wrapper hosting it): recorded
+        unless a rank's agent recorded that epoch itself. It only informs: nothing acts on it."""
+        self.reporter.capture_failed(**coordinator_verdict(m))
+        return {}
+
     def op_prepare(self, m: dict, fds: list[int]) -> dict:
-        return self.pipeline.prepare(_epoch(m))
+        self.reporter.epoch_began(_epoch(m), validate.flag(m["final"], "final") if "final" in m else None,
+                                  validate.label(m.get("trigger", "unknown"), "trigger"))
+        with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):
+            return self.pipeline.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
-        return self.pipeline.capture(_epoch(m), final=validate.flag(m.get("final", True), "final"))
+        final = validate.flag(m.get("final", True), "final")
+        self.reporter.epoch_is_final(_epoch(m), final)
+        with self.reporter.recorded(_epoch(m), "capture", self.pipeline):
+            return self.pipeline.capture(_epoch(m), final=final)
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
-        return self.pipeline.resume(_epoch(m))
+        with self.reporter.recorded(_epoch(m), "resume", self.pipeline):
+            return self.pipeline.resume(_epoch(m))
 
     def op_abort(self, m: dict, fds: list[int]) -> dict:
         self.pipeline.abort(_epoch(m))
@@ -237,7 +271,12 @@ class Agent:
         self._place_with_slurm()
         self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()
         start = time.monotonic()
-        pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
+        try:
+            pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
+        except Exception as e:
+            self.reporter.restore_failed(_epoch(m), e)     # the reason if the task starts afresh
+            raise
+        self.restored = _epoch(m)
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
         return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
 

@@ -61,7 +61,7 @@ def mismatch(bound: object, me: JobInstance) -> str | None:
 
 
 @contextmanager
-def _store_lock(store: JobStore) -> Iterator[None]:
+def store_lock(store: JobStore) -> Iterator[None]:
     """One claim at a time per job (ranks of a job start together; flock also holds on NFSv4)."""
     path = store.root / store.cluster / f".lock-{store.job}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -84,7 +84,7 @@ def claim(store: JobStore, me: JobInstance, keep_epoch: int | None = None) -> st
     saying what was moved aside and why. `keep_epoch`: an epoch this instance is committing right now; its
     directory stays (its number is above every foreign one: next_epoch counted them)."""
     store.ensure()
-    with _store_lock(store):
+    with store_lock(store):
         try:
             manifest = store.read_manifest()
             why = mismatch(manifest.get("instance"), me) if _has_content(store) else None

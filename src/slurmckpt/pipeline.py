@@ -60,6 +60,7 @@ class RankPipeline:
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
     record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    failed_stage: str = ""                                 # the stage that raised last (fresh_start.py)
     timings: dict[str, float] = field(default_factory=dict)
     stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
@@ -117,9 +118,11 @@ class RankPipeline:
             try:
                 stage.run(self, epoch)
             except SlurmckptError:
+                self.failed_stage = stage.name
                 self.abort(epoch)
                 raise
             except Exception as e:  # an unexpected failure still rolls back
+                self.failed_stage = stage.name
                 self.abort(epoch)
                 raise CaptureError(f"stage {stage.name} failed: {e}", epoch=epoch) from e
             self.timings[stage.name] = round(time.monotonic() - start, 4)

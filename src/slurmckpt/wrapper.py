@@ -60,6 +60,7 @@ class Wrapper:
         self.schedule: Schedule | None = None
         self.pending: list[int] = []
         self.relays: list[threading.Thread] = []
+        self.fresh_notice: str | None = None     # why a requeued batch step starts from the beginning
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
         with self.agent_lock:
@@ -95,8 +96,8 @@ class Wrapper:
         if self.member.supervisor:
             self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
-        if plan.get("warning"):   # the agent's word on what it did not restore; after a restore rewrote the output
-            say(self.env, str(plan["warning"]))
+        if plan.get("warning") and not self.fresh_notice:  # the agent's word on what it did not restore;
+            say(self.env, str(plan["warning"]))             # after a restore rewrote the output
         code = self._supervise(wake_r)
         self.member.stop()
         with self.agent_lock:
@@ -153,10 +154,22 @@ class Wrapper:
                 say(self.env, f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
                               f"(restart {self.env.restart_count})")
             return
-        if plan["candidates"]:
+        if self.env.step == "batch":
+            self._say_fresh_start()
+        elif plan["candidates"]:
             say(self.env, "no checkpoint could be restored: starting the task from the beginning")
         self._started("run")
         self._launch(relay=False)
+
+    def _say_fresh_start(self) -> None:
+        """A requeued job that restored nothing says why, before its first output (Slurm truncated the
+        output file at the requeue); the agent composes the line and sets the job's AdminComment to it."""
+        try:
+            self.fresh_notice = self.call("fresh_start").get("notice")
+        except SlurmckptError as e:
+            self.fresh_notice = f"starting from the beginning: the reason could not be learnt ({e})"
+        if self.fresh_notice:
+            say(self.env, self.fresh_notice)
 
     def _restore(self, stdio: list[int], epoch: int) -> dict:
         """The batch step also hands over its script (the spool path differs on another node)."""
@@ -304,6 +317,17 @@ class Wrapper:
             where = f"rank {result.get('rank', '?')} on node {result.get('node', '?')}"
             say(self.env, f"checkpoint epoch {result['epoch']} ({reason}) ABORTED at {result.get('stage')} "
                           f"({where}): {result.get('error')}; the previous checkpoint stays the one restored")
+            threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()
+
+    def _report_failure(self, result: dict, reason: str, final: bool) -> None:
+        """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
+        failing rank's agent did (fresh_start.py): timeouts and vanished ranks are seen only here."""
+        try:
+            self.call("capture_failed", epoch=result["epoch"], final=final, trigger=reason,
+                      stage=str(result.get("stage") or "unknown"), rank=result.get("rank"),
+                      node=result.get("node"), error=str(result.get("error", ""))[:4096])
+        except SlurmckptError as e:
+            log.warning("the failed epoch %s was not recorded: %s", result.get("epoch"), e)
 
     def _requeue(self) -> None:
         from slurmckpt.slurm.control import default_control
@@ -321,6 +345,8 @@ class Wrapper:
         elif kind == "abort":
             self.final_capture.clear()
         args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
+        if kind == "prepare":       # what the agent records should its part fail (fresh_start.py)
+            args = {k: message[k] for k in ("final", "trigger") if k in message}
         return {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
 
     def _on_rank_started(self, rank: str, action: str) -> None:

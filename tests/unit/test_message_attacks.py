@@ -18,6 +18,7 @@ from slurmckpt.coordinator import server
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import VERSION, Sealer, new_token
 from slurmckpt.errors import ProtocolError, SlurmckptError
+from slurmckpt.fresh_start import FailureReporter
 from slurmckpt.storage import JobStore
 
 from test_coordinator import Committer, Job, Raw, still_serves, wait_for  # noqa: E402  (tests/unit helpers)
@@ -36,6 +37,8 @@ def agent(tmp_path: Path) -> Agent:
     a.instance = a.slurm_job = a.store_note = None    # job-instance binding: not what these tests are about
     a.pipeline = SimpleNamespace(capture=lambda epoch, final: {"final": final},
                                  prepare=lambda epoch: {}, resume=lambda epoch: {})
+    a.reporter = FailureReporter(a.store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
+                                 background=False)
     return a
 
 

@@ -421,7 +421,9 @@ class Coordinator:
             return result
         resumed, sealed = False, None
         try:
-            await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s)
+            # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
+            await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s, final=final,
+                              trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
             captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
                                          final=final)
