@@ -152,9 +152,11 @@ class Agent:
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
+        if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
+            notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.freezer.path / "cgroup.procs"),
-                **({"warning": notes[0]} if notes else {})}
+                **({"warning": "; ".join(notes)} if notes else {})}
 
     def _not_restorable(self) -> str | None:
         """None when this task may restore the store's images; else why not ("" for a first run with

@@ -182,6 +182,14 @@ class FailureReporter:
     def restore_failed(self, epoch: int, error: BaseException) -> None:
         self.restore_failures.append((epoch, reason_of(error)))
 
+    def failed_since(self, epoch: int) -> str | None:
+        """For a task about to restore `epoch`: the newest failed capture if it is newer (what ran since
+        `epoch` is lost), else None."""
+        newest = next(iter(failures(self.store)), None)
+        if newest is None or newest.epoch <= epoch:
+            return None
+        return f"{newest.describe()}; restoring the older checkpoint epoch {epoch}"
+
     def fresh_start(self, restart_count: int, why_not: str | None) -> str:
         """The one line for a requeued task that starts from the beginning (computed once, annotated once).
         `why_not`: the agent's reason not to offer the store's images at all (instance binding), if any."""

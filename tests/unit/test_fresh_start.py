@@ -265,3 +265,19 @@ def test_record_never_follows_a_path_it_did_not_make(tmp_path: Path) -> None:
     os.symlink(target, store.job_dir / FAILURES_FILE)
     record(store, _failure(1))
     assert target.read_text() == "keep" and not (store.job_dir / FAILURES_FILE).is_symlink()
+
+
+def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tmp_path: Path, monkeypatch) -> None:
+    """The final capture failed but an earlier epoch is committed: the batch step restores that one, and its
+    plan warns that the newer capture failed (the wrapper prints the warning after the restore)."""
+    notes = Notes()
+    a = _agent(tmp_path, 1, notes)
+    a.freezer = SimpleNamespace(path=tmp_path / "cg")
+    monkeypatch.setattr(Agent, "_not_restorable", lambda self: None)
+    manifest = a.store.read_manifest()
+    manifest["epochs"] = [{"epoch": 2, "reason": "interval", "committed_at": 0, "ranks": {"batch.0": {"kind": "image"}}}]
+    (a.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
+    assert "warning" not in a.op_plan({}, [])
+    record(a.store, _failure(3, reason="ghost file too large"))
+    assert a.op_plan({}, [])["warning"] == ("the final capture at epoch 3 failed on rank batch.0: ghost file too "
+                                            "large; restoring the older checkpoint epoch 2")
