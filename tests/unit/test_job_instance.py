@@ -161,6 +161,7 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from types import SimpleNamespace
 
     from slurmckpt.agent import Agent, TaskIdentity
+    from slurmckpt.fresh_start import FailureReporter
     from slurmckpt.slurm.control import JobRecord
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
@@ -170,6 +171,8 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     a.wrapper_pid = 0
     a.pipeline = SimpleNamespace(root_pid=None)
     a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
+    a.reporter = FailureReporter(a.store, 43, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
+                                 background=False)
     return a
 
 
