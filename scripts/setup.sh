@@ -354,6 +354,7 @@ step_slurm_config() {
   T_CLUSTER_DIR=$CLUSTER_DIR
   T_RUN_DIR=/run/slurmckpt
   T_SLURM_ETC=$SLURM_ETC
+  T_SLURM_PLUGIN_DIR=$(dirname "$(ls /usr/lib/*/slurm-wlm/proctrack_pgid.so | head -n1)")
   T_CTLD_HOST=$host
   T_NODE_LINES="" T_GRES_LINES=""
   local nodelist

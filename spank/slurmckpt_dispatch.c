@@ -3,6 +3,8 @@
  * context. What runs where (docs/contracts.md, "SPANK shim behaviour"):
  *   all contexts      init: parse plugstack.conf args, register the option
  *   srun/sbatch/salloc the option callback validates --checkpoint-interval
+ *   slurmstepd         user_init notes whether the step is wrapped, for
+ *                      proctrack/slurmckpt (slurmckpt_step_wrapped)
  *   slurmstepd, per task of the batch step and of numbered steps, when the
  *   interval is not off:
  *     task_init_privileged (root)  start the agent on a socketpair
@@ -19,6 +21,18 @@ struct plugin_args slurmckpt_args;
 /* Per task: task_init_privileged and task_init run in the same process. */
 static int task_agent_started;
 
+/* In slurmstepd: this step's tasks run under the wrapper (user_init). */
+static int step_is_wrapped;
+
+/*
+ * For proctrack/slurmckpt, loaded in the same slurmstepd: while this is 1,
+ * Slurm's SIGTERM goes to the wrappers alone (proctrack_slurmckpt.c).
+ */
+__attribute__((visibility("default"))) int slurmckpt_step_wrapped(void)
+{
+	return (step_is_wrapped);
+}
+
 int slurm_spank_init(spank_t sp, int ac, char **av)
 {
 	char err[256];
@@ -29,6 +43,24 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 		return (-1);
 	}
 	return (option_register(sp));
+}
+
+/* slurmstepd itself, before the tasks fork (options are readable here, not in init_post_opt). */
+int slurm_spank_user_init(spank_t sp, int ac, char **av)
+{
+	long interval = 0;
+	int wrappable;
+
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE)
+		return (0);
+	if ((wrappable = step_wrappable(sp)) < 0)
+		return (-1);
+	/* An invalid value fails the task in task_init_privileged, with the message. */
+	if (wrappable && option_interval(sp, &interval) == 0 && interval != 0)
+		step_is_wrapped = 1;
+	return (0);
 }
 
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)

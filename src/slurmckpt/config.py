@@ -55,6 +55,8 @@ class Config:
     # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
     # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
     ghost_limit_max: int = field(default=256 << 20, metadata={"size": True})
+    # Read by proctrack/slurmckpt in each slurmstepd (spank/proctrack_slurmckpt.c), not by Python.
+    proctrack_delegate: str = "proctrack/cgroup"
     # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
     # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
     debug_stall_after: str = ""
