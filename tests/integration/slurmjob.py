@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,22 @@ def task_cgroups(job_id: int) -> list[Freezer]:
     from slurmckpt.freezer import Freezer, default_root
     return [Freezer(p) for p in sorted(default_root().glob(f"{job_id}.*"))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
+
+
+CONFIG = Path("/etc/slurmckpt/slurmckpt.yaml")
+
+
+@contextmanager
+def proctrack_delegate(plugin: str):
+    """Run the jobs started inside under `plugin` (e.g. proctrack/linuxproc): proctrack/slurmckpt, the
+    cluster's ProctrackType, reads its delegate from the config in every new slurmstepd."""
+    saved = CONFIG.read_text()
+    kept = [l for l in saved.splitlines() if not l.startswith("proctrack_delegate:")]
+    CONFIG.write_text("\n".join(kept + [f"proctrack_delegate: {plugin}"]) + "\n")
+    try:
+        yield
+    finally:
+        CONFIG.write_text(saved)
 
 
 def run(*cmd: str, user: str | None = None, check: bool = True, cwd: Path | None = None,
