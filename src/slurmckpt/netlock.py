@@ -1,4 +1,5 @@
-"""Loopback TCP between two ranks: hold its packets while only one end has been restored.
+"""TCP between two ranks on one node (loopback or the node's own address): hold its packets while only one end
+has been restored.
 
 Each rank is restored by its own `criu restore`, at its own time. A restored end that sends (its process
 writes, or the kernel retransmits what was in flight) to an end not restored yet gets a RST: the connection
@@ -37,27 +38,21 @@ Runner = Callable[[list[str], str], None]      # (command, stdin text): raises o
 
 def _established(pids: list[int]) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
     """(local, remote, inode) of every ESTABLISHED TCP socket of the network namespace of `pids`."""
-    rows = []
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = open(f"/proc/{pids[0]}/net/{table}").read().splitlines()[1:]
-        except (OSError, IndexError):
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "01":
-                rows.append((proctree._hex_addr(f[1]), proctree._hex_addr(f[2]), f[9]))
-    return rows
+    if not pids:
+        return []
+    return [(proctree._hex_addr(f[1]), proctree._hex_addr(f[2]), f[9]) for f in proctree.tcp_table(pids[0])
+            if f[3] == "01"]
 
 
 def internal_connections(pids: list[int], peers: dict[int, tuple[str, int]]) -> list[tuple[str, str, str, int]]:
-    """Established loopback TCP connections of the tree `pids` whose other end is a socket held by one of
-    `peers` (pid -> (step, rank) of another rank of the job): (local, remote, peer step, peer rank)."""
+    """Established TCP connections of the tree `pids` whose other end is a socket held by one of `peers`
+    (pid -> (step, rank) of another rank of the job): (local, remote, peer step, peer rank). Loopback or the
+    node's own address (MPI daemons use it): both ends are in this network namespace, so on this node."""
     ours = proctree.socket_inodes(pids)
     if not ours:
         return []
     rows = _established(pids)
-    mine = [(lo, re) for lo, re, ino in rows if ino in ours and ipaddress.ip_address(re[0]).is_loopback]
+    mine = [(lo, re) for lo, re, ino in rows if ino in ours]
     if not mine:
         return []
     holder = {ino: pid for pid in peers for ino in proctree.socket_inodes([pid])}
@@ -158,7 +153,7 @@ def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
 @contextmanager
 def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner: Runner = _run,
                         lock_dir: Path = LOCK_DIR) -> Iterator[None]:
-    """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of loopback
+    """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of node-local
     connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
     the job on this node (`restore_key`), the same on every rank. The rules exist from before the first end
     is restored until the second one has been (or has failed: then its peer sees the reset instead of
@@ -180,7 +175,7 @@ def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner
             try:
                 _iptables_restore(runner, version, "-I", specs)
             except OSError as e:        # no worse than before: the connection may be reset
-                log.warning("cannot hold loopback TCP between ranks during the restore: %s", e)
+                log.warning("cannot hold TCP between ranks during the restore: %s", e)
     try:
         yield
     finally:

@@ -161,19 +161,21 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     if p.replay:
         return       # replayed, not imaged: srun's own connections to the step daemons are expected
     pids = p.freezer.pids()
-    accepted: list[str] = []
-    remote = proctree.external_tcp(pids, accepted)
-    if accepted:
-        log.info("capturing with connection(s) accepted from outside the job: %s", ", ".join(accepted))
-    if remote:
-        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
-                           "connection only where both of its addresses exist again, so this job cannot be "
-                           "captured while they are open", step=p.step, rank=p.rank)
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
     job = p.freezer.path.name.split(".")[0]
     trees = ipc.job_trees(p.freezer.path, job)       # the job's own other tasks only, never another job's
+    accepted: list[str] = []
+    # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job
+    remote = proctree.external_tcp(pids, accepted, inside=proctree.socket_inodes(list(trees)))
+    if accepted:
+        log.info("capturing with connection(s) accepted from outside the job: %s", ", ".join(accepted))
+    if remote:
+        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
+                           "connection only where both of its addresses exist again, so this job cannot be "
+                           "captured while they are open (an MPI job across nodes is not checkpointable yet: "
+                           "docs/mpi.md)", step=p.step, rank=p.rank)
     shared = ipc.unshareable(pids, {pid: ipc.task_label(name) for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
@@ -182,11 +184,29 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     # once frozen (_record), since the tree runs on until then.
     ghost.limit_for(proctree.deleted_files(pids), p.ghost_limit_max, step=p.step, rank=p.rank)
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
-    # dump ends the tree it dumped): loopback TCP, held at restore until both ends are back (netlock.py);
+    # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
     peers = {pid: (t[1], t[2]) for pid, name in trees.items() if (t := ipc.task_of(name)) and t[0] == job}
     p.tcp_peers = netlock.internal_connections(pids, peers)
+    _refuse_replayed_peers(p, trees)
     p.shared_files = ipc.shared_files(pids, set(peers))
+
+
+def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, str]) -> None:
+    """TCP to a batch step that runs srun: such a batch step is replayed on requeue (its script runs again
+    from the top), not restored, so its end of the connection would start afresh while this one is restored.
+    That is OpenMPI's mpirun starting its daemons (orted) through srun (docs/mpi.md)."""
+    to_batch = [f"{c[0]} -> {c[1]}" for c in p.tcp_peers if c[2] == "batch"]
+    if not to_batch:
+        return
+    batch = [pid for pid, name in trees.items() if (t := ipc.task_of(name)) and t[1] == "batch"]
+    if proctree.has_slurm_client(batch):
+        raise CaptureError(f"TCP connection(s) {', '.join(to_batch)} to the batch step, which is running srun: "
+                           "a batch step running srun is replayed on requeue, not restored, so its end would "
+                           "start again while this one is restored (OpenMPI's mpirun starting orted through "
+                           "srun does this); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
+                           "--mca ras ^slurm`) (docs/mpi.md)",
+                           step=p.step, rank=p.rank)
 
 
 def _gpu_lock(p: RankPipeline, epoch: int) -> None:

@@ -194,9 +194,12 @@ def socket_inodes(pids) -> set[str]:
     return out
 
 
-def external_tcp(pids: list[int], accepted: list[str] | None = None) -> list[str]:
+def external_tcp(pids: list[int], accepted: list[str] | None = None, inside: set[str] = frozenset()) -> list[str]:
     """Established TCP connections the tree opened to a peer that is not loopback: CRIU restores a connection
     only where both of its addresses exist again, so these make a capture unrestorable elsewhere.
+    A connection whose other end is a socket of this network namespace held by the tree itself or by
+    `inside` (socket inodes of the job's other trees on this node) is inside the job, whatever the address
+    (MPI daemons talk over the node's own address): both ends are frozen at the barrier and dumped.
     Connections the tree *accepted* on a port it listens on are not the job's doing (anybody on the network,
     another user included, can open one and hold it): they are never a reason to refuse a capture, or one
     user could keep another's job from ever being checkpointed. They are dumped like any other connection
@@ -205,20 +208,17 @@ def external_tcp(pids: list[int], accepted: list[str] | None = None) -> list[str
     inodes = socket_inodes(pids)
     if not inodes or not pids:
         return []
-    rows = []
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = open(f"/proc/{pids[0]}/net/{table}").read().splitlines()[1:]
-        except OSError:
-            continue
-        rows += [f for f in (line.split() for line in lines) if len(f) > 9 and f[9] in inodes]
+    table = tcp_table(pids[0])
+    rows = [f for f in table if f[9] in inodes]
     listening = {_hex_addr(f[1])[1] for f in rows if f[3] == "0A"}          # 0A = LISTEN
+    ends = inodes | set(inside)
+    held = {(f[1], f[2]) for f in table if f[3] == "01" and f[9] in ends}
     found = []
     for f in rows:
         if f[3] != "01":                                                   # 01 = ESTABLISHED
             continue
         local, remote = _hex_addr(f[1]), _hex_addr(f[2])
-        if ipaddress.ip_address(remote[0]).is_loopback:
+        if ipaddress.ip_address(remote[0]).is_loopback or (f[2], f[1]) in held:
             continue
         text = f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}"
         if local[1] in listening:
@@ -227,3 +227,15 @@ def external_tcp(pids: list[int], accepted: list[str] | None = None) -> list[str
             continue
         found.append(text)
     return found
+
+
+def tcp_table(pid: int) -> list[list[str]]:
+    """The TCP sockets of the network namespace of `pid` (/proc/PID/net/tcp and tcp6), one field list each."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        rows += [f for f in (line.split() for line in lines) if len(f) > 9]
+    return rows
