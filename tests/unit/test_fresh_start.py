@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -281,3 +282,46 @@ def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tm
     record(a.store, _failure(3, reason="ghost file too large"))
     assert a.op_plan({}, [])["warning"] == ("the final capture at epoch 3 failed on rank batch.0: ghost file too "
                                             "large; restoring the older checkpoint epoch 2")
+
+
+# ---- the wrapper's side (fakes of tests/unit/test_wrapper_logic.py) ----------------------------------------------
+import test_wrapper_logic as wrapper_fakes  # noqa: E402
+
+image, restores = wrapper_fakes.image, wrapper_fakes.restores
+make, said, slurm = wrapper_fakes.make, wrapper_fakes.said, wrapper_fakes.slurm     # fixtures, by name
+
+NOTICE = "starting from the beginning (restart 1): no checkpoint committed yet"
+
+
+def test_a_batch_step_that_restores_nothing_prints_the_agent_s_reason_before_the_workload_starts(make, said):
+    printed_at_launch: list[int] = []
+    w = make({"fresh_start": {"notice": NOTICE},
+              "launch": lambda args: (printed_at_launch.append(len(said)), {"pid": 99})[1]}, step="batch")
+    w._start({"candidates": []})
+    assert w.agent.ops() == ["fresh_start", "launch"] and said == [NOTICE] and printed_at_launch == [1]
+
+
+def test_a_batch_step_whose_restores_all_failed_asks_for_the_reason_after_the_last_one(make, said):
+    w = make({"restore": restores({5, 4}), "fresh_start": {"notice": NOTICE}, "launch": {"pid": 99}}, step="batch")
+    w._start({"candidates": [image(5), image(4)]})
+    assert w.agent.ops() == ["restore", "restore", "fresh_start", "launch"] and said[-1] == NOTICE
+    assert not any(line == "no checkpoint could be restored: starting the task from the beginning" for line in said)
+
+
+def test_prepare_tells_the_agent_the_capture_s_finality_and_trigger(make):
+    w = make({"prepare": {}})
+    w._on_command("prepare", 3, {"type": "prepare", "epoch": 3, "final": True, "trigger": "sigterm"})
+    assert w.agent.calls == [("prepare", {"epoch": 3, "final": True, "trigger": "sigterm", "nfds": 0})]
+
+
+def test_the_hosting_wrapper_relays_its_coordinator_s_verdict_on_an_aborted_epoch(make, said):
+    w = make({"capture_failed": {}})
+    w._epoch_result({"status": "aborted", "epoch": 6, "stage": "timeout", "error": "a rank did not answer in time"},
+                    "sigterm", True)
+    deadline = time.monotonic() + 5
+    while "capture_failed" not in w.agent.ops() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.agent.calls == [("capture_failed", {"epoch": 6, "final": True, "trigger": "sigterm", "stage": "timeout",
+                                                 "rank": None, "node": None, "error": "a rank did not answer in time",
+                                                 "nfds": 0})]
+    assert any("ABORTED" in line for line in said)
