@@ -47,13 +47,25 @@ const uint32_t plugin_version = SLURM_VERSION_NUMBER;
 /* Slurm's parsed slurm.conf (libslurmfull): PluginDir may list several dirs. */
 extern slurm_conf_t slurm_conf __attribute__((weak));
 
+/* Slurm 25.05 added proctrack_p_wait_for_any_task to the ops its loader requires. */
+#if SLURM_VERSION_NUMBER >= SLURM_VERSION_NUM(25, 5, 0)
+#define HAVE_WAIT_FOR_ANY_TASK 1
+#endif
+
 /* The delegate's entry points, in the order of Slurm's proctrack ops. */
 enum { OP_CREATE, OP_ADD, OP_SIGNAL, OP_DESTROY, OP_FIND, OP_HAS_PID, OP_WAIT,
+#ifdef HAVE_WAIT_FOR_ANY_TASK
+       OP_WAIT_FOR_ANY_TASK,
+#endif
        OP_GET_PIDS, OP_COUNT };
 static const char *const op_names[OP_COUNT] = {
 	"proctrack_p_create", "proctrack_p_add", "proctrack_p_signal",
 	"proctrack_p_destroy", "proctrack_p_find", "proctrack_p_has_pid",
-	"proctrack_p_wait", "proctrack_p_get_pids",
+	"proctrack_p_wait",
+#ifdef HAVE_WAIT_FOR_ANY_TASK
+	"proctrack_p_wait_for_any_task",
+#endif
+	"proctrack_p_get_pids",
 };
 static void *delegate;
 static void *ops[OP_COUNT];
@@ -255,6 +267,14 @@ extern int proctrack_p_wait(uint64_t id)
 {
 	return (((int (*)(uint64_t))ops[OP_WAIT])(id));
 }
+
+#ifdef HAVE_WAIT_FOR_ANY_TASK
+/* Slurm calls it only for steps that wait for all their children; linuxproc and pgid answer "not supported". */
+extern int proctrack_p_wait_for_any_task(void *step, void **ended_task, bool block)
+{
+	return (((int (*)(void *, void **, bool))ops[OP_WAIT_FOR_ANY_TASK])(step, ended_task, block));
+}
+#endif
 
 extern int proctrack_p_get_pids(uint64_t id, pid_t **pids, int *npids)
 {

@@ -37,7 +37,7 @@ int step_info_get(spank_t sp, struct step_info *si);
 /* agent_spawn.c: fork+exec the root agent (task_init_privileged). */
 int agent_spawn(spank_t sp, long interval);
 
-/* task_wrap.c: wrapper becomes argv[0] of the task (task_init). */
+/* task_wrap.c: the wrapper goes in front of the task's argv (task_init). */
 int task_wrap(spank_t sp);
 /* Drop SLURMCKPT_* inherited from an enclosing wrapped step. */
 int task_env_clear(spank_t sp);

@@ -8,7 +8,7 @@
  *   slurmstepd, per task of the batch step and of numbered steps, when the
  *   interval is not off:
  *     task_init_privileged (root)  start the agent on a socketpair
- *     task_init (user)             wrapper becomes argv[0]
+ *     task_init (user)             the wrapper goes in front of argv
  */
 #include <slurm/spank.h>
 
