@@ -396,13 +396,30 @@ class Wrapper:
         return status
 
 
+def task_argv(env: TaskEnv, args: list[str]) -> list[str]:
+    """The task's command from the wrapper's own arguments, by launch form (docs/contracts.md): Slurm >= 23.02.5
+    prepends the wrapper (SLURMCKPT_TASK_ARGV=prepended: `args` is the task's argv as it was), older Slurm
+    replaces argv[0] (SLURMCKPT_TASK_ARGV0 holds it), by hand it is `slurmckpt-wrap [--] CMD ARGS...`."""
+    if env.argv_form is not None:
+        if env.argv_form != "prepended" or env.argv0 is not None:
+            raise SlurmckptError(f"unknown launch form SLURMCKPT_TASK_ARGV={env.argv_form!r}"
+                                 + (" with SLURMCKPT_TASK_ARGV0 set" if env.argv0 is not None else ""))
+        argv = list(args)
+    elif env.argv0:
+        argv = [env.argv0] + args
+    else:
+        argv = args[1:] if args[:1] == ["--"] else list(args)
+    if not argv:
+        raise SlurmckptError("no command to run")
+    return argv
+
+
 def main() -> None:
     env = TaskEnv.from_environ()
-    argv = ([env.argv0] + sys.argv[1:]) if env.argv0 else sys.argv[1:]
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        sys.exit("slurmckpt-wrap: no command to run")
+    try:
+        argv = task_argv(env, sys.argv[1:])
+    except SlurmckptError as e:
+        sys.exit(f"slurmckpt-wrap: {e}")
     if env.agent_fd is None:
         say(env, "no agent (plugin not active for this task): running the command without checkpoints")
         os.execvp(argv[0], argv)

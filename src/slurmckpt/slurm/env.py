@@ -17,6 +17,7 @@ class TaskEnv:
     argv0: str | None
     node: str
     tasks: int               # tasks of this step (1 for the batch step)
+    argv_form: str | None = None   # SLURMCKPT_TASK_ARGV: "prepended" when Slurm put the wrapper before argv
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | None = None) -> "TaskEnv":
@@ -34,6 +35,7 @@ class TaskEnv:
             argv0=env.get("SLURMCKPT_TASK_ARGV0"),
             node=env.get("SLURMD_NODENAME") or socket.gethostname(),
             tasks=1 if step == "batch" else int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1),
+            argv_form=env.get("SLURMCKPT_TASK_ARGV"),
         )
 
     @property
@@ -42,4 +44,4 @@ class TaskEnv:
 
 
 # Variables slurmckpt sets for itself; the workload never sees them.
-PRIVATE = ("SLURMCKPT_AGENT_FD", "SLURMCKPT_TASK_ARGV0")
+PRIVATE = ("SLURMCKPT_AGENT_FD", "SLURMCKPT_TASK_ARGV0", "SLURMCKPT_TASK_ARGV")
