@@ -49,7 +49,7 @@ PACKAGES=(
   libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev libnftables-dev libbsd-dev uuid-dev
   # Real programs the integration tests run (tests/integration/test_programs.py, test_mpi.py); both MPIs
   # co-exist, the tests call mpicc.openmpi / mpirun.openmpi / mpicc.mpich by name
-  gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev
+  gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev python3-numpy
 )
 
 missing_packages() {
