@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from tests.integration.coverage_matrix import Matrix
+
 
 @pytest.fixture(scope="session", autouse=True)
 def cluster() -> None:
@@ -17,3 +19,25 @@ def cluster() -> None:
         f"no usable node: {sinfo.stdout}"
     plug = open("/etc/slurm/plugstack.conf").read()
     assert "slurmckpt_spank.so" in plug, "the SPANK plugin is not in plugstack.conf"
+
+
+_matrix = Matrix()
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "coverage(program, package, launcher, nodes, proctrack): a row of the "
+                                       "coverage matrix (tests/integration/coverage_matrix.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _matrix.add(item, report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _matrix.rows:
+        terminalreporter.write_sep("=", "coverage matrix (build/coverage.md)")
+        terminalreporter.write(_matrix.write())

@@ -31,6 +31,8 @@ def workload_pid(job_id: int) -> int:
     return pids[0]
 
 
+@pytest.mark.coverage(program="Python program with its own SIGTERM handler", package="python3",
+                       launcher="sbatch", nodes=1)
 @pytest.mark.parametrize("delegate", ["proctrack/cgroup", "proctrack/linuxproc"])
 def test_requeue_sigterm_never_reaches_a_program_that_handles_it(delegate: str) -> None:
     wd = workdir(USER, "signals-" + delegate.split("/")[1])
