@@ -2,8 +2,10 @@
 #   make setup [NODES=3]   packages, CRIU, venv, SPANK plugin, config, running cluster (scripts/setup.sh)
 #   make demo              setup, then scripts/demo.sh
 #   make test              setup with 3 nodes (one slurmd per network namespace), then the linter, the
-#                          shim's C unit tests (make -C spank test), the unit and integration tests
-#                          (single-node ones run on node1..3, multi-node ones need 3)
+#                          shim's C unit tests (make -C spank test, then shim-matrix), the unit and integration
+#                          tests (single-node ones run on node1..3, multi-node ones need 3)
+#   make shim-matrix       the shim built and its C unit tests run against Debian trixie's (24.11) and sid's
+#                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
 #   make status | stop     cluster status / stop every daemon of the test cluster
 #   make clean             remove build artefacts from the tree (the cluster and installed files stay)
@@ -12,7 +14,8 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test lint status stop clean
+.PHONY: setup demo test lint shim-matrix status stop clean
+SHIM_SUITES ?= trixie sid
 
 setup:
 	NODES=$(NODES) bash scripts/setup.sh
@@ -24,10 +27,14 @@ test: NODES = 3
 test: setup
 	$(MAKE) lint
 	$(MAKE) -C spank test
+	$(MAKE) shim-matrix
 	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration
 
 lint:
 	$(PYFLAKES) src tests
+
+shim-matrix:
+	bash scripts/shim-matrix.sh $(SHIM_SUITES)
 
 status:
 	bash scripts/cluster.sh status
