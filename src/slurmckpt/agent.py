@@ -24,7 +24,7 @@ from slurmckpt.freezer import Freezer
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import watchdog
+from slurmckpt import pmi, watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
@@ -203,6 +203,17 @@ class Agent:
         self.pipeline.freezer = self.freezer
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.freezer.slurm_procs) or "-",
                  self.freezer.path)
+
+    def op_pmi_socket(self, m: dict, fds: list[int]) -> dict:
+        """The task's PMI socket to slurmstepd (`srun --mpi=pmi2`, pmi.py): dumped as external, replaced at
+        the restore by this start's. Only the fd's own type is trusted; it goes into the user's tree only."""
+        if len(fds) != 1:
+            raise ProtocolError("pmi_socket needs the task's PMI fd")
+        ino = pmi.require_unix_stream(fds[0])
+        if self.pipeline.pmi_fd >= 0:
+            os.close(self.pipeline.pmi_fd)
+        self.pipeline.pmi_fd, self.pipeline.pmi_ino = os.dup(fds[0]), ino
+        return {"ino": ino}
 
     def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
         """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also

@@ -29,7 +29,7 @@ class InheritedFd:
 
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0) -> float: ...
+             ghost_limit: int = 0, external: list[str] | None = None) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int: ...
 
@@ -53,11 +53,14 @@ class CriuDriver:
         return p.returncode == 0, (p.stdout + p.stderr).strip()
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0) -> float:
+             ghost_limit: int = 0, external: list[str] | None = None) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
-        ghost.py sizes it from the tree)."""
+        ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
+        socket whose peer stays outside (the PMI socket, pmi.py), handed in again at the restore."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON]
+        for res in external or []:
+            args += ["--external", res]
         if ghost_limit:
             args += ["--ghost-limit", str(ghost_limit)]
         if leave_running:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, ghost, ipc, netlock, proctree
+from slurmckpt import asuser, ghost, ipc, netlock, pmi, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.freezer import Freezer
@@ -66,6 +66,8 @@ class RankPipeline:
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
     ghost_limit_max: int = 256 << 20                       # Config.ghost_limit_max (ghost.py)
     ghost_limit: int = 0                                   # criu --ghost-limit for this epoch's dump (record)
+    pmi_fd: int = -1           # this start's PMI socket to slurmstepd (srun --mpi=pmi2; pmi.py), else -1
+    pmi_ino: int = 0
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
     def prepare(self, epoch: int) -> dict:
@@ -164,6 +166,8 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
+    if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
+        stdio.add(f"socket:[{p.pmi_ino}]")
     job = p.freezer.path.name.split(".")[0]
     trees = ipc.job_trees(p.freezer.path, job)       # the job's own other tasks only, never another job's
     accepted: list[str] = []
@@ -239,6 +243,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "tcp_ranks": [] if replay else netlock.still_established(pids, p.tcp_peers),
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
+        "pmi": [] if replay else _pmi_socket(p, pids),
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -260,6 +265,16 @@ def _batch_script_fds(pids: list[int], job: int) -> list[dict]:
     return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
 
 
+def _pmi_socket(p: RankPipeline, pids: list[int]) -> list[dict]:
+    """The task's PMI socket to slurmstepd, if the tree holds it: criu key; idle, or the capture is refused
+    (bytes in flight would be lost with the old slurmstepd)."""
+    key = f"socket:[{p.pmi_ino}]"
+    if p.pmi_fd < 0 or not any(t.link == key for pid in pids for t in proctree.open_files(pid)):
+        return []
+    pmi.require_idle(p.pmi_fd, p.step, p.rank)
+    return [{"key": key, "ino": p.pmi_ino}]
+
+
 def _gpu_checkpoint(p: RankPipeline, epoch: int) -> None:
     p.gpu_record = p.gpu.checkpoint()
 
@@ -274,7 +289,8 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
-                                               freezer=p.freezer.path, ghost_limit=p.ghost_limit)
+                                               freezer=p.freezer.path, ghost_limit=p.ghost_limit,
+                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]])
         if not p.final and p.freezer.state() != "FROZEN":   # consistency depends on the tree staying frozen
             raise CaptureError("tree was thawed by the dump", epoch=epoch)
 
@@ -387,9 +403,16 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
         for entry in manifest["batch_script"]:   # one file, one key: every fd on it shares this position
             os.lseek(stdio[3], entry["pos"], os.SEEK_SET)
             inherit.append(InheritedFd(entry["key"], stdio[3]))
+    for entry in manifest.get("pmi", []):
+        if p.pmi_fd < 0:
+            raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
+                               "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
+        inherit.append(InheritedFd(entry["key"], p.pmi_fd))     # the new step's, in the old one's place
     work = Path(p.store.job_dir) / f".restore-{p.step}.{p.rank}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(mode=0o700)
+    if manifest.get("pmi"):
+        pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
     held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
                              lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
     try:

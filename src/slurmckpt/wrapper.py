@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from slurmckpt import pmi
+from slurmckpt.agent import uses_gpus
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks
@@ -61,6 +63,10 @@ class Wrapper:
         self.pending: list[int] = []
         self.relays: list[threading.Thread] = []
         self.fresh_notice: str | None = None     # why a requeued batch step starts from the beginning
+        # srun --mpi=pmi2: the task's socket to slurmstepd goes into the tree only through pmi.Handover
+        self.pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
+        if self.pmi_fd is not None:
+            os.set_inheritable(self.pmi_fd, False)
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
         with self.agent_lock:
@@ -127,6 +133,8 @@ class Wrapper:
 
     def _start(self, plan: dict) -> None:
         stdio = [0, 1, 2]
+        if self.pmi_fd is not None:      # the agent dumps it as external and restores this one in its place
+            self.call("pmi_socket", [self.pmi_fd])
         for candidate in plan["candidates"]:
             kind, epoch = candidate["kind"], candidate["epoch"]
             if kind == "completed":
@@ -212,7 +220,13 @@ class Wrapper:
         if relay:
             stdio = [0] + [self._relay(fd) for fd in (1, 2)]
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
-        reply = self.call("launch", stdio, argv=self.argv, env=env, cwd=os.getcwd())
+        argv = self.argv
+        if self.pmi_fd is not None and not relay:
+            env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
+            if not uses_gpus(env):     # in its own PID namespace: no shared memory with the node's ranks
+                env = pmi.rank_env(env)
+            argv = pmi.attach_argv(argv)
+        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd())
         if relay:
             for fd in stdio[1:]:
                 os.close(fd)

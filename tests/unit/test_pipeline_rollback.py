@@ -64,7 +64,7 @@ class FakeEngine:
     fail: bool = False
     ghost_limit: int = -1
 
-    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0):
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None):
         self.journal.events.append("dump")
         self.ghost_limit = ghost_limit
         if self.fail:

@@ -1,0 +1,129 @@
+"""The PMI socket of an `srun --mpi=pmi2` rank (pmi.py): hand-over into the tree, idle check, re-init."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from slurmckpt import pmi
+from slurmckpt.errors import CaptureError, ProtocolError, RestoreError
+
+
+def test_the_helper_gets_the_wrappers_socket_at_the_number_pmi_fd_names() -> None:
+    """The tree side receives the very socket the wrapper holds (same inode), at PMI_FD's number, inheritable,
+    and the hand-over name leaves the program's environment."""
+    ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    handover = pmi.Handover(ours.fileno())
+    target = os.open("/dev/null", os.O_RDONLY)       # a free number to land on (replaced by dup2)
+    env = {pmi.HANDOVER: handover.name, pmi.PMI_FD: str(target), "X": "1"}
+    try:
+        pmi.attach(env)
+        assert os.fstat(target).st_ino == os.fstat(ours.fileno()).st_ino
+        assert os.get_inheritable(target)
+        assert env == {pmi.PMI_FD: str(target), "X": "1"}
+        os.write(target, b"ping")
+        assert stepd.recv(4) == b"ping"
+        handover.thread.join(5)
+        assert handover.error is None
+    finally:
+        os.close(target)
+        ours.close()
+        stepd.close()
+
+
+def test_the_hand_over_serves_once() -> None:
+    """After one hand-over the name is gone: nothing else can fetch the socket."""
+    ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    handover = pmi.Handover(ours.fileno())
+    target = os.open("/dev/null", os.O_RDONLY)
+    try:
+        pmi.attach({pmi.HANDOVER: handover.name, pmi.PMI_FD: str(target)})
+        handover.thread.join(5)
+        with pytest.raises(OSError):
+            pmi.attach({pmi.HANDOVER: handover.name, pmi.PMI_FD: str(target)})
+    finally:
+        os.close(target)
+        ours.close()
+        stepd.close()
+
+
+def test_only_a_unix_stream_socket_is_a_pmi_socket() -> None:
+    r, w = os.pipe()
+    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        for fd in (r, dgram.fileno()):
+            with pytest.raises(ProtocolError):
+                pmi.require_unix_stream(fd)
+        assert pmi.task_socket({pmi.PMI_FD: str(r)}) is None
+        assert pmi.task_socket({}) is None and pmi.task_socket({pmi.PMI_FD: "x"}) is None
+    finally:
+        os.close(r)
+        os.close(w)
+        dgram.close()
+
+
+def test_a_capture_is_refused_while_pmi_bytes_are_in_flight() -> None:
+    """Unread answers from slurmstepd, or requests it has not read yet, would be lost with the old step."""
+    ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        pmi.require_idle(ours.fileno(), "0", 1)
+        stepd.send(b"cmd=barrier_out\n")
+        with pytest.raises(CaptureError, match="16 unread"):
+            pmi.require_idle(ours.fileno(), "0", 1)
+        ours.recv(64)
+        ours.send(b"cmd=finalize\n")
+        with pytest.raises(CaptureError, match=r"0 unread, [1-9]\d* queued for slurmstepd"):
+            pmi.require_idle(ours.fileno(), "0", 1)
+    finally:
+        ours.close()
+        stepd.close()
+
+
+def _stepd(sock: socket.socket, answer: bytes | None, seen: list[bytes]) -> None:
+    seen.append(sock.recv(256))
+    if answer is None:
+        sock.shutdown(socket.SHUT_WR)
+    else:
+        sock.send(answer)
+
+
+@pytest.mark.parametrize("answer,error", [
+    (b"cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=0\n", None),
+    (b"cmd=response_to_init pmi_version=1 pmi_subversion=1 rc=-1\n", "refused the PMI init"),
+    (None, "closed the new step's PMI socket"),
+])
+def test_the_new_steps_socket_is_opened_with_a_pmi1_init(answer, error) -> None:
+    """The restore sends the PMI-1 init the program once sent, and fails loudly unless slurmstepd says rc=0."""
+    ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    seen: list[bytes] = []
+    t = threading.Thread(target=_stepd, args=(stepd, answer, seen))
+    t.start()
+    try:
+        if error is None:
+            pmi.reinit(ours.fileno())
+        else:
+            with pytest.raises(RestoreError, match=error):
+                pmi.reinit(ours.fileno())
+        t.join(5)
+        assert seen == [b"cmd=init pmi_version=1 pmi_subversion=1\n"]
+    finally:
+        ours.close()
+        stepd.close()
+
+
+def test_a_silent_slurmstepd_times_out() -> None:
+    ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises(RestoreError, match="did not answer"):
+            pmi.reinit(ours.fileno(), timeout_s=0.2)
+    finally:
+        ours.close()
+        stepd.close()
+
+
+def test_rank_defaults_never_override_the_jobs_own_choice() -> None:
+    env = pmi.rank_env({"UCX_TLS": "rc,sm", "A": "b"})
+    assert env == {"UCX_TLS": "rc,sm", "MPIR_CVAR_NOLOCAL": "1", "A": "b"}
+    assert pmi.rank_env({})["UCX_TLS"] == "tcp,self"
