@@ -1,5 +1,5 @@
-"""MPI programs built against Debian's OpenMPI (workloads/mpi_ring.c, compiled in the job's work dir), run
-under slurmckpt, requeued mid-run and compared with an uninterrupted run of the same program (docs/mpi.md)."""
+"""MPI programs built against Debian's OpenMPI and MPICH (workloads/mpi_ring.c, compiled in the job's work dir),
+run under slurmckpt, requeued mid-run and compared with an uninterrupted run of the same program (docs/mpi.md)."""
 from __future__ import annotations
 
 import re
@@ -14,9 +14,9 @@ USER = "ckptuser1"
 LOCAL_MPIRUN = "mpirun.openmpi --mca plm ^slurm --mca ras ^slurm -np 2"
 
 
-def build(name: str):
+def build(name: str, mpicc: str = "mpicc.openmpi"):
     wd = workdir(USER, name)
-    run("mpicc.openmpi", "-O2", "-o", "mpi_ring", "mpi_ring.c", user=USER, cwd=wd)
+    run(mpicc, "-O2", "-o", "mpi_ring", "mpi_ring.c", user=USER, cwd=wd)
     return wd
 
 
@@ -75,3 +75,32 @@ def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_
     if nodes[0] == "-N1":     # the node's own address is the job's
         assert "TCP connection(s) to another host" not in job.text()
     assert "restored from checkpoint" not in job.text() and job.restarts() == 0
+
+
+def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run() -> None:
+    """MPICH (Debian's, ch4:ucx) ranks started by `srun --mpi=pmi2 -n2`, each its own task with its own agent
+    and PID namespace, captured at one cut with the batch step: each rank holds its PMI socket to
+    slurmstepd (handed into the tree, dumped as external, replaced by the new step's at the restore) and
+    talks to the other rank over TCP on the node's address. Requeued twice mid-run: every step is printed
+    exactly once (no restart from step 0), MPI_Finalize's PMI barrier and finalize succeed against the new
+    slurmstepd (srun exits 0), and the ring's checksum equals an uninterrupted run's (mpiexec, outside
+    Slurm)."""
+    wd = build("mpich-srun", "mpicc.mpich")
+    out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
+    ref = [l for l in out.splitlines() if l.startswith("final ")]
+    assert ref, out
+    job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -n2 ./mpi_ring 300 100\necho srun exit $?\n",
+                 "-J", "mpich-srun", "-n2", "-N1", "-w", "node1", "--checkpoint-interval=10s")
+    for restart in (1, 2):      # each requeue after a periodic capture of this start (batch + 2 ranks)
+        commits = len(re.findall(r"committed \(interval\): 3 rank", job.text())) + 1
+        job.wait_output(r"committed \(interval\): 3 rank", commits, timeout=180)
+        assert "final " not in job.text(), "the ring ended before the requeue"
+        job.requeue()
+        job.wait_output(r"0\.1\]: restored from checkpoint epoch", restart, timeout=240)
+        job.wait_output(r"0\.0\]: restored from checkpoint epoch", restart, timeout=60)
+    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
+    steps, result = ring_lines(job)
+    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
+    assert result == ref, (result, ref)
+    assert job.text().count("srun exit 0") == 1 and "PMI" not in job.text(), job.text()[-3000:]
+    assert job.restarts() == 2
