@@ -198,8 +198,17 @@ class Agent:
         """The tree goes where Slurm put the task (its step/task cgroups, read from the wrapper now that
         slurmstepd has placed it), and into our freeze cgroup: Slurm keeps tracking, limiting and
         accounting it (freezer.py)."""
-        self.freezer = self.freezer.in_slurm_cgroups_of(self.peer.require(), self.ident.job)
+        placed = self.freezer.in_slurm_cgroups_of(self.peer.require(), self.ident.job)
         self.peer.require()
+        if placed.helpers is not None and placed is not self.freezer:
+            # Pure v2: the tree's cgroup is Slurm's task cgroup itself; wrapper and agent leave it for
+            # slurmstepd's, and a new watchdog (forked there) watches it instead of our own cgroup.
+            placed.move_helpers([self.wrapper_pid, os.getpid()])
+            self.peer.require()
+            os.close(self.watchdog_fd)
+            self.freezer.remove()
+            self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120)
+        self.freezer = placed
         self.pipeline.freezer = self.freezer
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.freezer.slurm_procs) or "-",
                  self.freezer.path)

@@ -8,7 +8,10 @@ The freeze cgroup is a cgroup v2 one wherever the kernel offers v2 (`cgroup.free
   frozen tasks do; v1 frozen ones do not until thawed);
 - pure v1: `/sys/fs/cgroup/freezer/slurmckpt/<task>` (the tree then leaves Slurm's v1 freezer cgroup:
   docs/limitations.md);
-- pure v2: `/sys/fs/cgroup/slurmckpt/<task>`.
+- pure v2 with Slurm's cgroup/v2 plugin: Slurm's task cgroup itself (slurm_v2.py: Slurm lists and signals
+  only the pids of its task cgroups, not of their children); the wrapper, agent and watchdog move to
+  slurmstepd's cgroup of the step; without a Slurm task cgroup (proctrack/linuxproc, task/none):
+  `/sys/fs/cgroup/slurmckpt/<task>`.
 criu is given the same path with --freeze-cgroup: it finds the tree already frozen and leaves it frozen
 after the dump, so the coordinator decides when it thaws (RESUME) or dies (final capture).
 """
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurmckpt import slurm_v2
 from slurmckpt.errors import CaptureError
 
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -46,13 +50,13 @@ def _is_cgroup2(path: Path) -> bool:
         return False
 
 
-def slurm_cgroups(pid: int, job: int) -> tuple[Path, ...]:
+def slurm_cgroups(pid: int, job: int, proc: Path = Path("/proc")) -> tuple[Path, ...]:
     """The cgroup.procs files of `pid`'s cgroups that belong to Slurm's job `job` (every v1 hierarchy, and
     v2 where it is Slurm's), from /proc/PID/cgroup: a new process placed there is tracked, limited and
     accounted by Slurm like the task itself. The agent is forked before slurmstepd places the task in its
     step and task cgroups, so the tree must be put there explicitly (v1 moves no children)."""
     found = []
-    with open(f"/proc/{pid}/cgroup") as f:
+    with open(proc / str(pid) / "cgroup") as f:
         lines = f.read().splitlines()
     mounts = _cgroup_mounts()
     for line in lines:
@@ -85,6 +89,14 @@ def _cgroup_mounts() -> dict[str, Path]:
 class Freezer:
     path: Path
     slurm_procs: tuple[Path, ...] = ()     # Slurm's cgroups of the task (slurm_cgroups), joined first
+    label: str = ""                        # job.step.rank.restart; "" = the directory's name
+    owned: bool = True                     # False: Slurm's task cgroup (pure v2), never rmdir'd by us
+    helpers: Path | None = None            # pure v2: slurmstepd's cgroup.procs, for wrapper/agent/watchdog
+
+    @property
+    def name(self) -> str:
+        """The tree's name, job.step.rank.restart (agent.py), wherever its cgroup is."""
+        return self.label or self.path.name
 
     @classmethod
     def for_task(cls, root: str, name: str) -> "Freezer":
@@ -105,10 +117,39 @@ class Freezer:
                 procs.write_text(str(pid))
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def in_slurm_cgroups_of(self, pid: int, job: int) -> "Freezer":
-        """This freeze cgroup, placing new processes also in the Slurm cgroups `pid` (the wrapper) is in."""
-        own = [p for p in slurm_cgroups(pid, job) if not p.is_relative_to(self.path.parent)]
-        return Freezer(self.path, tuple(own))
+    def in_slurm_cgroups_of(self, pid: int, job: int, proc: Path = Path("/proc")) -> "Freezer":
+        """Where the tree of the task whose wrapper is `pid` goes. Pure v2 with Slurm's task cgroup: that
+        cgroup itself (the caller moves the wrapper, agent and watchdog to `helpers` first, see move_helpers);
+        otherwise this freeze cgroup, placing new processes also in the Slurm cgroups the wrapper is in."""
+        if not self.owned:
+            return self                                                          # already placed
+        mount = self.path.parent.parent
+        if mount != UNIFIED and (mount / "cgroup.controllers").is_file():     # pure v2
+            placed = slurm_v2.find(pid, mount, proc)
+            if placed is not None:
+                return Freezer(placed.task, (), self.name, owned=False, helpers=placed.stepd / "cgroup.procs")
+        own = [p for p in slurm_cgroups(pid, job, proc) if not p.is_relative_to(self.path.parent)]
+        return Freezer(self.path, tuple(own), self.label)
+
+    def move_helpers(self, pids: list[int]) -> None:
+        """Pure v2: move the wrapper, the agent and its watchdog out of the task cgroup into slurmstepd's
+        (Slurm lists and signals both), so that freezing the task cgroup freezes the tree alone."""
+        if self.helpers is None:
+            return
+        for pid in pids:
+            self.helpers.write_text(str(pid))
+        # Whatever else is in the task cgroup before the tree starts is the wrapper's (its coordinator
+        # process): moved too, or freezing the tree would freeze the coordinator of the epoch. A pid is
+        # moved only while /proc still shows it in the task cgroup (not a process that reused the number).
+        for pid in self.pids():
+            try:
+                line = next((x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                             if x.startswith("0::")), "")
+                if len(line) > 4 and str(self.path).endswith(line[3:]):
+                    self.helpers.write_text(str(pid))
+            except OSError:
+                pass
+        slurm_v2.label(self.path, self.name)
 
     def pids(self) -> list[int]:
         try:
@@ -170,10 +211,13 @@ class Freezer:
             (self.path / "cgroup.freeze").write_text("0")
 
     def remove(self) -> None:
+        """Thaw, and rmdir the cgroup if it is ours (Slurm removes its own task cgroup)."""
         try:
             self.thaw()
         except OSError:
             pass
+        if not self.owned:
+            return
         for _ in range(50):
             try:
                 os.rmdir(self.path)

@@ -32,7 +32,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmckpt import netlock
+from slurmckpt import netlock, slurm_v2
 from slurmckpt.errors import RestoreError
 from slurmckpt.storage import file_checksum
 
@@ -167,22 +167,26 @@ def _linked(path: str) -> bool:
 
 
 def other_trees(freezer: Path) -> dict[int, str]:
-    """pid -> cgroup name (job.step.rank.restart, see agent.py) of every process of the other checkpointed
-    tasks of this node: the sibling cgroups of this task's freezer cgroup."""
+    """pid -> tree name (job.step.rank.restart, see agent.py) of every process of the other checkpointed
+    tasks of this node: the sibling cgroups of this task's freezer cgroup, or on pure cgroup v2 (where the
+    tree is in Slurm's task cgroup) the job's labelled task cgroups (slurm_v2.py)."""
     out: dict[int, str] = {}
     if not (freezer / "cgroup.procs").is_file():
         return out
     try:
-        siblings = [d for d in freezer.parent.iterdir() if d.is_dir() and d.name != freezer.name]
+        if slurm_v2.label_of(freezer):
+            siblings = list(slurm_v2.job_tasks(freezer).items())
+        else:
+            siblings = [(d, d.name) for d in freezer.parent.iterdir() if d.is_dir() and d.name != freezer.name]
     except OSError:
         return out
-    for d in siblings:
+    for d, name in siblings:
         try:
             pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
         except (OSError, ValueError):
             continue
         for pid in pids:
-            out[pid] = d.name
+            out[pid] = name
     return out
 
 

@@ -384,7 +384,7 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     replayed batch step, rank manifest)."""
     manifest = p.store.verify_rank(epoch, p.step, p.rank)
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
-    parts = p.freezer.path.name.split(".")
+    parts = p.freezer.name.split(".")
     key = netlock.restore_key(p.store.job, parts[3] if len(parts) == 4 else "0", epoch)
     ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
     _rewrite_outputs(manifest, rdir, stdio)
