@@ -28,7 +28,7 @@ from slurmckpt import pmi, watchdog
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
-from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record, this_node
+from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record, other_node_addresses, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt import validate
 
@@ -75,6 +75,14 @@ class Agent:
                                      peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max)
         self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
                                         socket.gethostname())
+        self.pipeline.job_addresses = self._other_node_addresses
+
+    def _other_node_addresses(self) -> set[str]:
+        """The job's other nodes' addresses (asked once, when a capture first finds TCP leaving the node)."""
+        if not hasattr(self, "_node_addresses"):
+            nodes = sorted(self.slurm_job.gpus) if self.slurm_job else []
+            self._node_addresses = other_node_addresses(nodes, socket.gethostname()) if len(nodes) > 1 else set()
+        return self._node_addresses
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""

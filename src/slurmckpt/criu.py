@@ -31,7 +31,8 @@ class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
-                pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int: ...
+                pidfile: Path | None = None, join: Callable[[int], None] | None = None,
+                tcp_close: list[int] = ()) -> int: ...
 
 
 @dataclass
@@ -70,16 +71,20 @@ class CriuDriver:
         return self._run(args, images, "dump.log", pid=pid)
 
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
-                pidfile: Path | None = None, join: Callable[[int], None] | None = None) -> int:
+                pidfile: Path | None = None, join: Callable[[int], None] | None = None,
+                tcp_close: list[int] = ()) -> int:
         """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
         `join(pid)` places the criu process (whose cgroups the restored tree inherits); by default it joins
-        `freezer`. Returns the restored root's host PID."""
+        `freezer`. `tcp_close`: socket inodes (at dump) of TCP connections restored closed (our criu patch
+        0003: their other end is outside the job). Returns the restored root's host PID."""
         pidfile = pidfile or images / "restore.pid"
         pidfile.unlink(missing_ok=True)        # criu refuses an existing pidfile
         args = ["restore", "-D", str(images), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
                 *COMMON]
         for item in inherit:
             args += ["--inherit-fd", f"fd[{item.fd}]:{item.key}"]
+        for ino in tcp_close:
+            args += ["--tcp-close-ino", str(int(ino))]
 
         def join_freezer() -> None:   # runs in the criu child: the restored tree inherits the cgroup
             _default_signals()

@@ -66,6 +66,8 @@ class RankPipeline:
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
     ghost_limit_max: int = 256 << 20                       # Config.ghost_limit_max (ghost.py)
     ghost_limit: int = 0                                   # criu --ghost-limit for this epoch's dump (record)
+    # IP addresses of the job's other nodes (agent.py asks Slurm): TCP to them is the job's own
+    job_addresses: Callable[[], set[str]] = field(default=lambda: set())
     pmi_fd: int = -1           # this start's PMI socket to slurmstepd (srun --mpi=pmi2; pmi.py), else -1
     pmi_ino: int = 0
 
@@ -168,18 +170,22 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
     if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
         stdio.add(f"socket:[{p.pmi_ino}]")
-    job = p.freezer.path.name.split(".")[0]
+    job = p.freezer.name.split(".")[0]
     trees = ipc.job_trees(p.freezer.path, job)       # the job's own other tasks only, never another job's
-    accepted: list[str] = []
-    # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job
-    remote = proctree.external_tcp(pids, accepted, inside=proctree.socket_inodes(list(trees)))
-    if accepted:
-        log.info("capturing with connection(s) accepted from outside the job: %s", ", ".join(accepted))
+    # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
+    # to another node of the job it is too, but one rank's restore cannot bring it back (refused); to
+    # anything else (a client, a database) it is dumped and restored closed (_record, restore_rank).
+    outside = proctree.outside_tcp(pids, inside=proctree.socket_inodes(list(trees)))
+    other_nodes = p.job_addresses() if outside else set()
+    remote = [str(c) for c in outside if c.remote_ip in other_nodes]
     if remote:
-        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)}; CRIU restores a TCP "
-                           "connection only where both of its addresses exist again, so this job cannot be "
-                           "captured while they are open (an MPI job across nodes is not checkpointable yet: "
+        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)} (another node of this "
+                           "job); each rank's tree is restored by its own criu run, which cannot bring back a "
+                           "connection between nodes (an MPI job across nodes is not checkpointable yet: "
                            "docs/mpi.md)", step=p.step, rank=p.rank)
+    if outside:
+        log.info("capturing with connection(s) to outside the job, restored closed: %s",
+                 ", ".join(map(str, outside)))
     shared = ipc.unshareable(pids, {pid: ipc.task_label(name) for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
@@ -244,6 +250,9 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "pmi": [] if replay else _pmi_socket(p, pids),
+        # connections to outside the job: their other end goes on without the job, so restored closed
+        "tcp_close": [] if replay else [c.inode for c in proctree.outside_tcp(
+            pids, inside=proctree.socket_inodes(list(ipc.job_trees(p.freezer.path, str(p.store.job)))))],
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -418,7 +427,7 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     try:
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
             pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid",
-                                   join=p.freezer.add)
+                                   join=p.freezer.add, tcp_close=manifest.get("tcp_close", []))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     p.root_pid = pid

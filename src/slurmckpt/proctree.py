@@ -194,16 +194,24 @@ def socket_inodes(pids) -> set[str]:
     return out
 
 
-def external_tcp(pids: list[int], accepted: list[str] | None = None, inside: set[str] = frozenset()) -> list[str]:
-    """Established TCP connections the tree opened to a peer that is not loopback: CRIU restores a connection
-    only where both of its addresses exist again, so these make a capture unrestorable elsewhere.
-    A connection whose other end is a socket of this network namespace held by the tree itself or by
-    `inside` (socket inodes of the job's other trees on this node) is inside the job, whatever the address
-    (MPI daemons talk over the node's own address): both ends are frozen at the barrier and dumped.
-    Connections the tree *accepted* on a port it listens on are not the job's doing (anybody on the network,
-    another user included, can open one and hold it): they are never a reason to refuse a capture, or one
-    user could keep another's job from ever being checkpointed. They are dumped like any other connection
-    (--tcp-established) and listed in `accepted` when given."""
+@dataclass(frozen=True)
+class TcpConnection:
+    local: str           # "address:port"
+    remote: str
+    remote_ip: str
+    inode: int           # socket inode (criu --tcp-close-ino names the connection by it)
+    accepted: bool       # the tree accepted it on a port it listens on
+
+    def __str__(self) -> str:
+        return f"{self.local} -> {self.remote}"
+
+
+def outside_tcp(pids: list[int], inside: set[str] = frozenset()) -> list[TcpConnection]:
+    """Established TCP connections of the tree whose other end is not the job's on this node: not loopback,
+    and not a socket of this network namespace held by the tree itself or by `inside` (socket inodes of the
+    job's other trees on this node; MPI daemons talk over the node's own address). Both ends of the others
+    are frozen at the barrier and dumped as they are; these have an end that goes on without the job (a
+    client on a login node, a database), so they are dumped and restored closed (pipeline.py)."""
     import ipaddress
     inodes = socket_inodes(pids)
     if not inodes or not pids:
@@ -220,12 +228,8 @@ def external_tcp(pids: list[int], accepted: list[str] | None = None, inside: set
         local, remote = _hex_addr(f[1]), _hex_addr(f[2])
         if ipaddress.ip_address(remote[0]).is_loopback or (f[2], f[1]) in held:
             continue
-        text = f"{local[0]}:{local[1]} -> {remote[0]}:{remote[1]}"
-        if local[1] in listening:
-            if accepted is not None:
-                accepted.append(text)
-            continue
-        found.append(text)
+        found.append(TcpConnection(f"{local[0]}:{local[1]}", f"{remote[0]}:{remote[1]}", remote[0], int(f[9]),
+                                   local[1] in listening))
     return found
 
 

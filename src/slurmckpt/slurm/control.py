@@ -235,6 +235,24 @@ def job_record(job_id: int, timeout_s: float = 20.0) -> JobRecord:
     return parse_job_record(CliSlurm(timeout_s)._run("scontrol", "show", "job", "-d", "-o", str(job_id)), job_id)
 
 
+def other_node_addresses(nodes: list[str], hostname: str, slurm: "CliSlurm | None" = None) -> set[str]:
+    """IP addresses of `nodes` (a job's nodes) other than the one this process runs on, from Slurm's NodeAddr,
+    resolved: TCP to one of them is between the job's own ranks on two nodes."""
+    import socket
+    slurm = slurm or CliSlurm(timeout_s=10)
+    me = this_node(sorted(nodes), hostname)
+    found: set[str] = set()
+    for node in nodes:
+        if node == me:
+            continue
+        addr = slurm.node_addr(node) or node
+        try:
+            found |= {str(info[4][0]) for info in socket.getaddrinfo(addr, None)}
+        except OSError:
+            continue
+    return found
+
+
 def _local_addresses(fib_trie: str = "/proc/net/fib_trie") -> set[str]:
     """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host)."""
     try:
