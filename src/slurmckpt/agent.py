@@ -13,38 +13,26 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config
 from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
-from slurmckpt.freezer import Freezer
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import pmi, watchdog
+from slurmckpt import pmi, procfs, watchdog
+from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
 from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record, other_node_addresses, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
+from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt import validate
 
 log = logging.getLogger("slurmckpt.agent")
-
-
-@dataclass(frozen=True)
-class TaskIdentity:
-    """Trusted: from the SPANK shim's argv."""
-    cluster: str
-    job: int
-    step: str
-    rank: int
-    uid: int
-    gid: int
-    restart_count: int
 
 
 class Agent:
@@ -63,11 +51,10 @@ class Agent:
         self.store_note = claim(self.store, self.instance) if self.instance else None
         if self.store_note:
             log.warning("%s", self.store_note)
-        name = f"{ident.job}.{ident.step}.{ident.rank}.{ident.restart_count}"
-        self.freezer = Freezer.for_task(config.freezer_root, name)
+        self.cgroup = TaskCgroup.for_task(config.freezer_root, ident.tree)
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
-        self.watchdog_fd = watchdog.start(self.freezer, config.capture_timeout_s + 120)
-        self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.freezer,
+        self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
+        self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.cgroup,
                                      CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s),
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
@@ -93,7 +80,7 @@ class Agent:
 
     @property
     def _task_name(self) -> str:
-        return f"{self.ident.job}.{self.ident.step}.{self.ident.rank}"
+        return self.ident.tree.task
 
     # ---- loop ----------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -134,10 +121,10 @@ class Agent:
         """Wrapper gone. Whatever of the tree is left would escape Slurm's tracking (its subreaper died):
         end it, and never leave anything frozen."""
         try:
-            self.freezer.kill_all()
+            self.cgroup.kill_all()
         except OSError:
             pass
-        self.freezer.remove()
+        self.cgroup.remove()
 
     # ---- operations ------------------------------------------------------------------------------------
     def op_hello(self, m: dict, fds: list[int]) -> dict:
@@ -156,14 +143,14 @@ class Agent:
         if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
                     **({"warning": why_not} if why_not else {}),
-                    "tree_procs": str(self.freezer.path / "cgroup.procs")}
+                    "tree_procs": str(self.cgroup.path / "cgroup.procs")}
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
         if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
-                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.freezer.path / "cgroup.procs"),
+                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
                 **({"warning": "; ".join(notes)} if notes else {})}
 
     def _not_restorable(self) -> str | None:
@@ -196,7 +183,7 @@ class Agent:
         own_pidns = not uses_gpus(env)
         creds = self._task_credentials()
         self._place_with_slurm()
-        pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.freezer,
+        pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
                          init_home(self.config.run_dir, self._task_name, creds), own_pidns)
         self.pipeline.root_pid = pid
         log.info("launched %s as pid %d", argv[0], pid)
@@ -205,21 +192,21 @@ class Agent:
     def _place_with_slurm(self) -> None:
         """The tree goes where Slurm put the task (its step/task cgroups, read from the wrapper now that
         slurmstepd has placed it), and into our freeze cgroup: Slurm keeps tracking, limiting and
-        accounting it (freezer.py)."""
-        placed = self.freezer.in_slurm_cgroups_of(self.peer.require(), self.ident.job)
+        accounting it (task_cgroup.py)."""
+        placed = self.cgroup.placed_with_slurm(self.peer.require())
         self.peer.require()
-        if placed.helpers is not None and placed is not self.freezer:
+        if placed.helpers is not None and placed is not self.cgroup:
             # Pure v2: the tree's cgroup is Slurm's task cgroup itself; wrapper and agent leave it for
             # slurmstepd's, and a new watchdog (forked there) watches it instead of our own cgroup.
             placed.move_helpers([self.wrapper_pid, os.getpid()])
             self.peer.require()
             os.close(self.watchdog_fd)
-            self.freezer.remove()
+            self.cgroup.remove()
             self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120)
-        self.freezer = placed
-        self.pipeline.freezer = self.freezer
-        log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.freezer.slurm_procs) or "-",
-                 self.freezer.path)
+        self.cgroup = placed
+        self.pipeline.cgroup = self.cgroup
+        log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.cgroup.slurm_procs) or "-",
+                 self.cgroup.path)
 
     def op_pmi_socket(self, m: dict, fds: list[int]) -> dict:
         """The task's PMI socket to slurmstepd (`srun --mpi=pmi2`, pmi.py): dumped as external, replaced at
@@ -318,7 +305,7 @@ class Agent:
         gpus = self.slurm_job.gpus if self.slurm_job else {}
         node = this_node(sorted(gpus), socket.gethostname()) or socket.gethostname()
         allocated = gpus.get(node, [])
-        claimed = _environ_of(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
+        claimed = procfs.environ(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
         items = [s.strip() for s in claimed.split(",") if s.strip()]
         narrowed = bool(items) and all(s.isdigit() and int(s) in allocated for s in items) \
             and len(set(items)) == len(items)
@@ -365,14 +352,6 @@ class Agent:
 def uses_gpus(env: dict[str, str]) -> bool:
     value = env.get("CUDA_VISIBLE_DEVICES", "")
     return bool(value) and value not in ("NoDevFiles", "-1")
-
-
-def _environ_of(pid: int) -> dict[str, str]:
-    try:
-        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
 def _epoch(m: dict) -> int:

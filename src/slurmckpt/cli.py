@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from slurmckpt import procfs
 from slurmckpt.config import Config
 from slurmckpt.duration import parse_duration
 from slurmckpt.errors import SlurmckptError, SlurmError
@@ -284,7 +285,7 @@ def doctor() -> None:
         click.echo(f"[{'ok' if ok else 'FAIL'}] {what}{': ' + detail if detail else ''}")
 
     kconfig = Path(f"/boot/config-{os.uname().release}")
-    report(Path("/proc/sys/kernel/ns_last_pid").exists(), "kernel: checkpoint/restore support",
+    report(procfs.kernel_has("ns_last_pid"), "kernel: checkpoint/restore support",
            "ns_last_pid present" if not kconfig.exists() else str(kconfig))
     criu = CriuDriver(config.criu_path)
     if shutil.which(config.criu_path) or Path(config.criu_path).exists():

@@ -43,7 +43,7 @@ class Config:
     init_path: str = "/usr/local/libexec/slurmckpt/slurmckpt-init"
     log_dir: str = "/var/log/slurmckpt"
     run_dir: str = "/run/slurmckpt"      # per-task private dirs (the namespace init's cwd)
-    freezer_root: str = "auto"            # freezer.default_root(): cgroup v2 where the kernel has it
+    freezer_root: str = "auto"            # task_cgroup.default_root(): cgroup v2 where the kernel has it
     keep_epochs: int = 2                 # committed epochs kept per job (restore falls back to the older)
     prepare_timeout_s: float = 30.0      # every rank frozen (and GPUs locked) within this, else ABORT
     capture_timeout_s: float = 600.0     # every rank dumped within this, else ABORT

@@ -18,7 +18,7 @@ two trees on one node (docs/limitations.md, "State shared between ranks"):
 - SysV shared memory: criu dumps it only inside an IPC namespace, which ranks do not have.
 
 Allowed: datagram sockets connected to system daemons (criu reconnects /dev/log and the like by path);
-loopback TCP between ranks (held while only one end is back: netlock.py; other hosts: proctree.external_tcp);
+loopback TCP between ranks (held while only one end is back: netlock.py; other hosts: proctree.outside_tcp);
 files mapped shared by path, which criu maps again in place: their size and xxh3 are recorded at the capture
 and the restore is refused if they changed since (shared_files / check_shared_files below).
 """
@@ -32,7 +32,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmckpt import netlock, slurm_v2
+from slurmckpt import netlock, procfs
+from slurmckpt.identity import TreeName
 from slurmckpt.errors import RestoreError
 from slurmckpt.storage import file_checksum
 
@@ -118,20 +119,16 @@ def holdings(pids: list[int], want_pipes: set[tuple[int, int]] | None = None,
     """Read fds and shared mappings of `pids` from /proc. `want_*`: only look those up (None: all)."""
     h = Holdings()
     for pid in pids:
-        try:
-            names = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            names = []
-        for name in names:
+        for fd in procfs.fds(pid):
             try:
-                link = os.readlink(f"/proc/{pid}/fd/{name}")
+                link = procfs.fd_link(pid, fd)
             except OSError:
                 continue
             if link.startswith("socket:["):
                 h.sockets.setdefault(int(link[8:-1]), pid)
             elif want_pipes != set() and (link.startswith("pipe:[") or link.startswith("/")):
                 try:
-                    st = os.stat(f"/proc/{pid}/fd/{name}")
+                    st = procfs.fd_stat(pid, fd)
                 except OSError:
                     continue
                 key = (st.st_dev, st.st_ino)
@@ -147,14 +144,8 @@ def holdings(pids: list[int], want_pipes: set[tuple[int, int]] | None = None,
 def _mappings(pid: int) -> list[tuple[tuple[str, int], str, str, str]]:
     """(dev, inode), path, perms, address range of the file-backed MAP_SHARED mappings of `pid` (perms like
     rw-s), deleted files and SysV segments included."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
     out = []
-    for line in lines:
-        parts = line.split(maxsplit=5)
+    for parts in procfs.maps(pid):
         # inode 0 is anonymous shared memory, except for SysV segments: their inode is the shmid (0 is valid,
         # the first segment of an IPC namespace)
         if len(parts) == 6 and parts[1][3:4] == "s" and (parts[4] != "0" or parts[5].startswith("/SYSV")):
@@ -166,47 +157,11 @@ def _linked(path: str) -> bool:
     return not path.endswith(" (deleted)") and not path.startswith("/SYSV")
 
 
-def other_trees(freezer: Path) -> dict[int, str]:
-    """pid -> tree name (job.step.rank.restart, see agent.py) of every process of the other checkpointed
-    tasks of this node: the sibling cgroups of this task's freezer cgroup, or on pure cgroup v2 (where the
-    tree is in Slurm's task cgroup) the job's labelled task cgroups (slurm_v2.py)."""
-    out: dict[int, str] = {}
-    if not (freezer / "cgroup.procs").is_file():
-        return out
-    try:
-        if slurm_v2.label_of(freezer):
-            siblings = list(slurm_v2.job_tasks(freezer).items())
-        else:
-            siblings = [(d, d.name) for d in freezer.parent.iterdir() if d.is_dir() and d.name != freezer.name]
-    except OSError:
-        return out
-    for d, name in siblings:
-        try:
-            pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for pid in pids:
-            out[pid] = name
-    return out
-
-
-def job_trees(freezer: Path, job: str) -> dict[int, str]:
-    """other_trees restricted to the tasks of `job`: a capture's checks look at the job's own trees, so
-    nothing another job (another user) does with its processes can make this one's capture fail."""
-    return {pid: name for pid, name in other_trees(freezer).items() if (t := task_of(name)) and t[0] == job}
-
-
-def task_of(cgroup_name: str) -> tuple[str, str, int] | None:
-    """(job, step, rank) of a task's cgroup name, None if it is not one."""
-    parts = cgroup_name.split(".")
-    if len(parts) == 4 and parts[2].isdigit():
-        return parts[0], parts[1], int(parts[2])
-    return None
-
-
-def task_label(cgroup_name: str) -> str:
-    t = task_of(cgroup_name)
-    return f"job {t[0]} step {t[1]} rank {t[2]}" if t else f"task {cgroup_name}"
+def job_trees(others: dict[int, TreeName], job: int) -> dict[int, TreeName]:
+    """The trees of `others` (task_cgroup.TaskCgroup.other_trees: every checkpointed tree of the node) that
+    belong to `job`: a capture's checks look at the job's own trees, so nothing another job (another user)
+    does with its processes can make this one's capture fail."""
+    return {pid: name for pid, name in others.items() if name.job == job}
 
 
 # ---- the check -----------------------------------------------------------------------------------------
@@ -348,7 +303,7 @@ def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict]:
     for pid in pids:
         for _, path, _, rng in _mappings(pid):
             if path in want:
-                src = Path(f"/proc/{pid}/map_files/{rng}")
+                src = procfs.path(pid, "map_files", rng)
                 try:
                     out.append({"path": path, "size": src.stat().st_size, "xxh3": file_checksum(src)})
                 except OSError:
@@ -387,7 +342,7 @@ def _compare(entry: dict, uid: int) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
             return "is no longer a regular file of the job's user"
-        if st.st_size != entry["size"] or file_checksum(Path(f"/proc/self/fd/{fd}")) != entry["xxh3"]:
+        if st.st_size != entry["size"] or file_checksum(procfs.path("self", "fd", fd)) != entry["xxh3"]:
             return "changed since the checkpoint (written after it, e.g. before a crash)"
         return "ok"
     finally:

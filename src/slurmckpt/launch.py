@@ -14,8 +14,9 @@ import stat
 import sys
 from dataclasses import dataclass
 
+from slurmckpt import procfs
 from slurmckpt.errors import PermissionDenied, SlurmckptError
-from slurmckpt.freezer import Freezer
+from slurmckpt.task_cgroup import TaskCgroup
 
 CLONE_NEWPID = 0x20000000
 _LIMITS = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}
@@ -30,8 +31,7 @@ class Credentials:
 
     @classmethod
     def of_process(cls, pid: int, expect_uid: int) -> "Credentials":
-        status = open(f"/proc/{pid}/status").read().splitlines()
-        fields = {line.split(":", 1)[0]: line.split(":", 1)[1].split() for line in status if ":" in line}
+        fields = procfs.status(pid)
         uids = {int(x) for x in fields["Uid"]}
         if uids != {expect_uid}:
             raise PermissionDenied("task process does not run as the job's user", pid=pid, uid=sorted(uids),
@@ -55,8 +55,8 @@ def unshare_pid_namespace() -> None:
 
 
 def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials,
-               init_path: str, freezer: Freezer, home: str, own_pidns: bool = True) -> int:
-    """Fork an intermediate that joins the freezer cgroup and a new PID namespace, whose child (PID 1 there)
+               init_path: str, cgroup: TaskCgroup, home: str, own_pidns: bool = True) -> int:
+    """Fork an intermediate that joins the task cgroup and a new PID namespace, whose child (PID 1 there)
     becomes the job user and execs the init. The intermediate exits, so the init re-parents to the nearest
     subreaper: the wrapper. Returns the init's host PID."""
     rfd, wfd = os.pipe()
@@ -64,7 +64,7 @@ def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
     if intermediate == 0:
         try:
             os.close(rfd)
-            freezer.add(os.getpid())
+            cgroup.add(os.getpid())
             if own_pidns:
                 unshare_pid_namespace()
             init_pid = os.fork()

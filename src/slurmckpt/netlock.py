@@ -21,13 +21,12 @@ import fcntl
 import ipaddress
 import json
 import logging
-import os
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from slurmckpt import proctree
+from slurmckpt import procfs, proctree
 
 log = logging.getLogger("slurmckpt.netlock")
 
@@ -110,11 +109,11 @@ def rules(local: str, remote: str, tag: str) -> tuple[int, list[str]]:
     return version, spec
 
 
-def restore_key(job: int | str, restart: str, epoch: int) -> str:
+def restore_key(job: int | str, restart: int | str, epoch: int) -> str:
     """Names one restore of a job's epoch on one node (network namespace: test clusters run several slurmds,
     one per namespace, on one host), the same for every rank that takes part in it."""
     try:
-        netns = os.stat("/proc/self/ns/net").st_ino
+        netns = procfs.namespace("self", "net")
     except OSError:
         netns = 0
     return f"{job}.{restart}.{epoch}.{netns}"

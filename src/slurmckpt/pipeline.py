@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, ghost, ipc, netlock, pmi, proctree
+from slurmckpt import asuser, ghost, ipc, netlock, pmi, procfs, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
-from slurmckpt.freezer import Freezer
 from slurmckpt.gpu import GpuStage
+from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.storage import JobStore
+from slurmckpt.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.pipeline")
 
@@ -47,7 +48,7 @@ class RankPipeline:
     store: JobStore
     step: str
     rank: int
-    freezer: Freezer
+    cgroup: TaskCgroup                                     # the tree's (task_cgroup.py)
     engine: CheckpointEngine
     gpu: GpuStage
     creds: Credentials
@@ -76,7 +77,7 @@ class RankPipeline:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
         self.tcp_peers, self.shared_files = [], []
-        self.replay = self.step == "batch" and proctree.has_slurm_client(self.freezer.pids())
+        self.replay = self.step == "batch" and proctree.has_slurm_client(self.cgroup.pids())
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}
 
@@ -108,12 +109,12 @@ class RankPipeline:
         """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further).
         Every process of the cgroup, not only the root: a GPU task runs in the host PID namespace, where the
         init's death does not take the tree with it."""
-        self.freezer.kill_all()
+        self.cgroup.kill_all()
         self.done = []
 
     # ---- internals -------------------------------------------------------------------------------------
     def _require_tree(self) -> None:
-        if not self.root_pid or not os.path.exists(f"/proc/{self.root_pid}"):
+        if not self.root_pid or not procfs.exists(self.root_pid):
             raise CaptureError("no running task tree to capture", step=self.step, rank=self.rank)
 
     def _run(self, stages: tuple[Stage, ...], epoch: int) -> None:
@@ -153,25 +154,24 @@ class RankPipeline:
 # ---- capture stages ------------------------------------------------------------------------------------
 def _freeze(p: RankPipeline, epoch: int) -> None:
     if not p.replay:     # srun must keep relaying what the (frozen) steps already wrote to the output
-        p.timings["freeze_wait"] = p.freezer.freeze()
+        p.timings["freeze_wait"] = p.cgroup.freeze()
 
 
 def _thaw(p: RankPipeline, epoch: int) -> None:
-    p.freezer.thaw()
+    p.cgroup.thaw()
 
 
 def _check_restorable(p: RankPipeline, epoch: int) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
     if p.replay:
         return       # replayed, not imaged: srun's own connections to the step daemons are expected
-    pids = p.freezer.pids()
+    pids = p.cgroup.pids()
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
     if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
         stdio.add(f"socket:[{p.pmi_ino}]")
-    job = p.freezer.name.split(".")[0]
-    trees = ipc.job_trees(p.freezer.path, job)       # the job's own other tasks only, never another job's
+    trees = ipc.job_trees(p.cgroup.other_trees(), p.cgroup.tree.job)   # the job's own, never another job's
     # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
     # to another node of the job it is too, but one rank's restore cannot bring it back (refused); to
     # anything else (a client, a database) it is dumped and restored closed (_record, restore_rank).
@@ -186,7 +186,7 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     if outside:
         log.info("capturing with connection(s) to outside the job, restored closed: %s",
                  ", ".join(map(str, outside)))
-    shared = ipc.unshareable(pids, {pid: ipc.task_label(name) for pid, name in trees.items()}, stdio)
+    shared = ipc.unshareable(pids, {pid: name.label for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
                            + "; ".join(shared), step=p.step, rank=p.rank)
@@ -196,20 +196,20 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
-    peers = {pid: (t[1], t[2]) for pid, name in trees.items() if (t := ipc.task_of(name)) and t[0] == job}
+    peers = {pid: (name.step, name.rank) for pid, name in trees.items()}
     p.tcp_peers = netlock.internal_connections(pids, peers)
     _refuse_replayed_peers(p, trees)
     p.shared_files = ipc.shared_files(pids, set(peers))
 
 
-def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, str]) -> None:
+def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
     """TCP to a batch step that runs srun: such a batch step is replayed on requeue (its script runs again
     from the top), not restored, so its end of the connection would start afresh while this one is restored.
     That is OpenMPI's mpirun starting its daemons (orted) through srun (docs/mpi.md)."""
     to_batch = [f"{c[0]} -> {c[1]}" for c in p.tcp_peers if c[2] == "batch"]
     if not to_batch:
         return
-    batch = [pid for pid, name in trees.items() if (t := ipc.task_of(name)) and t[1] == "batch"]
+    batch = [pid for pid, name in trees.items() if name.step == "batch"]
     if proctree.has_slurm_client(batch):
         raise CaptureError(f"TCP connection(s) {', '.join(to_batch)} to the batch step, which is running srun: "
                            "a batch step running srun is replayed on requeue, not restored, so its end would "
@@ -220,7 +220,7 @@ def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, str]) -> None:
 
 
 def _gpu_lock(p: RankPipeline, epoch: int) -> None:
-    p.gpu.lock(p.freezer.pids())     # refuses unsupported GPU set-ups before anything is frozen
+    p.gpu.lock(p.cgroup.pids())     # refuses unsupported GPU set-ups before anything is frozen
 
 
 def _gpu_unlock(p: RankPipeline, epoch: int) -> None:
@@ -228,7 +228,7 @@ def _gpu_unlock(p: RankPipeline, epoch: int) -> None:
 
 
 def _record(p: RankPipeline, epoch: int) -> None:
-    pids = p.freezer.pids()
+    pids = p.cgroup.pids()
     ghosts = [] if p.replay else proctree.deleted_files(pids)
     p.ghost_limit = ghost.limit_for(ghosts, p.ghost_limit_max, step=p.step, rank=p.rank)
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
@@ -252,7 +252,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "pmi": [] if replay else _pmi_socket(p, pids),
         # connections to outside the job: their other end goes on without the job, so restored closed
         "tcp_close": [] if replay else [c.inode for c in proctree.outside_tcp(
-            pids, inside=proctree.socket_inodes(list(ipc.job_trees(p.freezer.path, str(p.store.job)))))],
+            pids, inside=proctree.socket_inodes(list(ipc.job_trees(p.cgroup.other_trees(), p.store.job))))],
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -298,9 +298,9 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
-                                               freezer=p.freezer.path, ghost_limit=p.ghost_limit,
+                                               freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
                                                external=[f"unix[{e['ino']}]" for e in p.record["pmi"]])
-        if not p.final and p.freezer.state() != "FROZEN":   # consistency depends on the tree staying frozen
+        if not p.final and p.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen
             raise CaptureError("tree was thawed by the dump", epoch=epoch)
 
 
@@ -328,7 +328,7 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
             seen[t.link] = f"output-{fd}.snap"
             # Reopened through the wrapper's fd link, as the user: the kernel checks the user's read permission
             # on the file itself (an O_PATH or write-only fd to a file the user cannot read gives nothing).
-            src = asuser.open_expected(p.creds, f"/proc/{p.wrapper_pid}/fd/{fd}", os.O_RDONLY, t.dev, t.ino,
+            src = asuser.open_expected(p.creds, str(procfs.path(p.wrapper_pid, "fd", fd)), os.O_RDONLY, t.dev, t.ino,
                                        f"the task's fd {fd} ({t.link}),")
             try:
                 _copy_prefix(src, rdir / seen[t.link], t.size, t.link)
@@ -345,7 +345,7 @@ def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.3, limit_s: float 
     to the batch output file. Wait until the file stops growing, so the snapshot holds all of it."""
     def size() -> int:
         try:
-            return os.stat(f"/proc/{wrapper_pid}/fd/1").st_size
+            return procfs.fd_stat(wrapper_pid, 1).st_size
         except OSError:
             return -1
     start = time.monotonic()
@@ -393,8 +393,7 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     replayed batch step, rank manifest)."""
     manifest = p.store.verify_rank(epoch, p.step, p.rank)
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
-    parts = p.freezer.name.split(".")
-    key = netlock.restore_key(p.store.job, parts[3] if len(parts) == 4 else "0", epoch)
+    key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
     ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
     _rewrite_outputs(manifest, rdir, stdio)
     if manifest["kind"] == "replay":
@@ -426,12 +425,12 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
                              lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
     try:
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
-            pid = p.engine.restore(rdir, inherit, freezer=p.freezer.path, pidfile=work / "pid",
-                                   join=p.freezer.add, tcp_close=manifest.get("tcp_close", []))
+            pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=work / "pid",
+                                   join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     p.root_pid = pid
-    p.gpu.restore(manifest.get("gpu"), p.freezer.pids())   # after criu: the tree is back, thawed
+    p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
     return pid, manifest
 
 

@@ -1,23 +1,22 @@
-"""Read-only views of a live process tree through /proc (what a capture records before it dumps)."""
+"""What a capture makes of a live process tree (read through procfs.py): its processes, the files it holds
+and writes, its TCP connections."""
 from __future__ import annotations
 
 import os
 import stat
 from dataclasses import dataclass
 
+from slurmckpt import procfs
+
 
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in procfs.pids():
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                data = f.read()
+            ppid = procfs.stat(pid).ppid
         except OSError:
             continue
-        ppid = int(data.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
+        kids.setdefault(ppid, []).append(pid)
     return kids
 
 
@@ -32,8 +31,7 @@ def descendants(root: int, include_root: bool = True) -> list[int]:
 
 
 def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    return procfs.stat(pid).ppid
 
 
 def is_descendant(pid: int, ancestor: int) -> bool:
@@ -48,14 +46,11 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 
 
 def uid_of(pid: int) -> int:
-    return os.stat(f"/proc/{pid}").st_uid
+    return procfs.uid(pid)
 
 
 def exe_name(pid: int) -> str:
-    try:
-        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        return ""
+    return os.path.basename(procfs.exe(pid))
 
 
 @dataclass(frozen=True)
@@ -77,11 +72,10 @@ class FdTarget:
 
 def fd_target(pid: int, fd: int) -> FdTarget | None:
     try:
-        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        st = os.stat(f"/proc/{pid}/fd/{fd}")
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            flags = int(next(l for l in f if l.startswith("flags:")).split()[1], 8)
-    except (OSError, StopIteration):
+        link = procfs.fd_link(pid, fd)
+        st = procfs.fd_stat(pid, fd)
+        flags = int(procfs.fdinfo(pid, fd)["flags"], 8)
+    except (OSError, KeyError, ValueError):
         return None
     return FdTarget(fd, link, stat.S_ISREG(st.st_mode), st.st_size, (flags & os.O_ACCMODE) != os.O_RDONLY,
                     st.st_dev, st.st_ino, bool(flags & O_PATH))
@@ -92,18 +86,13 @@ O_PATH = 0o10000000
 
 def fd_position(pid: int, fd: int) -> int:
     try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            return int(next(l for l in f if l.startswith("pos:")).split()[1])
-    except (OSError, StopIteration, ValueError):
+        return int(procfs.fdinfo(pid, fd)["pos"])
+    except (OSError, KeyError, ValueError):
         return 0
 
 
 def open_files(pid: int) -> list[FdTarget]:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    return [t for name in names if (t := fd_target(pid, int(name)))]
+    return [t for fd in procfs.fds(pid) if (t := fd_target(pid, fd))]
 
 
 def written_files(pids: list[int], exclude: set[str]) -> dict[str, FdTarget]:
@@ -111,13 +100,8 @@ def written_files(pids: list[int], exclude: set[str]) -> dict[str, FdTarget]:
     frozen)."""
     out: dict[str, FdTarget] = {}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for name in fds:
-            t = fd_target(pid, int(name))
-            if t and t.regular and t.writable and t.link.startswith("/") and t.link not in exclude \
+        for t in open_files(pid):
+            if t.regular and t.writable and t.link.startswith("/") and t.link not in exclude \
                     and not t.link.endswith(" (deleted)"):
                 out[t.link] = t
     return out
@@ -143,13 +127,9 @@ def deleted_files(pids: list[int]) -> list[DeletedFile]:
     inode itself (stat through the fd or map_files link), never by path."""
     found: dict[tuple[int, int], DeletedFile] = {}
     for pid in pids:
-        for kind, folder in (("open", "fd"), ("mapped", "map_files")):
-            try:
-                names = os.listdir(f"/proc/{pid}/{folder}")
-            except OSError:
-                continue
+        for kind, folder, names in (("open", "fd", procfs.fds(pid)), ("mapped", "map_files", procfs.map_files(pid))):
             for name in names:
-                link_path = f"/proc/{pid}/{folder}/{name}"
+                link_path = procfs.path(pid, folder, name)
                 try:
                     link = os.readlink(link_path)
                     if not link.endswith(" (deleted)") or link.startswith(_NOT_GHOSTS):
@@ -182,16 +162,7 @@ def _hex_addr(text: str) -> tuple[str, int]:
 
 def socket_inodes(pids) -> set[str]:
     """Inode numbers (as /proc/net/* prints them) of every socket the processes hold open."""
-    out = set()
-    for pid in pids:
-        try:
-            for name in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{name}")
-                if link.startswith("socket:["):
-                    out.add(link[8:-1])
-        except OSError:
-            continue
-    return out
+    return {link[8:-1] for pid in pids for link in procfs.fd_links(pid) if link.startswith("socket:[")}
 
 
 @dataclass(frozen=True)
@@ -235,11 +206,4 @@ def outside_tcp(pids: list[int], inside: set[str] = frozenset()) -> list[TcpConn
 
 def tcp_table(pid: int) -> list[list[str]]:
     """The TCP sockets of the network namespace of `pid` (/proc/PID/net/tcp and tcp6), one field list each."""
-    rows = []
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
-        except OSError:
-            continue
-        rows += [f for f in (line.split() for line in lines) if len(f) > 9]
-    return rows
+    return [f for table in ("tcp", "tcp6") for f in procfs.net_table(pid, table) if len(f) > 9]

@@ -12,12 +12,12 @@ import os
 import select
 import time
 
-from slurmckpt.freezer import Freezer
+from slurmckpt.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.watchdog")
 
 
-def start(freezer: Freezer, max_frozen_s: float, poll_s: float = 1.0) -> int:
+def start(cgroup: TaskCgroup, max_frozen_s: float, poll_s: float = 1.0) -> int:
     """Fork the watchdog; returns the write end the agent keeps open for as long as it lives."""
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
@@ -25,7 +25,7 @@ def start(freezer: Freezer, max_frozen_s: float, poll_s: float = 1.0) -> int:
         os.close(w)
         code = 0
         try:
-            watch(freezer, r, max_frozen_s, poll_s)
+            watch(cgroup, r, max_frozen_s, poll_s)
         except BaseException:  # noqa: BLE001 - a watchdog exits, it never returns into the agent's code
             code = 1
         os._exit(code)
@@ -33,15 +33,15 @@ def start(freezer: Freezer, max_frozen_s: float, poll_s: float = 1.0) -> int:
     return w
 
 
-def watch(freezer: Freezer, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0) -> None:
+def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0) -> None:
     frozen_since: float | None = None
     while True:
         ready, _, _ = select.select([agent_fd], [], [], poll_s)
         if ready and not os.read(agent_fd, 64):
-            _thaw(freezer, "the agent is gone")
+            _thaw(cgroup, "the agent is gone")
             return
         try:
-            frozen = freezer.state() != "THAWED"
+            frozen = cgroup.state() != "THAWED"
         except OSError:
             return                     # the cgroup was removed: the task is over
         now = time.monotonic()
@@ -50,14 +50,14 @@ def watch(freezer: Freezer, agent_fd: int, max_frozen_s: float, poll_s: float = 
         elif frozen_since is None:
             frozen_since = now
         elif now - frozen_since > max_frozen_s:
-            _thaw(freezer, f"frozen for more than {max_frozen_s:.0f}s")
+            _thaw(cgroup, f"frozen for more than {max_frozen_s:.0f}s")
             frozen_since = None
 
 
-def _thaw(freezer: Freezer, why: str) -> None:
+def _thaw(cgroup: TaskCgroup, why: str) -> None:
     try:
-        if freezer.state() != "THAWED":
-            freezer.thaw()
+        if cgroup.state() != "THAWED":
+            cgroup.thaw()
             log.warning("watchdog thawed the tree: %s", why)
     except OSError:
         pass

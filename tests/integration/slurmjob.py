@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from slurmckpt.freezer import Freezer
+    from slurmckpt.task_cgroup import TaskCgroup
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
 
-def task_cgroups(job_id: int) -> list[Freezer]:
-    """The freeze cgroups of this job's checkpointable trees on this host (all nodes share the kernel)."""
-    from slurmckpt.freezer import Freezer, default_root
-    return [Freezer(p) for p in sorted(default_root().glob(f"{job_id}.*"))]
+def task_cgroups(job_id: int) -> list[TaskCgroup]:
+    """The cgroups of this job's checkpointable trees on this host (all nodes share the kernel)."""
+    from slurmckpt.identity import TreeName
+    from slurmckpt.task_cgroup import TaskCgroup, default_root
+    return [TaskCgroup(p, tree) for p in sorted(default_root().glob(f"{job_id}.*")) if (tree := TreeName.parse(p.name))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
 
 

@@ -52,7 +52,7 @@ def pids(pattern: str) -> list[str]:
 
 
 def frozen_trees(job_id: int) -> list[str]:
-    """Task freezer cgroups of this job that are FROZEN right now."""
+    """Task cgroups of this job that are FROZEN right now."""
     found = []
     for cg in task_cgroups(job_id):
         try:

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt.agent import Agent, TaskIdentity
+from slurmckpt.agent import Agent
+from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
 from slurmckpt.instance import JobInstance, claim
 from slurmckpt.slurm.control import JobRecord
@@ -73,7 +74,7 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
     a = object.__new__(Agent)          # what serve() and the operations below use, nothing started
     a.ident = TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count)
     a.channel, a.peer = channel or FakeChannel(), peer or FakePeer()
-    a.freezer = tree or FakeTree(tmp_path / "cg")
+    a.cgroup = tree or FakeTree(tmp_path / "cg")
     a.wrapper_pid = a.peer.pid
     a.store = JobStore(tmp_path / "images", "c", 43)
     a.store.ensure()
@@ -97,7 +98,7 @@ def test_each_request_gets_one_reply_its_fds_are_closed_and_the_wrappers_exit_en
     with pytest.raises(OSError):
         os.fstat(r)                       # closed by the agent once handled
     os.close(w)
-    assert a.freezer.done == ["kill_all", "remove"]      # nothing of the tree outlives its wrapper
+    assert a.cgroup.done == ["kill_all", "remove"]      # nothing of the tree outlives its wrapper
 
 
 def test_an_unknown_operation_is_refused_and_serving_goes_on(tmp_path):
@@ -142,13 +143,13 @@ def test_a_bad_frame_ends_the_service_and_the_tree(tmp_path):
     a = make_agent(tmp_path, chan)
     a.serve()
     assert len(chan.sent) == 1 and chan.sent[0]["error_type"] == "ProtocolError"
-    assert a.freezer.done == ["kill_all", "remove"]
+    assert a.cgroup.done == ["kill_all", "remove"]
 
 
 def test_the_tree_cgroup_is_removed_even_when_killing_fails(tmp_path):
     a = make_agent(tmp_path, tree=FakeTree(tmp_path / "cg", kill_fails=True))
     a.serve()
-    assert a.freezer.done == ["kill_all", "remove"]
+    assert a.cgroup.done == ["kill_all", "remove"]
 
 
 # ---- what the task should do: restore, or run -----------------------------------------------------------
@@ -190,4 +191,4 @@ def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
     a.pipeline.root_pid = None
     with pytest.raises(ProtocolError, match="stdio"):
         a.op_restore({"epoch": 1}, [0, 1])
-    assert a.freezer.done == [] and not (tmp_path / "cg").exists()
+    assert a.cgroup.done == [] and not (tmp_path / "cg").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmckpt import procfs
 from slurmckpt.cuda.driver import GpuDriverError, ProcessState
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.remap import GpuRemapError
@@ -51,8 +52,10 @@ class FakeProc:
 
 
 @pytest.fixture
-def proc(tmp_path: Path) -> FakeProc:
-    return FakeProc(tmp_path / "proc")
+def proc(tmp_path: Path):
+    """A fake /proc that procfs.py reads for the whole test."""
+    with procfs.rooted(tmp_path / "proc"):
+        yield FakeProc(tmp_path / "proc")
 
 
 @pytest.fixture
@@ -61,7 +64,7 @@ def driver() -> FakeGpuDriver:
 
 
 def stage_of(proc: FakeProc, driver: FakeGpuDriver, pids: list[int], **kw):
-    return GpuStage.for_tree(pids, driver_factory=lambda: driver, proc=proc.path, **kw)
+    return GpuStage.for_tree(pids, driver_factory=lambda: driver, **kw)
 
 
 # ---- finding CUDA processes and refusing unsupported ones ----
@@ -71,10 +74,10 @@ def test_find_cuda_pids_by_scan_and_by_driver(proc, driver):
     proc.add(11)
     proc.add(12, cuda=False, fds=["/dev/nvidia0"])      # holds an fd, no mapping: still a candidate
     proc.add(13)
-    assert find_cuda_pids([10, 11, 12, 13, 14], proc=proc.path) == [11, 12, 13]
+    assert find_cuda_pids([10, 11, 12, 13, 14]) == [11, 12, 13]
     driver.add_process(11)
     driver.add_process(12, cuda=False)                  # opened the device, never initialised CUDA
-    assert find_cuda_pids([10, 11, 12, 13], driver=driver, proc=proc.path) == [11]   # 13: gone (304)
+    assert find_cuda_pids([10, 11, 12, 13], driver=driver) == [11]   # 13: gone (304)
 
 
 def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
@@ -82,7 +85,7 @@ def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
 
     def must_not_load():
         raise AssertionError("libcuda loaded for a GPU-less tree")
-    stage = GpuStage.for_tree([20], driver_factory=must_not_load, proc=proc.path)
+    stage = GpuStage.for_tree([20], driver_factory=must_not_load)
     assert isinstance(stage, NullGpuStage) and not stage.active
     stage.lock_all(100)
     stage.checkpoint_all()
@@ -106,7 +109,7 @@ def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
 def test_unsupported_setups_are_refused_before_any_lock(proc, driver, setup, cause):
     proc.add(30, **setup)
     driver.add_process(30)
-    assert any(cause in r for r in unsupported_reasons([30], proc.path))
+    assert any(cause in r for r in unsupported_reasons([30]))
     with pytest.raises(GpuUnsupportedError, match=re.escape(cause)) as e:
         stage_of(proc, driver, [30])
     assert "pid 30" in str(e.value) and not e.value.retryable
@@ -116,7 +119,7 @@ def test_unsupported_setups_are_refused_before_any_lock(proc, driver, setup, cau
 def test_a_plain_cuda_process_is_not_refused(proc):
     proc.add(32)     # nvidia-cap1/cap2 fds, one uvm mapping, libnccl: what every torch process on driver 580 has
     proc.add(33, maps=["/x/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0"})
-    assert unsupported_reasons([32, 33], proc.path) == []
+    assert unsupported_reasons([32, 33]) == []
 
 
 def test_mps_daemon_on_the_node_is_refused(proc, driver):
@@ -133,9 +136,9 @@ def test_nccl_is_fine_when_configured_or_alone_on_the_node(proc):
     proc.add(41, maps=nccl, env={"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
                                  "NCCL_NVLS_ENABLE": "0"})
     proc.add(42, maps=nccl, env={"LOCAL_WORLD_SIZE": "8"})
-    assert unsupported_reasons([40, 41], proc.path) == []
-    assert unsupported_reasons([42], proc.path, nccl_env_required=False) == []
-    assert len(unsupported_reasons([42], proc.path)) == 1
+    assert unsupported_reasons([40, 41]) == []
+    assert unsupported_reasons([42], nccl_env_required=False) == []
+    assert len(unsupported_reasons([42])) == 1
 
 
 def test_process_already_locked_by_someone_else_is_refused(proc, driver):
@@ -160,9 +163,9 @@ def test_a_frozen_process_is_refused_before_any_driver_call(proc, driver, tmp_pa
         (cg / rel).write_text(text)
     proc.add(34, **setup)
     driver.add_process(34)
-    assert why in frozen_reason(34, proc.path, str(cg))
+    assert why in frozen_reason(34, str(cg))
     with pytest.raises(GpuStateError, match="lock and checkpoint GPUs before freezing"):
-        GpuStage.for_tree([34], driver_factory=lambda: driver, proc=proc.path, cgroup_root=str(cg))
+        GpuStage.for_tree([34], driver_factory=lambda: driver, cgroup_root=str(cg))
     assert driver.calls == []
 
 
@@ -171,7 +174,7 @@ def test_a_process_frozen_after_the_lock_is_not_touched(proc, driver, tmp_path):
     (cg / "job").mkdir(parents=True)
     proc.add(35)
     driver.add_process(35)
-    stage = GpuStage.for_tree([35], driver_factory=lambda: driver, proc=proc.path, cgroup_root=str(cg))
+    stage = GpuStage.for_tree([35], driver_factory=lambda: driver, cgroup_root=str(cg))
     stage.lock_all(100)
     (cg / "job" / "cgroup.events").write_text("populated 1\nfrozen 1\n")     # frozen before the checkpoint
     with pytest.raises(GpuRollbackError) as e:
@@ -281,7 +284,7 @@ def test_adopt_restored_maps_namespace_pids_and_restores_in_checkpoint_order(thr
     for new, ns in ((93, 3), (91, 1), (92, 2)):
         proc.add(new, nspid=(new, ns))
         driver.add_process(new, gpus=[driver.devices()[1].uuid], state=ProcessState.CHECKPOINTED)
-    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92], proc=proc.path)
+    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92])
     assert restored.pids == [91, 92, 93]
     restored.restore_all([(driver.devices()[1].uuid, driver.devices()[0].uuid)])
     restored.unlock_all()
@@ -294,20 +297,20 @@ def test_adopt_refuses_a_process_that_is_not_checkpointed(proc, driver):
     driver.add_process(70)
     record = {"processes": [{"pid": 5, "ns_pid": 1, "initial": "RUNNING"}], "gpus": []}
     with pytest.raises(GpuStateError, match="is RUNNING, expected CHECKPOINTED"):
-        GpuStage.adopt_restored(driver, record, [70], proc=proc.path)
+        GpuStage.adopt_restored(driver, record, [70])
     with pytest.raises(GpuStateError, match="no process with namespace pid 1"):
-        GpuStage.adopt_restored(driver, record, [], proc=proc.path)
+        GpuStage.adopt_restored(driver, record, [])
 
 
 def test_ns_pid_reads_the_innermost_namespace(proc):
     proc.add(80, nspid=(80, 17, 1))
-    assert ns_pid(80, proc.path) == 1
+    assert ns_pid(80) == 1
 
 
 # ---- the pipeline's interface ----
 
 def _pipeline(proc, driver):
-    return PipelineGpu(100, driver_factory=lambda: driver, proc=proc.path, context={"rank": 0})
+    return PipelineGpu(100, driver_factory=lambda: driver, context={"rank": 0})
 
 
 def test_pipeline_capture_resume_and_abort(proc, driver):

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from slurmckpt import fresh_start
-from slurmckpt.agent import Agent, TaskIdentity
+from slurmckpt.agent import Agent
+from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import CaptureError, CriuError, ProtocolError
 from slurmckpt.fresh_start import (FAILURES_FILE, CaptureFailure, FailureReporter, coordinator_verdict, failures,
                                    no_checkpoint_reason, one_line, reason_of, record)
@@ -273,7 +274,7 @@ def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tm
     plan warns that the newer capture failed (the wrapper prints the warning after the restore)."""
     notes = Notes()
     a = _agent(tmp_path, 1, notes)
-    a.freezer = SimpleNamespace(path=tmp_path / "cg")
+    a.cgroup = SimpleNamespace(path=tmp_path / "cg")
     monkeypatch.setattr(Agent, "_not_restorable", lambda self: None)
     manifest = a.store.read_manifest()
     manifest["epochs"] = [{"epoch": 2, "reason": "interval", "committed_at": 0, "ranks": {"batch.0": {"kind": "image"}}}]

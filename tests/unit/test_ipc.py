@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import ipc
+from slurmckpt.identity import TreeName
+from slurmckpt.task_cgroup import TaskCgroup
 
 OTHER = "job 9 step 0 rank 1"
 
@@ -185,16 +187,20 @@ def test_sysv_shared_memory_is_refused_even_in_one_tree(procs) -> None:
         libc.shmctl(shmid, 0, None)                   # IPC_RMID
 
 
-def test_other_trees_reads_sibling_cgroups(tmp_path: Path) -> None:
+def test_other_trees_reads_sibling_cgroups_and_their_names(tmp_path: Path) -> None:
+    """The node's other trees are the sibling cgroups of ours, named job.step.rank.restart; a directory with
+    another name is nobody's tree."""
     for name, pids in (("12.0.0.0", "100\n"), ("12.0.1.0", "101\n102\n"), ("12.batch.0.0", "103\n"),
-                       ("13.0.0.0", "104\n")):
+                       ("13.0.0.0", "104\n"), ("odd", "105\n")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "cgroup.procs").write_text(pids)
-    mine = tmp_path / "12.0.0.0"
-    assert ipc.other_trees(mine) == {101: "12.0.1.0", 102: "12.0.1.0", 103: "12.batch.0.0", 104: "13.0.0.0"}
-    assert ipc.other_trees(tmp_path / "missing") == {}
-    assert ipc.task_of("12.batch.0.3") == ("12", "batch", 0) and ipc.task_of("x") is None
-    assert ipc.task_label("12.0.1.0") == "job 12 step 0 rank 1" and ipc.task_label("odd") == "task odd"
+    mine = TaskCgroup(tmp_path / "12.0.0.0", TreeName(12, "0", 0, 0))
+    assert {pid: str(t) for pid, t in mine.other_trees().items()} == \
+        {101: "12.0.1.0", 102: "12.0.1.0", 103: "12.batch.0.0", 104: "13.0.0.0"}
+    assert TaskCgroup(tmp_path / "missing" / "1.0.0.0", TreeName(1, "0", 0, 0)).other_trees() == {}
+    assert TreeName.parse("12.batch.0.3") == TreeName(12, "batch", 0, 3)
+    assert TreeName.parse("x") is None and TreeName.parse("1.b.0.0") is None and TreeName.parse("1.0.0") is None
+    assert TreeName(12, "0", 1, 0).label == "job 12 step 0 rank 1"
 
 
 def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(procs, tmp_path: Path) -> None:

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import instance, ipc
+from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
 from slurmckpt.slurm.control import expand_hostlist, parse_gpu_allocation, parse_job_record
 from slurmckpt.storage import JobStore
+from slurmckpt.task_cgroup import TaskCgroup
 
 # scontrol show job -d 43 on this cluster (Slurm 22.05.8), multi-line layout
 SCONTROL_2205 = """JobId=43 JobName=t.sh
@@ -153,21 +155,23 @@ def test_pre_capture_checks_see_only_trees_of_the_same_job(tmp_path: Path) -> No
     for name, pids in (("43.batch.0.0", "10"), ("43.0.1.0", "11 12"), ("77.batch.0.0", "20"), ("x", "30")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "cgroup.procs").write_text(pids)
-    assert ipc.job_trees(tmp_path / "43.batch.0.0", "43") == {11: "43.0.1.0", 12: "43.0.1.0"}
-    assert set(ipc.other_trees(tmp_path / "43.batch.0.0")) == {11, 12, 20, 30}
+    others = TaskCgroup(tmp_path / "43.batch.0.0", TreeName(43, "batch", 0, 0)).other_trees()
+    assert set(others) == {11, 12, 20}, "x is no tree's cgroup"
+    assert {pid: str(t) for pid, t in ipc.job_trees(others, 43).items()} == {11: "43.0.1.0", 12: "43.0.1.0"}
 
 
 def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from types import SimpleNamespace
 
-    from slurmckpt.agent import Agent, TaskIdentity
+    from slurmckpt.agent import Agent
+    from slurmckpt.identity import TaskIdentity
     from slurmckpt.fresh_start import FailureReporter
     from slurmckpt.slurm.control import JobRecord
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
     a.store = _store(tmp_path)
     a.instance, a.store_note = me, (claim(a.store, me) if me else None)
-    a.freezer = SimpleNamespace(path=tmp_path / "cg")
+    a.cgroup = SimpleNamespace(path=tmp_path / "cg")
     a.wrapper_pid = 0
     a.pipeline = SimpleNamespace(root_pid=None)
     a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
@@ -217,7 +221,7 @@ def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monke
     a = _agent(tmp_path, _me(restarts=1), gpus={socket.gethostname(): [0, 2]})
     for claimed, used in (("1", "0,2"), ("", "0,2"), ("2", "2"), ("2,0", "2,0"), ("0,0", "0,2"),
                           ("GPU-abc", "0,2"), ("3,0", "0,2")):
-        monkeypatch.setattr(agent_mod, "_environ_of", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
+        monkeypatch.setattr(agent_mod.procfs, "environ", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
         assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
     a.slurm_job = None
     assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
@@ -239,8 +243,7 @@ FIB_TRIE = """Main:
 def test_the_node_is_found_by_name_or_by_its_address_never_from_the_environment(tmp_path: Path,
                                                                                monkeypatch) -> None:
     from slurmckpt.slurm import control
-    (tmp_path / "fib").write_text(FIB_TRIE)
-    assert control._local_addresses(str(tmp_path / "fib")) == {"10.77.0.2", "127.0.0.1"}
+    assert control._local_addresses(FIB_TRIE) == {"10.77.0.2", "127.0.0.1"}
     assert control.this_node(["node1", "node2"], "node2.cluster") == "node2"
     monkeypatch.setattr(control.CliSlurm, "_run", lambda self, *cmd: (
         "NodeName=node1 Arch=x86_64 NodeAddr=10.77.0.1 NodeHostName=vm Version=22.05.8\n"

@@ -4,10 +4,12 @@ bounded retries end in an abort with every rank unlocked."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 import time
 
 import pytest
 
+from slurmckpt import procfs
 from slurmckpt.barrier.lock_round import (LockRound, LockRoundAborted, LockRoundResult, RankLock, UnlockFailed,
                                           run_in_threads)
 from slurmckpt.cuda.driver import ProcessState
@@ -31,12 +33,19 @@ def sequential(calls):
     return [run_in_threads([c])[0] for c in calls]
 
 
+@pytest.fixture(autouse=True)
+def no_proc(tmp_path: Path):
+    """The fake driver's pids are no processes of this machine: procfs.py sees an empty /proc."""
+    with procfs.rooted(tmp_path / "no-proc"):
+        yield
+
+
 def make_ranks(driver: FakeGpuDriver, pids: list[int]) -> tuple[list[RankLock], list[GpuStage]]:
     """One rank per pid, each a GpuStage on the fake driver (what the agent runs for its tree)."""
     stages, ranks = [], []
     for rank, pid in enumerate(pids):
         driver.add_process(pid)
-        stage = GpuStage(driver, [GpuProcess(pid, pid, ProcessState.RUNNING)], proc="/nonexistent")
+        stage = GpuStage(driver, [GpuProcess(pid, pid, ProcessState.RUNNING)])
         stages.append(stage)
         ranks.append(RankLock(rank, stage.lock_all, stage.unlock_all))
     return ranks, stages

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt.agent import Agent, TaskIdentity
+from slurmckpt.agent import Agent
+from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
 from slurmckpt.coordinator import server
 from slurmckpt.coordinator.client import RankClient

@@ -1,4 +1,4 @@
-"""The rank pipeline's stage order and rollback, with fake freezer / CRIU engine / GPU stage."""
+"""The rank pipeline's stage order and rollback, with a fake task cgroup / CRIU engine / GPU stage."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.errors import CaptureError, CriuError, GpuError
+from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
 from slurmckpt.storage import JobStore
@@ -19,14 +20,17 @@ class Journal:
 
 
 @dataclass
-class FakeFreezer:
+class FakeCgroup:
     journal: Journal
     path: Path = Path("/nonexistent")
     frozen: bool = False
-    name: str = "7.batch.0.0"
+    tree: TreeName = TreeName(7, "batch", 0, 0)
 
     def pids(self) -> list[int]:
         return [os.getpid()]
+
+    def other_trees(self) -> dict:
+        return {}
 
     def freeze(self) -> float:
         self.journal.events.append("freeze")
@@ -78,7 +82,7 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
     store = JobStore(tmp_path, "c", 7)
     store.ensure()
     creds = Credentials(os.getuid(), os.getgid(), (), ())
-    p = RankPipeline(store, "batch", 0, FakeFreezer(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
+    p = RankPipeline(store, "batch", 0, FakeCgroup(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
                      wrapper_pid=os.getpid(), root_pid=os.getpid(), ghost_limit_max=ghost_cap)
     return p, j, store
 
@@ -105,7 +109,7 @@ def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) 
         p.capture(1)
     assert j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"]
     assert not store.rank_dir(1, "batch", 0).exists()
-    assert p.freezer.state() == "THAWED"
+    assert p.cgroup.state() == "THAWED"
 
 
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:
@@ -137,7 +141,7 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     """GPU tasks run in the host PID namespace: the init's death does not take the tree with it. On a v1
     freezer every pid of the cgroup is killed while it is frozen, then the cgroup is thawed."""
     import subprocess
-    from slurmckpt.freezer import Freezer
+    from slurmckpt.task_cgroup import TaskCgroup
     procs = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
     cg = tmp_path / "cg"
     cg.mkdir()
@@ -145,7 +149,7 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     (cg / "cgroup.procs").write_text("\n".join(str(q.pid) for q in procs))
     p, j, _ = make(tmp_path)
     p.root_pid = procs[0].pid
-    p.freezer = Freezer(cg)
+    p.cgroup = TaskCgroup(cg, TreeName(7, "batch", 0, 0))
     p.finish(1)
     assert [q.wait(5) for q in procs] == [-9, -9, -9]
     assert (cg / "freezer.state").read_text() == "THAWED"

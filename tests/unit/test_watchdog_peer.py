@@ -11,14 +11,15 @@ import pytest
 
 from slurmckpt import watchdog
 from slurmckpt.errors import PermissionDenied
-from slurmckpt.freezer import Freezer
+from slurmckpt.identity import TreeName
+from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt.peer import Peer
 
 
-def _v1_cgroup(tmp_path: Path, state: str) -> Freezer:
+def _v1_cgroup(tmp_path: Path, state: str) -> TaskCgroup:
     (tmp_path / "freezer.state").write_text(state)
     (tmp_path / "cgroup.procs").write_text("")
-    return Freezer(tmp_path)
+    return TaskCgroup(tmp_path, TreeName(1, "0", 0, 0))
 
 
 def test_watchdog_thaws_when_the_agent_is_gone(tmp_path: Path) -> None:

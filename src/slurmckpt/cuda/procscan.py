@@ -12,67 +12,49 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
+from slurmckpt import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
 
 NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 
-def _read(path: str, mode: str = "r") -> Any:
+def _read(path: str) -> str:
+    """A cgroup file (not /proc: procfs.py reads that); "" if absent."""
     try:
-        with open(path, mode) as f:
+        with open(path) as f:
             return f.read()
     except OSError:
-        return b"" if "b" in mode else ""
+        return ""
 
 
-def _fd_links(pid: int, proc: str) -> list[str]:
-    try:
-        names = os.listdir(f"{proc}/{pid}/fd")
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        try:
-            out.append(os.readlink(f"{proc}/{pid}/fd/{name}"))
-        except OSError:
-            pass
-    return out
+def _map_paths(pid: int) -> list[str]:
+    return [parts[5] for parts in procfs.maps(pid) if len(parts) == 6]
 
 
-def _map_paths(pid: int, proc: str) -> list[str]:
-    return [parts[5] for parts in (line.split(None, 5) for line in _read(f"{proc}/{pid}/maps").splitlines())
-            if len(parts) == 6]
+def process_environ(pid: int) -> dict[str, str]:
+    return procfs.environ(pid)
 
 
-def process_environ(pid: int, proc: str = "/proc") -> dict[str, str]:
-    env = {}
-    for item in _read(f"{proc}/{pid}/environ", "rb").split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def ns_pid(pid: int, proc: str = "/proc") -> int | None:
+def ns_pid(pid: int) -> int | None:
     """The pid in the innermost PID namespace (what stays the same across a CRIU restore)."""
-    for line in _read(f"{proc}/{pid}/status").splitlines():
-        if line.startswith("NSpid:"):
-            return int(line.split()[-1])
-    return None
+    try:
+        return int(procfs.status(pid)["NSpid"][-1])
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
 
 
-def uses_nvidia(pid: int, proc: str = "/proc") -> bool:
+def uses_nvidia(pid: int) -> bool:
     """The process holds a /dev/nvidia* fd or mapping (every CUDA process does; a checkpointed one does not)."""
-    return any(p.startswith("/dev/nvidia") for p in _fd_links(pid, proc) + _map_paths(pid, proc))
+    return any(p.startswith("/dev/nvidia") for p in procfs.fd_links(pid) + _map_paths(pid))
 
 
-def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None, proc: str = "/proc") -> list[int]:
+def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None) -> list[int]:
     """The pids of `pids` holding CUDA state, in the given order. The /proc scan needs no libcuda; with a
     driver, each candidate is confirmed with GetState (NO_CUDA: dropped; a vanished pid: dropped)."""
-    found = [pid for pid in pids if uses_nvidia(pid, proc)]
+    found = [pid for pid in pids if uses_nvidia(pid)]
     if driver is None:
         return found
     confirmed = []
@@ -86,20 +68,32 @@ def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None, proc: s
     return confirmed
 
 
-def unsupported_reasons(pids: Sequence[int], proc: str = "/proc", nccl_env_required: bool = True) -> list[str]:
+def _mps_daemon(pid: int) -> str | None:
+    """The MPS daemon's name if `pid` is one (the kernel keeps 15 bytes of a process's name)."""
+    name = os.path.basename(procfs.exe(pid))
+    if name in MPS_DAEMONS:
+        return name
+    try:
+        comm = procfs.comm(pid)
+    except OSError:
+        return None
+    return next((d for d in MPS_DAEMONS if comm in (d, d[:15])), None)
+
+
+def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> list[str]:
     """What in these (CUDA) processes the driver cannot checkpoint, each reason naming the cause and pid."""
     reasons: list[str] = []
-    for entry in (os.listdir(proc) if pids else []):
-        if entry.isdigit() and _read(f"{proc}/{entry}/comm").strip() in MPS_DAEMONS:
-            reasons.append(f"CUDA MPS daemon running (pid {entry}, {_read(f'{proc}/{entry}/comm').strip()}): "
+    for other in (procfs.pids() if pids else []):
+        if (daemon := _mps_daemon(other)):
+            reasons.append(f"CUDA MPS daemon running (pid {other}, {daemon}): "
                            f"processes under MPS cannot be checkpointed; run the job without MPS")
             break
     for pid in pids:
-        env, maps, fds = process_environ(pid, proc), _map_paths(pid, proc), _fd_links(pid, proc)
+        env, maps, fds = process_environ(pid), _map_paths(pid), procfs.fd_links(pid)
         if any(v.strip().upper().startswith("MIG-") for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",")) \
                 or any(_is_mig_access_cap(p) for p in fds + maps):
             reasons.append(f"pid {pid} uses a MIG instance: MIG is not supported by the CUDA checkpoint API")
-        uvm = _uvm_mapping_sizes(pid, proc)
+        uvm = _uvm_mapping_sizes(pid)
         if len(uvm) > 1:
             reasons.append(f"pid {pid} uses managed (UVM) memory ({len(uvm)} /dev/nvidia-uvm mappings, "
                            f"{sum(uvm) >> 20} MiB): cudaMallocManaged memory is not supported by the CUDA "
@@ -126,28 +120,28 @@ def _is_mig_access_cap(path: str) -> bool:
     return not minor.isdigit() or int(minor) > 2
 
 
-def _uvm_mapping_sizes(pid: int, proc: str) -> list[int]:
+def _uvm_mapping_sizes(pid: int) -> list[int]:
     """Sizes of the /dev/nvidia-uvm mappings. A plain CUDA process has one (torch and CuPy on driver 580: 2 MiB
     at 0x204a00000); a managed allocation adds one of its size (seen: 64 MiB cudaMallocManaged -> 2 mappings)."""
     out = []
-    for line in _read(f"{proc}/{pid}/maps").splitlines():
-        parts = line.split(None, 5)
+    for parts in procfs.maps(pid):
         if len(parts) == 6 and parts[5] == "/dev/nvidia-uvm":
             lo, _, hi = parts[0].partition("-")
             out.append(int(hi, 16) - int(lo, 16))
     return out
 
 
-def frozen_reason(pid: int, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> str | None:
+def frozen_reason(pid: int, cgroup_root: str = "/sys/fs/cgroup") -> str | None:
     """Why `pid` cannot run right now (stopped, or in a frozen cgroup), else None. The CUDA checkpoint API
     works through a thread inside the target process: on driver 580 Lock (even with a timeout), Checkpoint,
     Restore, Unlock and GetState hang on a SIGSTOPped or cgroup-frozen process (seen on the H200)."""
-    for line in _read(f"{proc}/{pid}/status").splitlines():
-        if line.startswith("State:") and line.split()[1] in ("T", "t"):
-            return f"process {pid} is stopped ({line.split(None, 1)[1].strip()})"
-    for line in _read(f"{proc}/{pid}/cgroup").splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
+    try:
+        state, cgroups = procfs.status(pid).get("State", []), procfs.cgroups(pid)
+    except OSError:
+        return None
+    if state and state[0] in ("T", "t"):
+        return f"process {pid} is stopped ({' '.join(state)})"
+    for hier, controllers, path in cgroups:
         if hier == "0" and controllers == "":
             if "frozen 1" in _read(f"{cgroup_root}{path}/cgroup.events") or \
                     _read(f"{cgroup_root}{path}/cgroup.freeze").strip() == "1":

@@ -50,8 +50,8 @@ class GpuRollbackError(GpuError):
                          **context)
 
 
-def _refuse_frozen(pid: int, proc: str, cgroup_root: str, context: dict[str, Any] | None) -> None:
-    why = frozen_reason(pid, proc, cgroup_root)
+def _refuse_frozen(pid: int, cgroup_root: str, context: dict[str, Any] | None) -> None:
+    why = frozen_reason(pid, cgroup_root)
     if why:
         raise GpuStateError(f"{why}: the CUDA checkpoint API hangs on a process that cannot run; lock and "
                             f"checkpoint GPUs before freezing the tree, thaw it before GPU restore/unlock",
@@ -80,25 +80,24 @@ class GpuStage:
     cuda_visible_devices: str | None = None
     adopted: bool = False
     context: dict[str, Any] = field(default_factory=dict)
-    proc: str = "/proc"
     cgroup_root: str = "/sys/fs/cgroup"
     active = True
 
     # ---- construction ----
     @classmethod
     def for_tree(cls, pids: Sequence[int], *, driver_factory: Callable[[], GpuDriver] = load_driver,
-                 proc: str = "/proc", nccl_env_required: bool = True, cgroup_root: str = "/sys/fs/cgroup",
+                 nccl_env_required: bool = True, cgroup_root: str = "/sys/fs/cgroup",
                  context: dict[str, Any] | None = None) -> GpuStage | NullGpuStage:
         """Capture side, on the running (not yet frozen) tree. Refuses (GpuUnsupportedError, GpuStateError)
         before anything is locked."""
-        candidates = find_cuda_pids(pids, proc=proc)
+        candidates = find_cuda_pids(pids)
         if not candidates:
             return NullGpuStage()
-        reasons = unsupported_reasons(candidates, proc, nccl_env_required)
+        reasons = unsupported_reasons(candidates, nccl_env_required)
         if reasons:
             raise GpuUnsupportedError(reasons, **(context or {}))
         for pid in candidates:
-            _refuse_frozen(pid, proc, cgroup_root, context)
+            _refuse_frozen(pid, cgroup_root, context)
         driver = driver_factory()
         procs = []
         for pid in candidates:
@@ -113,28 +112,28 @@ class GpuStage:
             if state is not ProcessState.RUNNING:
                 raise GpuStateError(f"process {pid} is already {state.name} (another tool is checkpointing it)",
                                     pid=pid, **(context or {}))
-            procs.append(GpuProcess(pid, ns_pid(pid, proc), state))
+            procs.append(GpuProcess(pid, ns_pid(pid), state))
         if not procs:
             return NullGpuStage()
-        env = process_environ(procs[0].pid, proc)
+        env = process_environ(procs[0].pid)
         cvd = env.get("CUDA_VISIBLE_DEVICES")
         gpus = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
-        return cls(driver, procs, gpus, cvd, context=dict(context or {}), proc=proc, cgroup_root=cgroup_root)
+        return cls(driver, procs, gpus, cvd, context=dict(context or {}), cgroup_root=cgroup_root)
 
     @classmethod
     def adopt_restored(cls, driver: GpuDriver, record: dict[str, Any], tree_pids: Sequence[int],
-                       proc: str = "/proc", context: dict[str, Any] | None = None,
+                       context: dict[str, Any] | None = None,
                        cgroup_root: str = "/sys/fs/cgroup") -> GpuStage:
         """Restore side: the processes of `record` (capture order), found among the CRIU-restored and thawed
         tree by their PID-namespace pid (host pids change). Each must be CHECKPOINTED."""
-        by_ns = {ns_pid(p, proc): p for p in tree_pids}
+        by_ns = {ns_pid(p): p for p in tree_pids}
         procs = []
         for item in record.get("processes", []):
             host = by_ns.get(item["ns_pid"]) if item.get("ns_pid") is not None else item["pid"]
             if host is None:
                 raise GpuStateError(f"restored tree has no process with namespace pid {item['ns_pid']}",
                                     **(context or {}))
-            _refuse_frozen(host, proc, cgroup_root, context)
+            _refuse_frozen(host, cgroup_root, context)
             state = driver.state(host)
             if state is not ProcessState.CHECKPOINTED:
                 raise GpuStateError(f"restored process {host} is {state.name}, expected CHECKPOINTED",
@@ -142,7 +141,7 @@ class GpuStage:
             procs.append(GpuProcess(host, item.get("ns_pid"), state, locked=True, checkpointed=True))
         gpus = [GpuInfo.from_dict(g) for g in record.get("gpus", [])]
         return cls(driver, procs, gpus, record.get("cuda_visible_devices"), adopted=True,
-                   context=dict(context or {}), proc=proc, cgroup_root=cgroup_root)
+                   context=dict(context or {}), cgroup_root=cgroup_root)
 
     def record(self) -> dict[str, Any]:
         """What the manifest keeps for the restore: processes in checkpoint order, the GPUs they saw."""
@@ -192,7 +191,7 @@ class GpuStage:
             if not p.locked:
                 continue
             try:
-                _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+                _refuse_frozen(p.pid, self.cgroup_root, self.context)
                 state = self.driver.state(p.pid)
                 if state is ProcessState.CHECKPOINTED:
                     self.driver.restore(p.pid, None)
@@ -230,7 +229,7 @@ class GpuStage:
         p.checkpointed = False
 
     def _call(self, op: str, p: GpuProcess, fn: Callable[[], None]) -> None:
-        _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+        _refuse_frozen(p.pid, self.cgroup_root, self.context)
         log.debug("GPU %s pid %d", op, p.pid, extra={"pid": p.pid, **self.context})
         fn()
 
@@ -255,7 +254,7 @@ class GpuStage:
         for p in self.processes:
             if p.locked:
                 try:
-                    _refuse_frozen(p.pid, self.proc, self.cgroup_root, self.context)
+                    _refuse_frozen(p.pid, self.cgroup_root, self.context)
                     out[p.pid] = self.driver.state(p.pid).name
                 except GpuStateError:
                     out[p.pid] = "FROZEN"
@@ -289,15 +288,15 @@ class PipelineGpu:
     value recorded at capture."""
 
     def __init__(self, lock_timeout_ms: int = 2000, *, driver_factory: Callable[[], GpuDriver] = load_driver,
-                 proc: str = "/proc", nccl_env_required: bool = True, context: dict[str, Any] | None = None):
-        self.lock_timeout_ms, self.driver_factory, self.proc = lock_timeout_ms, driver_factory, proc
+                 nccl_env_required: bool = True, context: dict[str, Any] | None = None):
+        self.lock_timeout_ms, self.driver_factory = lock_timeout_ms, driver_factory
         self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
         self.stage: GpuStage | NullGpuStage = NullGpuStage()
         self.visible_devices: str | None = None
         self.device_order: str | None = None      # set with visible_devices (the agent: Slurm's index order)
 
     def lock(self, pids: list[int]) -> None:
-        self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory, proc=self.proc,
+        self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
                                        nccl_env_required=self.nccl_env_required, context=self.context)
         self.stage.lock_all(self.lock_timeout_ms)
 
@@ -321,8 +320,8 @@ class PipelineGpu:
             return
         from slurmckpt.cuda.remap import build_pairs
         driver = self.driver_factory()
-        stage = GpuStage.adopt_restored(driver, record, pids, self.proc, self.context)
-        env = process_environ(stage.pids[0], self.proc) if stage.pids else {}
+        stage = GpuStage.adopt_restored(driver, record, pids, self.context)
+        env = process_environ(stage.pids[0]) if stage.pids else {}
         cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
         now = visible_gpus(driver.devices(), cvd, self.device_order or env.get("CUDA_DEVICE_ORDER"))
         pairs = build_pairs(stage.gpus, now)

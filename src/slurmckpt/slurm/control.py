@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from slurmckpt import procfs
 from slurmckpt.errors import SlurmError
 
 log = logging.getLogger("slurmckpt.slurm")
@@ -253,12 +254,10 @@ def other_node_addresses(nodes: list[str], hostname: str, slurm: "CliSlurm | Non
     return found
 
 
-def _local_addresses(fib_trie: str = "/proc/net/fib_trie") -> set[str]:
-    """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host)."""
-    try:
-        lines = open(fib_trie).read().splitlines()
-    except OSError:
-        return set()
+def _local_addresses(fib_trie: str | None = None) -> set[str]:
+    """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host), from
+    /proc/self/net/fib_trie (or the text given)."""
+    lines = (procfs.fib_trie() if fib_trie is None else fib_trie).splitlines()
     return {lines[i - 1].split()[-1] for i, line in enumerate(lines)
             if i and line.strip() == "/32 host LOCAL" and lines[i - 1].strip().startswith("|--")}
 

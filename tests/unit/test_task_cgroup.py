@@ -1,6 +1,6 @@
-"""Placement in Slurm's cgroup v2 task cgroup (slurm_v2.py, Freezer.in_slurm_cgroups_of) with a fake /proc
-and a fake cgroup2 mount: which layouts are accepted as Slurm's, where the tree and the wrapper/agent go,
-that Slurm's task cgroup is never removed by us, and that the job's other trees are found by label."""
+"""Placement in Slurm's cgroup v2 task cgroup (TaskCgroup.placed_with_slurm) with a fake /proc and a fake
+cgroup2 mount: which layouts are accepted as Slurm's, where the tree and the wrapper/agent go, that Slurm's
+task cgroup is never removed by us, and that the job's other trees are found by label."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import ipc, slurm_v2
-from slurmckpt.freezer import Freezer
+from slurmckpt import ipc, procfs
+from slurmckpt.identity import TreeName
+from slurmckpt.task_cgroup import LABEL, SlurmV2Placement, TaskCgroup, find_slurm_v2
 
 STEP = "system.slice/node1_slurmstepd.scope/3f2a9c1e-sluid/step_0"     # no job_<id>: names are not read
 
@@ -31,9 +32,18 @@ def _host(tmp_path: Path, task_cgroup: str = f"{STEP}/user/task_0", stepd_uid: i
         (mount / d).mkdir(parents=True, exist_ok=True)
         (mount / d / "cgroup.procs").write_text("")
     (mount / task_cgroup).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(f"30 25 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw\n")
     _proc(tmp_path, 100, task_cgroup, 50, 1000)
     _proc(tmp_path, 50, f"{STEP}/slurm", 1, stepd_uid)
     return mount
+
+
+@pytest.fixture(autouse=True)
+def fake_proc(tmp_path: Path):
+    """procfs.py reads the fake /proc of these tests."""
+    with procfs.rooted(tmp_path / "proc"):
+        yield
 
 
 @pytest.fixture
@@ -56,8 +66,8 @@ def test_slurm_task_cgroup_is_found_without_reading_names(tmp_path: Path) -> Non
     """The wrapper's task cgroup and slurmstepd's cgroup are found from /proc by shape, whatever the job
     cgroup is called (Slurm 26.05 names it by SLUID)."""
     mount = _host(tmp_path)
-    placed = slurm_v2.find(100, mount, tmp_path / "proc")
-    assert placed == slurm_v2.TaskPlacement(mount / STEP / "user/task_0", mount / STEP / "slurm")
+    placed = find_slurm_v2(100, mount)
+    assert placed == SlurmV2Placement(mount / STEP / "user/task_0", mount / STEP / "slurm")
 
 
 @pytest.mark.parametrize("task_cgroup,stepd_uid,why", [
@@ -70,7 +80,7 @@ def test_cgroups_not_shaped_like_slurms_task_cgroup_are_refused(tmp_path: Path, 
                                                                  stepd_uid: int, why: str) -> None:
     """Only <step>/user/<task> next to a root slurmstepd's <step>/slurm is taken as Slurm's task cgroup."""
     mount = _host(tmp_path, task_cgroup, stepd_uid)
-    assert slurm_v2.find(100, mount, tmp_path / "proc") is None, why
+    assert find_slurm_v2(100, mount) is None, why
 
 
 def test_pure_v2_tree_goes_into_slurms_task_cgroup_and_helpers_into_slurmstepds(tmp_path: Path,
@@ -81,16 +91,16 @@ def test_pure_v2_tree_goes_into_slurms_task_cgroup_and_helpers_into_slurmstepds(
     mount = _host(tmp_path)
     own = mount / "slurmckpt" / "7.0.0.1"
     own.mkdir(parents=True)
-    placed = Freezer(own).in_slurm_cgroups_of(100, 7, proc=tmp_path / "proc")
+    placed = TaskCgroup(own, TreeName(7, "0", 0, 1)).placed_with_slurm(100)
     task = mount / STEP / "user/task_0"
-    assert (placed.path, placed.name, placed.owned, placed.slurm_procs) == (task, "7.0.0.1", False, ())
+    assert (placed.path, str(placed.tree), placed.owned, placed.slurm_procs) == (task, "7.0.0.1", False, ())
     placed.move_helpers([100])
     assert (mount / STEP / "slurm/cgroup.procs").read_text() == "100"
-    assert slurm_v2.label_of(task) == "7.0.0.1"
+    assert xattrs[(str(task), LABEL)] == b"7.0.0.1"
     (task / "cgroup.freeze").write_text("1")
     placed.remove()
     assert task.is_dir() and (task / "cgroup.freeze").read_text() == "0"
-    assert placed.in_slurm_cgroups_of(100, 7, proc=tmp_path / "proc") is placed, "placed once"
+    assert placed.placed_with_slurm(100) is placed, "placed once"
 
 
 def test_without_a_slurm_task_cgroup_the_tree_keeps_its_own_cgroup(tmp_path: Path) -> None:
@@ -98,7 +108,7 @@ def test_without_a_slurm_task_cgroup_the_tree_keeps_its_own_cgroup(tmp_path: Pat
     mount = _host(tmp_path, "system.slice/slurmd.service")
     own = mount / "slurmckpt" / "7.0.0.0"
     own.mkdir(parents=True)
-    placed = Freezer(own).in_slurm_cgroups_of(100, 7, proc=tmp_path / "proc")
+    placed = TaskCgroup(own, TreeName(7, "0", 0, 0)).placed_with_slurm(100)
     assert placed.path == own and placed.owned and placed.helpers is None
 
 
@@ -108,7 +118,23 @@ def test_the_jobs_other_trees_are_found_by_label(tmp_path: Path, xattrs: dict) -
     t0, t1 = mount / STEP / "user/task_0", mount / STEP / "user/task_1"
     (t0 / "cgroup.procs").write_text("11\n")
     (t1 / "cgroup.procs").write_text("21\n22\n")
-    slurm_v2.label(t0, "7.0.0.0")
-    slurm_v2.label(t1, "7.0.1.0")
-    assert slurm_v2.job_tasks(t0) == {t1: "7.0.1.0"}
-    assert ipc.job_trees(t0, "7") == {21: "7.0.1.0", 22: "7.0.1.0"}
+    xattrs[(str(t1), LABEL)] = b"7.0.1.0"
+    xattrs[(str(mount / STEP / "user/task_1x"), LABEL)] = b"not a tree name"
+    mine = TaskCgroup(t0, TreeName(7, "0", 0, 0), owned=False)
+    assert {pid: str(t) for pid, t in ipc.job_trees(mine.other_trees(), 7).items()} == {21: "7.0.1.0", 22: "7.0.1.0"}
+
+
+@pytest.mark.parametrize("path,ok", [
+    ("/slurm/uid_1000/job_7/step_batch/task_0", True),
+    ("/slurm/uid_1000/job_7/step_0", True),
+    ("/slurm_node1/uid_1000/3f2a9c1e-sluid/step_0/task_1", True),     # 26.05: the job is named by SLUID
+    ("/slurm/uid_1000/job_8/step_0/task_0", False),                   # another job
+    ("/slurm/uid_1000/job_7", False),                                 # no step
+    ("/user.slice/user-1000.slice", False),
+    ("/", False),
+])
+def test_slurm_cgroups_of_the_job_are_recognised_by_job_id_or_step_shape(path: str, ok: bool) -> None:
+    """v1/hybrid: the task's cgroups that the tree joins are the job's own step cgroups, named by job id or
+    (Slurm 26.05) by SLUID with the step below it; nothing outside a step of this job."""
+    from slurmckpt.task_cgroup import _slurm_step_path
+    assert _slurm_step_path(path, 7) is ok
