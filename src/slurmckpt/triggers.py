@@ -1,5 +1,6 @@
-"""When to capture: the interval, and the job's wall-time (EndTime minus a margin learnt from the last
-capture's duration, so no `--signal` is needed from the user)."""
+"""When to capture: the interval (`IntervalClock`, run by the job's coordinator process) and the job's
+wall-time (`Schedule`, run by the wrapper that hosts the coordinator: EndTime minus a margin learnt from the
+last capture's duration, so no `--signal` is needed from the user)."""
 from __future__ import annotations
 
 import logging
@@ -11,16 +12,37 @@ log = logging.getLogger("slurmckpt.triggers")
 
 
 @dataclass
+class IntervalClock:
+    """Periodic captures, in the coordinator process: due once `interval` seconds have passed since the last
+    epoch of any kind ended (a manual or failed capture restarts the count too)."""
+    clock: Callable[[], float] = time.monotonic
+    _last: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        self._last = self.clock()
+
+    def epoch_ended(self) -> None:
+        self._last = self.clock()
+
+    def seconds_to_next(self, interval: int) -> float | None:
+        """None: no interval."""
+        return max(0.0, self._last + interval - self.clock()) if interval > 0 else None
+
+    def due(self, interval: int) -> bool:
+        if interval > 0 and self.clock() - self._last >= interval:
+            self._last = self.clock()
+            return True
+        return False
+
+
+@dataclass
 class Schedule:
+    """The wall-time capture of a job with a time limit."""
     end_time: float | None            # epoch seconds, None = no time limit
     margin_s: float
     clock: Callable[[], float] = time.time
     last_capture_s: float = 0.0
-    _last: float = field(default=0.0)
     _walltime_fired: bool = False
-
-    def __post_init__(self) -> None:
-        self._last = self.clock()
 
     @classmethod
     def for_job(cls, env, config) -> "Schedule":
@@ -35,29 +57,22 @@ class Schedule:
 
     def captured(self, seconds: float) -> None:
         self.last_capture_s = seconds
-        self._last = self.clock()
 
     def walltime_at(self) -> float | None:
         if self.end_time is None:
             return None
         return self.end_time - max(self.margin_s, 3 * self.last_capture_s + 10)
 
-    def seconds_to_next(self, interval: int = 0) -> float:
+    def seconds_to_next(self) -> float:
         candidates = [5.0]
-        if interval > 0:
-            candidates.append(self._last + interval - self.clock())
         at = self.walltime_at()
         if at is not None and not self._walltime_fired:
             candidates.append(at - self.clock())
         return max(0.05, min(candidates))
 
-    def due(self, interval: int) -> list[tuple[str, bool]]:
-        now, out = self.clock(), []
+    def due(self) -> list[tuple[str, bool]]:
         at = self.walltime_at()
-        if at is not None and not self._walltime_fired and now >= at:
+        if at is not None and not self._walltime_fired and self.clock() >= at:
             self._walltime_fired = True
-            out.append(("walltime", True))
-        elif interval > 0 and now - self._last >= interval:
-            self._last = now
-            out.append(("interval", False))
-        return out
+            return [("walltime", True)]
+        return []

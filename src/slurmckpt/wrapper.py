@@ -53,7 +53,6 @@ class Wrapper:
         self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
         self.gate = threading.Event()                    # replayed batch output passes once a step resumes
         self.gate.set()
-        self.host_interval = 0
         self.member = Membership(env, self.config, self.call, self._on_command, lambda text: say(env, text))
         self.agent_gone = False
         self.ending = False                  # the task is done: the agent channel is closed on purpose
@@ -97,8 +96,7 @@ class Wrapper:
             signal.signal(sig, lambda s, f: self.pending.append(s))
         plan = self.call("plan")
         self.tree_procs = plan.get("tree_procs")
-        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result,
-                                             interval=self._set_host_interval))
+        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result))
         if self.member.supervisor:
             self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
@@ -126,10 +124,6 @@ class Wrapper:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.02)
-
-    def _set_host_interval(self, seconds: int) -> None:
-        self.host_interval = seconds
-        os.write(self.wake_w, b"i")          # the supervise loop recomputes its timeout
 
     def _start(self, plan: dict) -> None:
         stdio = [0, 1, 2]
@@ -255,7 +249,7 @@ class Wrapper:
             return self._exit(self.completed_code)
         status: int | None = None
         while True:
-            timeout = self.schedule.seconds_to_next(self._interval()) if self.schedule else None
+            timeout = self.schedule.seconds_to_next() if self.schedule else None
             select.select([wake_r], [], [], timeout)
             try:
                 while os.read(wake_r, 512):
@@ -263,7 +257,7 @@ class Wrapper:
             except BlockingIOError:
                 pass
             if self.schedule:
-                for reason, final in self.schedule.due(self._interval()):
+                for reason, final in self.schedule.due():
                     self.trigger(reason, final)
             while self.pending:
                 sig = self.pending.pop(0)
@@ -275,10 +269,6 @@ class Wrapper:
                 if self.final_committed.is_set():
                     return self._wait_for_requeue()
                 return self._exit(status)
-
-    def _interval(self) -> int:
-        return min([v for v in (self.env.interval_s, self.host_interval)
-                    if v > 0], default=0)
 
     def _reap(self, status: int | None) -> int | None:
         while True:

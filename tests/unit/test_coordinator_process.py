@@ -37,14 +37,14 @@ class Wrapper:
     def callbacks(self) -> HostCallbacks:
         return HostCallbacks(commit=self.commit, publish=self.published.append, started=lambda r, a: None,
                              result=lambda result, reason, final: self.results.put(result),
-                             interval=lambda s: None, say=self.said.append)
+                             say=self.said.append)
 
 
-def rank(port: int, token: str, commands: list, last_epoch: int = 0) -> RankClient:
+def rank(port: int, token: str, commands: list, last_epoch: int = 0, interval: int = 0) -> RankClient:
     def handler(kind: str, epoch: int, message: dict) -> dict:
         commands.append((kind, epoch))
         return {"kind": "image"} if kind == "capture" else {}
-    client = RankClient("127.0.0.1", port, token, "batch.0", "n1", 0, handler, 1, last_epoch)
+    client = RankClient("127.0.0.1", port, token, "batch.0", "n1", interval, handler, 1, last_epoch)
     threading.Thread(target=client.serve_forever, daemon=True).start()
     return client
 
@@ -172,3 +172,18 @@ def test_withdrawn_epoch_stops_every_later_capture(hosted):
         assert result["status"] == "skipped" and "could not restore epoch 4" in result["why"]
     assert commands == [] and wrapper.commits == []
     client.close()
+
+
+def test_the_coordinator_process_runs_the_interval_timer_itself(hosted):
+    """A rank that asks for a 1 s interval gets periodic epochs started by the coordinator process, with no
+    trigger from the wrapper; each is committed through the wrapper, one at a time."""
+    sup, wrapper, token, port = hosted
+    commands: list = []
+    client = rank(port, token, commands, interval=1)
+    try:
+        first, second = wrapper.results.get(timeout=TIMEOUT), wrapper.results.get(timeout=TIMEOUT)
+    finally:
+        client.close()
+    assert (first["status"], second["status"]) == ("committed", "committed"), (first, second)
+    assert wrapper.commits == [5, 6]
+    assert [c for c in commands if c[0] == "prepare"] == [("prepare", 5), ("prepare", 6)]

@@ -1,9 +1,10 @@
-"""When to capture: interval and wall-time (EndTime minus a margin learnt from the last capture)."""
+"""When to capture: the interval (coordinator process) and wall-time (EndTime minus a margin learnt from the
+last capture)."""
 from __future__ import annotations
 
 import pytest
 
-from slurmckpt.triggers import Schedule
+from slurmckpt.triggers import IntervalClock, Schedule
 
 
 class Clock:
@@ -20,43 +21,43 @@ def clock():
 
 
 def test_interval_fires_once_per_interval(clock):
-    s = Schedule(None, 45, clock=clock)
-    assert s.due(60) == []
+    c = IntervalClock(clock)
+    assert not c.due(60)
     clock.now += 59.9
-    assert s.due(60) == []
+    assert not c.due(60)
     clock.now += 0.1
-    assert s.due(60) == [("interval", False)]
-    assert s.due(60) == []                                 # not again until another interval passed
+    assert c.due(60)
+    assert not c.due(60)                                   # not again until another interval passed
     clock.now += 30
-    assert s.due(60) == []
+    assert not c.due(60)
     clock.now += 30
-    assert s.due(60) == [("interval", False)]
+    assert c.due(60)
 
 
 def test_interval_disabled(clock):
-    s = Schedule(None, 45, clock=clock)
+    c = IntervalClock(clock)
     clock.now += 10 ** 6
-    assert s.due(0) == []
-    assert s.seconds_to_next(0) == 5.0                     # just the poll period
+    assert not c.due(0)
+    assert c.seconds_to_next(0) is None
 
 
-def test_capture_restarts_the_interval(clock):
-    s = Schedule(None, 45, clock=clock)
+def test_an_epoch_of_any_kind_restarts_the_interval(clock):
+    c = IntervalClock(clock)
     clock.now += 50
-    s.captured(3.0)                                        # e.g. a manual checkpoint
+    c.epoch_ended()                                        # e.g. a manual checkpoint
     clock.now += 50
-    assert s.due(60) == []
+    assert not c.due(60)
     clock.now += 10
-    assert s.due(60) == [("interval", False)]
+    assert c.due(60)
 
 
-def test_seconds_to_next(clock):
-    s = Schedule(None, 45, clock=clock)
-    assert s.seconds_to_next(60) == 5.0
+def test_interval_seconds_to_next(clock):
+    c = IntervalClock(clock)
+    assert c.seconds_to_next(60) == 60
     clock.now += 57
-    assert s.seconds_to_next(60) == pytest.approx(3.0)
-    clock.now += 100                                       # overdue: poll soon, never negative
-    assert s.seconds_to_next(60) == 0.05
+    assert c.seconds_to_next(60) == pytest.approx(3.0)
+    clock.now += 100                                       # overdue: now, never negative
+    assert c.seconds_to_next(60) == 0.0
 
 
 def test_walltime_fires_margin_before_end(clock):
@@ -64,11 +65,11 @@ def test_walltime_fires_margin_before_end(clock):
     s = Schedule(end, 45, clock=clock)
     assert s.walltime_at() == end - 45                    # no capture yet: max(45, 3*0+10)
     clock.now = end - 46
-    assert s.due(0) == []
+    assert s.due() == []
     clock.now = end - 45
-    assert s.due(0) == [("walltime", True)]
+    assert s.due() == [("walltime", True)]
     clock.now += 1
-    assert s.due(0) == []                                  # only once
+    assert s.due() == []                                   # only once
 
 
 def test_walltime_margin_learnt_from_capture_duration(clock):
@@ -77,9 +78,9 @@ def test_walltime_margin_learnt_from_capture_duration(clock):
     s.captured(30.0)                                       # a slow capture: 3*30+10 = 100 s of lead
     assert s.walltime_at() == end - 100
     clock.now = end - 101
-    assert s.due(0) == []
+    assert s.due() == []
     clock.now = end - 100
-    assert s.due(0) == [("walltime", True)]
+    assert s.due() == [("walltime", True)]
 
 
 def test_short_capture_keeps_configured_margin(clock):
@@ -90,23 +91,16 @@ def test_short_capture_keeps_configured_margin(clock):
     assert s.walltime_at() == clock.now + 500 - 46
 
 
-def test_walltime_wins_over_interval(clock):
-    end = clock.now + 100
-    s = Schedule(end, 45, clock=clock)
-    clock.now = end - 40                                   # past the walltime point and an interval
-    assert s.due(30) == [("walltime", True)]
-
-
 def test_seconds_to_next_sees_walltime(clock):
     s = Schedule(clock.now + 47, 45, clock=clock)
-    assert s.seconds_to_next(3600) == pytest.approx(2.0)
+    assert s.seconds_to_next() == pytest.approx(2.0)
     clock.now += 2
-    s.due(3600)
-    assert s.seconds_to_next(3600) == 5.0                  # fired: no longer a candidate
+    s.due()
+    assert s.seconds_to_next() == 5.0                      # fired: no longer a candidate
 
 
 def test_no_end_time_never_walltime(clock):
     s = Schedule(None, 45, clock=clock)
     assert s.walltime_at() is None
     clock.now += 10 ** 9
-    assert ("walltime", True) not in s.due(0)
+    assert s.due() == [] and s.seconds_to_next() == 5.0

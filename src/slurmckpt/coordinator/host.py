@@ -8,7 +8,9 @@ agent can commit, so commits travel back over the link: a private socketpair car
     wrapper -> host: {"op": "start", settings...}  {"op": "epoch", "reason", "final"}  {"op": "committed", "id"}
     host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason"}
                      {"op": "started", "rank", "action"}  {"op": "result", "result", "reason", "final"}
-                     {"op": "interval", "seconds"}
+
+Periodic epochs are started here (the interval timer: the shortest interval any rank asked for, counted
+from the end of the last epoch); the wrapper asks for the others (Slurm's SIGTERM, wall-time, manual).
 
     python -m slurmckpt.coordinator.host --link FD --job JOBID     (started by slurmckpt.coordinator.supervisor)
 """
@@ -24,6 +26,7 @@ import signal
 import socket
 
 from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
+from slurmckpt.triggers import IntervalClock
 
 log = logging.getLogger("slurmckpt.coordinator.host")
 
@@ -37,6 +40,8 @@ class Host:
         self.commits: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.loop = asyncio.get_running_loop()
+        self.interval = IntervalClock()
+        self.running = 0                   # epochs in flight (their own kinds are merged by the coordinator)
 
     def send(self, message: dict) -> None:
         self.writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
@@ -51,7 +56,7 @@ class Host:
         # the job's own address only (loopback for a one-node job): never every interface of the node
         port = await self.coordinator.start(str(start.get("bind", "127.0.0.1")))
         self.send({"op": "listening", "port": port})
-        watcher = asyncio.ensure_future(self._watch_interval())
+        watcher = asyncio.ensure_future(self._interval_timer())
         try:
             while line := await self.reader.readline():
                 msg = json.loads(line)
@@ -68,7 +73,12 @@ class Host:
     def epoch(self, reason: str, final: bool) -> None:
         async def run() -> None:
             assert self.coordinator
-            result = await self.coordinator.run_epoch(reason, final)
+            self.running += 1
+            try:
+                result = await self.coordinator.run_epoch(reason, final)
+            finally:
+                self.running -= 1
+                self.interval.epoch_ended()
             self.send({"op": "result", "result": result, "reason": reason, "final": final})
         asyncio.ensure_future(run())
 
@@ -87,15 +97,15 @@ class Host:
     async def _started(self, rank: str, action: str) -> None:
         self.send({"op": "started", "rank": rank, "action": action})
 
-    async def _watch_interval(self) -> None:
-        """The wrapper schedules periodic epochs; the shortest interval any rank asked for counts."""
-        last = None
+    async def _interval_timer(self) -> None:
+        """Periodic epochs: the shortest interval any rank asked for (ranks join and leave, so it is read
+        again every round), never while another epoch is in flight."""
         while True:
             assert self.coordinator
-            if self.coordinator.interval_s != last:
-                last = self.coordinator.interval_s
-                self.send({"op": "interval", "seconds": last})
-            await asyncio.sleep(1)
+            wait = self.interval.seconds_to_next(self.coordinator.interval_s)
+            await asyncio.sleep(1.0 if wait is None else min(1.0, max(0.05, wait)))
+            if not self.running and self.interval.due(self.coordinator.interval_s):
+                self.epoch("interval", False)
 
 
 def max_pending() -> int:

@@ -22,7 +22,6 @@ def _unset(*args: object) -> None:
 class HostCallbacks:
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
     result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
-    interval: Callable[[int], None]                   # shortest checkpoint interval the ranks asked for
     commit: Callable[[int, dict, str], None] = _unset     # via the agent; raises on failure
     publish: Callable[[int], None] = _unset               # port -> address file for the ranks
     say: Callable[[str], None] = _unset
@@ -96,8 +95,6 @@ class CoordinatorSupervisor:
             elif op == "result":
                 self.saw_epoch(int(msg["result"].get("epoch", 0)))
                 self.cb.result(msg["result"], msg["reason"], bool(msg["final"]))
-            elif op == "interval":
-                self.cb.interval(int(msg["seconds"]))
         if not self.stopping:
             self._died(proc)
 
