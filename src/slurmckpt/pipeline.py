@@ -429,9 +429,32 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    try:
+        p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
+    except Exception as e:
+        # The restored tree runs (re-parented to the wrapper) but without its GPU state: it must not run
+        # on, and the fallback (an older epoch, or a fresh start) needs the task cgroup empty again.
+        _end_restored_tree(p)
+        if isinstance(e, SlurmckptError):
+            raise
+        raise RestoreError(f"GPU restore failed: {e}", step=p.step, rank=p.rank) from e
     p.root_pid = pid
-    p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
     return pid, manifest
+
+
+def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:
+    """Kill every process of the task cgroup and wait until it is empty (what a restore left running)."""
+    p.root_pid = None
+    try:
+        p.cgroup.kill_all()
+    except OSError as e:
+        log.warning("killing the restored tree after a failed restore: %s", e)
+    deadline = time.monotonic() + timeout_s
+    while p.cgroup.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if p.cgroup.pids():
+        raise RestoreError(f"the restored tree did not die after a failed restore: {p.cgroup.pids()}",
+                           step=p.step, rank=p.rank)
 
 
 def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:

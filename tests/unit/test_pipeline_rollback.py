@@ -26,11 +26,22 @@ class FakeCgroup:
     frozen: bool = False
     tree: TreeName = TreeName(7, "batch", 0, 0)
 
+    members: list[int] | None = None          # processes a (fake) restore put in the cgroup
+
     def pids(self) -> list[int]:
-        return [os.getpid()]
+        if self.members is None:
+            return [os.getpid()]
+        return [pid for pid in self.members if _running(pid)]
 
     def other_trees(self) -> dict:
         return {}
+
+    def kill_all(self) -> None:
+        for pid in self.pids():
+            os.kill(pid, 9)
+
+    def add(self, pid: int) -> None:
+        pass
 
     def freeze(self) -> float:
         self.journal.events.append("freeze")
@@ -43,6 +54,13 @@ class FakeCgroup:
 
     def state(self) -> str:
         return "FROZEN" if self.frozen else "THAWED"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
 
 
 @dataclass
@@ -176,3 +194,31 @@ def test_deleted_files_above_the_cap_are_refused_before_anything_is_frozen(tmp_p
         with pytest.raises(CaptureError, match=r"too-big \(3.0 MiB, open by pid"):
             p.prepare(1)
     assert "freeze" not in j.events and "dump" not in j.events and "gpu-lock" not in j.events
+
+
+def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path) -> None:
+    """CRIU brought the tree back, then the GPU restore failed: the restored processes are killed, the task
+    cgroup is empty again and the pipeline holds no tree, so the wrapper's fallback (an older epoch or a fresh
+    start) can start one; the error is the typed failure the fallback acts on."""
+    import subprocess
+
+    from slurmckpt.pipeline import restore_rank
+    p, j, store = make(tmp_path, gpu_fail="gpu-restore")
+    store.rank_dir(3, "batch", 0).mkdir(parents=True)
+    (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
+    store.write_rank_manifest(3, "batch", 0, {"kind": "image", "stdio": [], "truncate": [], "outputs": [],
+                                             "gpu": {"processes": [{"pid": 1, "ns_pid": 1}]}})
+    store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
+    restored: list[subprocess.Popen] = []
+
+    def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=()):
+        restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
+        p.cgroup.members = [q.pid for q in restored]
+        return restored[0].pid
+    p.engine.restore = fake_restore
+    p.root_pid = None
+    with pytest.raises(GpuError):
+        restore_rank(p, 3, [0, 1, 2])
+    assert [q.wait(5) for q in restored] == [-9, -9], "the restored processes were left running"
+    assert p.root_pid is None and p.cgroup.pids() == []
+    assert j.events[-1] == "gpu-restore"
