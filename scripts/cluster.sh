@@ -80,10 +80,13 @@ wait_for() { # wait_for SECONDS DESCRIPTION LOGFILE [PIDFILE:COMM] CMD...: poll 
   done
 }
 
-foreign() { # foreign COMM: die if a COMM runs that we did not start (would hold our ports)
+foreign() { # foreign COMM: die if a COMM runs that we did not start in our network namespace (would hold
+  # our ports); one in another network namespace (a test root of another Slurm version) holds none of them
   local comm=$1 pids
-  local p; pids=""
-  for p in $(pgrep -x "$comm" || true); do alive "$p" && pids+="$p "; done
+  local p me; pids=""; me=$(readlink /proc/self/ns/net)
+  for p in $(pgrep -x "$comm" || true); do
+    alive "$p" && [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] && pids+="$p "
+  done
   [ -z "$pids" ] || die "a $comm not started by scripts/cluster.sh is running (pid $pids): stop it first"
 }
 
