@@ -1,12 +1,15 @@
 #!/bin/bash
 # On the device machine (root, pure cgroup v2, repo root): a real Slurm 22.05 (carried .debs, started by
 # .carry/start-slurm.sh, a copy of the shared gpu-slurm tool) with proctrack/cgroup, task/cgroup,
-# jobacct_gather/cgroup, cgroup/v2 and the GPU as GRES, plus the slurmckpt SPANK plugin, then checkpointed
-# jobs: where the tree sits (/proc/PID/cgroup), scontrol listpids, sstat MaxRSS/CPU, scontrol suspend/resume,
-# a --mem limit, scancel and Slurm's cgroup cleanup, before and after a requeue + restore; a GPU job likewise.
+# jobacct_gather/cgroup, cgroup/v2 and the GPU as GRES, plus the slurmckpt SPANK plugin, then three
+# checkpointed jobs side by side, all requeued at once (device time is short):
+#   A  CPU, 300 MiB held: where the tree sits (/proc/PID/cgroup), scontrol listpids, sstat MaxRSS/CPU,
+#      scontrol suspend/resume, scancel and Slurm's cgroup cleanup, before and after the restore;
+#   M  --mem=400M, grows past it only after the restore: Slurm's memory limit holds for the restored tree;
+#   G  --gres=gpu:1 PyTorch training: periodic capture, requeue, restore, losses continue.
 #   carry: .carry (slurmdebs/, criu-patched/, slurmckpt_spank.so, start-slurm.sh)
-# Output: $OUT/cgroup-v2.txt. sacct needs slurmdbd + a database, which the device has not: sstat's CPU
-# columns stand in for TotalCPU.
+# Output: $OUT/cgroup-v2.txt (written as it goes: a cut-off run still returns what it saw). sacct needs
+# slurmdbd + a database, which the device has not: sstat's CPU columns stand in for TotalCPU.
 set -u
 OUT=${OUT:-/tmp/cg2-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/cgroup-v2.txt") 2>&1
@@ -14,9 +17,9 @@ T0=$SECONDS
 say() { echo "=== [$((SECONDS - T0))s] $*"; }
 
 say "slurm (start-slurm.sh)"
-bash .carry/start-slurm.sh .carry/slurmdebs 2>&1 | tail -15
+bash .carry/start-slurm.sh .carry/slurmdebs 2>&1 | tail -6
 DEVICE_USER=ckptcg2 STAGE=/opt/slurmckpt-stage PY=$(command -v python3)
-. tests/gpu/device_setup.sh
+. tests/gpu/device_setup.sh >/dev/null
 install -D -m 755 .carry/slurmckpt_spank.so /usr/local/lib/slurmckpt/slurmckpt_spank.so
 mkdir -p /opt/slurmckpt/venv/bin
 ep() { printf '#!%s\nimport sys\nsys.path.insert(0, "%s/src")\nfrom %s import main\nsys.exit(main())\n' \
@@ -27,8 +30,8 @@ echo "required /usr/local/lib/slurmckpt/slurmckpt_spank.so wrapper=/opt/slurmckp
   > /etc/slurm/plugstack.conf
 printf 'AuthInfo=cred_expire=10\nSchedulerParameters=bf_interval=5\nJobRequeue=1\nJobAcctGatherFrequency=task=5\nKillWait=10\n' \
   >> /etc/slurm/slurm.conf
-scontrol shutdown >/dev/null 2>&1; sleep 3
-slurmctld; sleep 2; slurmd; sleep 4
+scontrol shutdown >/dev/null 2>&1; sleep 2
+slurmctld; sleep 1; slurmd; sleep 3
 sinfo -h; grep -v '^#' /etc/slurm/cgroup.conf | tr '\n' ' '; echo
 grep -E '^(ProctrackType|TaskPlugin|JobAcctGatherType)' /etc/slurm/slurm.conf | tr '\n' ' '; echo
 
@@ -43,57 +46,54 @@ steps() { grep -oE 'memhog step [0-9]+' "$H/$1.out" | tail -1 | awk '{print $3}'
 view() {   # JOB WHEN: Slurm's view of the checkpointed job
   local j=$1 cg; cg=$(taskcg "$j"); say "job $j $2: Slurm's task cgroup $cg"
   echo "task cgroup procs: $(tr '\n' ' ' < "$cg/cgroup.procs")  cgroup.freeze=$(cat "$cg/cgroup.freeze")" \
-       "xattr=$(getfattr --only-values -n trusted.slurmckpt.task "$cg" 2>/dev/null || python3 -c "import os,sys;print(os.getxattr(sys.argv[1],'trusted.slurmckpt.task').decode())" "$cg")"
+       "label=$(python3 -c "import os,sys;print(os.getxattr(sys.argv[1],'trusted.slurmckpt.task').decode())" "$cg" 2>&1)"
   for p in $(cat "$cg/cgroup.procs"); do echo "  tree pid $p ($(cat /proc/$p/comm)): $(cat /proc/$p/cgroup)"; done
   for p in $(pgrep -f "slurmckpt-wrap|slurmckpt agent" ); do
     grep -q "job_$j/" /proc/$p/cgroup 2>/dev/null && echo "  helper pid $p ($(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-60)): $(cat /proc/$p/cgroup)"; done
   echo "  scontrol listpids:"; scontrol listpids "$j" | sed 's/^/    /'
-  echo "  sstat: $(sstat -n -P -j "$j.batch" -o JobID,MaxRSS,AveCPU,MinCPU,TRESUsageInTot 2>&1)"
+  echo "  sstat: $(sstat -n -P -j "$j.batch" -o JobID,MaxRSS,AveCPU,MinCPU 2>&1)"
   local jc=${cg%/step_batch/*}
-  echo "  memory.max job=$(cat "$jc/memory.max") step=$(cat "$jc/step_batch/memory.max" 2>/dev/null)" \
-       "memory.peak task=$(cat "$cg/memory.peak" 2>/dev/null) cpuset job=$(cat "$jc/cpuset.cpus.effective")"
+  echo "  memory.max job=$(cat "$jc/memory.max") memory.peak task=$(cat "$cg/memory.peak" 2>/dev/null)" \
+       "cpuset job=$(cat "$jc/cpuset.cpus.effective")"
+}
+suspended() {   # JOB: steps advance while suspended?
+  scontrol suspend "$1"; sleep 1; local s1; s1=$(steps "$1"); sleep 4; local s2; s2=$(steps "$1"); scontrol resume "$1"
+  echo "scontrol suspend: memhog step $s1 -> $s2 in 4 s ($( [ "$s1" = "$s2" ] && echo STOPPED || echo MOVED))"
 }
 
-say "CPU job A (300 MiB memhog, --checkpoint-interval=10s) and job M (--mem=400M, grows after step 100)"
+say "submit A (300 MiB memhog), M (--mem=400M, grows from step 350) and G (GPU training)"
 A=$(sub -J cg2A -o A.out --mem=1G --checkpoint-interval=10s --wrap "python3 memhog.py --mb 300 --steps 900 --sleep 0.2")
-[ -n "${CG2_QUICK:-}" ] || M=$(sub -J cg2M -o M.out --mem=400M --checkpoint-interval=10s --wrap "python3 memhog.py --mb 100 --steps 600 --sleep 0.2 --grow-after 100")
-[ -n "${CG2_QUICK:-}" ] || G=$(sub -J cg2G -o G.out --mem=16G --gres=gpu:1 --checkpoint-interval=20s --export=ALL,CUBLAS_WORKSPACE_CONFIG=:4096:8 \
-    --wrap "python3 workload_train.py --steps 400 --sleep 0.1")
+M=$(sub -J cg2M -o M.out --mem=400M --checkpoint-interval=10s --wrap "python3 memhog.py --mb 100 --steps 900 --sleep 0.2 --grow-after 350")
+G=$(sub -J cg2G -o G.out --mem=16G --gres=gpu:1 --checkpoint-interval=15s --export=ALL,CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+    --wrap "python3 workload_train.py --steps 900 --sleep 0.1")
 echo "jobs: A=$A M=$M G=$G"
-waitout A 'committed \(interval\)|failed|refused' 45; [ -n "${CG2_QUICK:-}" ] || waitout M 'committed \(interval\)' 90
+waitout A 'committed \(interval\)|failed|refused|ABORTED' 40
 view "$A" "before the restore"
-if [ -n "${CG2_QUICK:-}" ]; then   # a short look: the first job's output and agent log
-  grep -v '^memhog step' "$H/A.out" | tail -20; tail -n 30 /var/log/slurmckpt/agent-"$A".batch.0.log | cut -c1-400; exit 0; fi
-say "scontrol suspend $A"
-scontrol suspend "$A"; sleep 2; s1=$(steps A); echo "user cgroup events: $(cat "$(taskcg "$A")/../cgroup.events" | tr '\n' ' ')"
-sleep 5; s2=$(steps A); echo "suspended: memhog step $s1 -> $s2 in 5 s ($( [ "$s1" = "$s2" ] && echo STOPPED || echo MOVED))"
-scontrol resume "$A"; sleep 4; echo "resumed: memhog step $(steps A)"
-say "requeue A and M (final capture, requeue, restore)"
-scontrol requeue "$A"; scontrol requeue "$M"
-waitout A 'restored from checkpoint epoch' 150; waitout M 'restored from checkpoint epoch' 150
-sleep 6
+sed -n 's/^\[[^]]*\]/&/p' "$H/A.out" | grep -v '^memhog step' | tail -3
+waitout A 'memhog step' 5 && suspended A
+waitout G 'committed \(interval\)|failed|refused|ABORTED' 60
+grep -v '^step [0-9]* loss' "$H/G.out" | tail -4
+[ -n "$(taskcg "$G")" ] && view "$G" "before the restore"
+
+say "requeue A, M and G (final capture, requeue, restore)"
+scontrol requeue "$A"; scontrol requeue "$M"; scontrol requeue "$G"
+waitout A 'restored from checkpoint epoch' 90; sleep 3
 view "$A" "after the restore"
+suspended A
 pidsA=$(cat "$(taskcg "$A")/cgroup.procs"); jcA=$(dirname "$(dirname "$(dirname "$(taskcg "$A")")")")
-say "scontrol suspend/resume $A after the restore"
-scontrol suspend "$A"; sleep 2; s1=$(steps A); sleep 5; s2=$(steps A); scontrol resume "$A"
-echo "suspended: memhog step $s1 -> $s2 in 5 s ($( [ "$s1" = "$s2" ] && echo STOPPED || echo MOVED))"
-sleep 3
 say "scancel $A"
-scancel "$A"; for _ in $(seq 30); do [ -z "$(jstate "$A")" ] && break; sleep 1; done; sleep 2
+scancel "$A"; for _ in $(seq 15); do [ -z "$(jstate "$A")" ] && break; sleep 1; done; sleep 1
 alive=""; for p in $pidsA; do [ -e /proc/$p ] && alive="$alive $p"; done
 echo "after scancel: state='$(jstate "$A")' tree pids left: '${alive}' job cgroup $jcA $( [ -d "$jcA" ] && echo STILL THERE || echo removed by Slurm)"
-say "job M (--mem=400M) after its restore"
-mcg=$(taskcg "$M"); echo "M task cgroup $mcg: $(cat "$mcg/cgroup.procs" 2>/dev/null | tr '\n' ' ')"
-for _ in $(seq 90); do [ -z "$(jstate "$M")" ] && break; sleep 1; done
-echo "M: state now '$(jstate "$M")', last memhog step $(steps M); $(grep -iE 'oom|out of memory|killed' "$H/M.out" | tail -3)"
-grep -E "oom|OOM" /var/log/slurm/slurmd.log | tail -3
-say "GPU job G"
-waitout G 'committed \(interval\)' 120 && { view "$G" "before the restore"; scontrol requeue "$G";
-  waitout G 'restored from checkpoint epoch' 200 && { sleep 5; view "$G" "after the restore"; }; }
-pidsG=$(cat "$(taskcg "$G")/cgroup.procs" 2>/dev/null); scancel "$G"; sleep 8
-alive=""; for p in $pidsG; do [ -e /proc/$p ] && alive="$alive $p"; done; echo "after scancel G: tree pids left: '$alive'"
+waitout G 'restored from checkpoint epoch|FAILED' 60; sleep 4
+[ -n "$(taskcg "$G")" ] && view "$G" "after the restore"
+say "M (--mem=400M) after its restore: $(grep -c 'restored from checkpoint' "$H/M.out") restore(s), state '$(jstate "$M")', last step $(steps M)"
+for _ in $(seq 20); do [ -z "$(jstate "$M")" ] && break; sleep 1; done
+echo "M: state now '$(jstate "$M")', last memhog step $(steps M); $(grep -iE 'oom|out of memory|killed' "$H/M.out" | tail -2)"
+grep -iE "oom" /var/log/slurm/slurmd.log | tail -2
+scancel "$G"
 say "outputs"
-for f in A M G; do echo "--- $f.out (grep)"; grep -vE '^(memhog step|step [0-9]+ loss)' "$H/$f.out" | tail -25; done
-echo "--- slurmd.log errors"; grep -iE "error|rmdir|unable" /var/log/slurm/slurmd.log | tail -20
-echo "--- agent logs"; tail -n 15 /var/log/slurmckpt/*.log 2>/dev/null | cut -c1-220 | tail -60
+for f in A M G; do echo "--- $f.out"; grep -vE '^(memhog step|step [0-9]+ loss)' "$H/$f.out" | tail -12
+  grep -E '^step [0-9]+ loss' "$H/$f.out" | awk 'NR==1||/./{l=$0} END{print "last: " l}'; done
+echo "--- slurmd.log errors"; grep -iE "error|rmdir|unable" /var/log/slurm/slurmd.log | tail -8
 say "done"
