@@ -1,6 +1,6 @@
 #!/bin/bash
 # On the device machine (root, pure cgroup v2, repo root): a real Slurm 22.05 (carried .debs, started by
-# .carry/start-slurm.sh, a copy of the shared gpu-slurm tool) with proctrack/cgroup, task/cgroup,
+# .carry/start-slurm.sh: the shared gpu-slurm tool, or a copy that only writes the config) with proctrack/cgroup, task/cgroup,
 # jobacct_gather/cgroup, cgroup/v2 and the GPU as GRES, plus the slurmckpt SPANK plugin, then three
 # checkpointed jobs side by side, all requeued at once (device time is short):
 #   A  CPU, 300 MiB held: where the tree sits (/proc/PID/cgroup), scontrol listpids, sstat MaxRSS/CPU,
@@ -28,10 +28,11 @@ ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.wrapper
 echo "required /usr/local/lib/slurmckpt/slurmckpt_spank.so wrapper=/opt/slurmckpt/venv/bin/slurmckpt-wrap" \
   "agent=/opt/slurmckpt/venv/bin/slurmckpt init=/usr/local/libexec/slurmckpt/slurmckpt-init" \
   > /etc/slurm/plugstack.conf
-printf 'AuthInfo=cred_expire=10\nSchedulerParameters=bf_interval=5\nJobRequeue=1\nJobAcctGatherFrequency=task=5\nKillWait=10\n' \
+grep -q cred_expire /etc/slurm/slurm.conf || \
+  printf 'AuthInfo=cred_expire=10\nSchedulerParameters=bf_interval=5\nJobRequeue=1\nJobAcctGatherFrequency=task=5\nKillWait=10\n' \
   >> /etc/slurm/slurm.conf
-scontrol shutdown >/dev/null 2>&1; sleep 2
-slurmctld; sleep 1; slurmd; sleep 3
+pgrep -x slurmctld >/dev/null && { scontrol shutdown >/dev/null 2>&1; sleep 2; }   # the shared tool's start
+slurmctld; sleep 1; slurmd; sleep 2
 sinfo -h; grep -v '^#' /etc/slurm/cgroup.conf | tr '\n' ' '; echo
 grep -E '^(ProctrackType|TaskPlugin|JobAcctGatherType)' /etc/slurm/slurm.conf | tr '\n' ' '; echo
 
@@ -70,7 +71,6 @@ echo "jobs: A=$A M=$M G=$G"
 waitout A 'committed \(interval\)|failed|refused|ABORTED' 40
 view "$A" "before the restore"
 sed -n 's/^\[[^]]*\]/&/p' "$H/A.out" | grep -v '^memhog step' | tail -3
-waitout A 'memhog step' 5 && suspended A
 waitout G 'committed \(interval\)|failed|refused|ABORTED' 60
 grep -v '^step [0-9]* loss' "$H/G.out" | tail -4
 [ -n "$(taskcg "$G")" ] && view "$G" "before the restore"
