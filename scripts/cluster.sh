@@ -12,6 +12,7 @@
 #                                       slurmstepd, job tasks) like a power-off; single node: stops slurmd only
 #   scripts/cluster.sh start-node NODE  starts NODE's slurmd again and waits until it answers
 #   scripts/cluster.sh net-up|net-down  create/remove the network namespaces of multi-node mode
+#   scripts/cluster.sh storage-down|up  kill / start again the GlusterFS brick of the image store (tests)
 # The node layout (NODES) is the one the last `scripts/setup.sh` wrote into /etc/slurm/slurm.conf.
 set -euo pipefail
 umask 022
@@ -22,6 +23,8 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 RUN_DIR=/run/slurmckpt
 LOG_DIR=$CLUSTER_DIR/log
+# shellcheck source=scripts/glusterfs.sh
+. "$REPO/scripts/glusterfs.sh"
 WAIT_NODES_S=${SLURMCKPT_WAIT_NODES_S:-90}
 declare -A SLURMD_LAUNCHED=()   # node -> epoch seconds when this run started its slurmd
 
@@ -226,8 +229,13 @@ start_slurmd() { # start_slurmd NODE
   if is_multi; then
     i=$(node_index "$node")
     ip netns list | awk '{print $1}' | grep -qx "$node" || net_up
-    # nsenter --net only: the node gets its own network, everything else (mounts, /run/munge) is shared.
-    nsenter --net="/run/netns/$node" -- slurmd -N "$node" \
+    # The node's own network namespace, host name (its NodeHostname, as on a real cluster: MPI launchers
+    # find their node in the allocation by it) and mount namespace, which holds its own client mount of
+    # the image store (glusterfs.sh; later host mounts still propagate in). /run/munge, the spool and the
+    # rest of the file system are the host's.
+    nsenter --net="/run/netns/$node" -- unshare --uts --mount --propagation slave -- sh -c \
+      'hostname "$1" && { umount -l "$2" 2>/dev/null; mount -t glusterfs "$3" "$2"; } && shift 3 && exec "$@"' \
+      node-namespaces "$node" "$(storage_root)" "$(storage_source)" slurmd -N "$node" \
       || { tail_log "$LOG_DIR/slurmd.$node.log"; die "slurmd for $node failed to start"; }
   else
     slurmd -N "$node" || { tail_log "$LOG_DIR/slurmd.$node.log"; die "slurmd for $node failed to start"; }
@@ -291,6 +299,7 @@ cmd_start() {
   install -d -m 0755 "$RUN_DIR" "$LOG_DIR"
   if is_multi; then net_up; else net_down; fi
   start_munge
+  start_storage
   start_mysql
   start_slurmdbd
   start_slurmctld
@@ -308,6 +317,7 @@ stop_slurm() {
 cmd_stop() {
   stop_slurm
   stop_mysql
+  stop_storage
   stop_munge
 }
 
@@ -315,6 +325,7 @@ cmd_status() {
   local rc=0 d pf
   printf '%-22s %s\n' munged "$(munge_ok && echo running || { rc=1; echo STOPPED; })"
   printf '%-22s %s\n' mariadbd "$(mysql_ok && echo running || { rc=1; echo STOPPED; })"
+  printf '%-22s %s\n' "glusterfs $GLUSTER_VOLUME" "$(brick_online && mountpoint -q "$(storage_root)" && echo "online, mounted at $(storage_root)" || { rc=1; echo DOWN; })"
   for d in slurmdbd slurmctld; do
     pf=$RUN_DIR/$d.pid
     printf '%-22s %s\n' "$d" "$( [ -n "$(pid_of "$pf" "$d")" ] && echo "running (pid $(pid_of "$pf" "$d"))" || { rc=1; echo STOPPED; })"
@@ -370,6 +381,8 @@ case ${1:-} in
   stop-node) shift; cmd_stop_node "$@" ;;
   start-node) shift; cmd_start_node "$@" ;;
   net-up) net_up ;;
+  storage-down) cmd_storage_down ;;
+  storage-up) cmd_storage_up ;;
   net-down) net_down ;;
   *) echo "usage: $0 {start|stop|restart|status|logs [N]|stop-node NODE|start-node NODE|net-up|net-down}" >&2; exit 2 ;;
 esac

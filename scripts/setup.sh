@@ -50,6 +50,8 @@ PACKAGES=(
   # Real programs the integration tests run (tests/integration/test_programs.py, test_mpi.py); both MPIs
   # co-exist, the tests call mpicc.openmpi / mpirun.openmpi / mpicc.mpich by name
   gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev python3-numpy
+  # The image store's shared file system (scripts/glusterfs.sh)
+  glusterfs-server glusterfs-client
 )
 
 missing_packages() {
