@@ -93,14 +93,14 @@ def _fmt(addr: tuple[str, int]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _split(endpoint: str) -> tuple[str, int]:
+def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.rsplit(":", 1)
     return host.strip("[]"), int(port)
 
 
 def rules(local: str, remote: str, tag: str) -> tuple[int, list[str]]:
     """(ip version, rule specs without the -I/-D verb) dropping both directions of one connection."""
-    (lh, lp), (rh, rp) = _split(local), _split(remote)
+    (lh, lp), (rh, rp) = split_endpoint(local), split_endpoint(remote)
     version = ipaddress.ip_address(lh).version
     spec = []
     for (sh, sp), (dh, dp) in (((lh, lp), (rh, rp)), ((rh, rp), (lh, lp))):
@@ -124,13 +124,13 @@ def pair_id(local: str, remote: str) -> str:
     return f"{a}-{b}".replace("[", "").replace("]", "").replace(":", "_")
 
 
-def _iptables_restore(runner: Runner, version: int, verb: str, specs: list[str]) -> None:
+def iptables_batch(runner: Runner, version: int, verb: str, specs: list[str]) -> None:
     if specs:
         text = "*filter\n" + "".join(f"{verb} {s}\n" for s in specs) + "COMMIT\n"
         runner(["iptables-restore" if version == 4 else "ip6tables-restore", "-w", "--noflush"], text)
 
 
-def _run(cmd: list[str], stdin: str) -> None:
+def run_iptables(cmd: list[str], stdin: str) -> None:
     p = subprocess.run(cmd, input=stdin, capture_output=True, text=True,
                        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=120)
     if p.returncode != 0:
@@ -150,7 +150,7 @@ def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
 
 
 @contextmanager
-def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner: Runner = _run,
+def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner: Runner = run_iptables,
                         lock_dir: Path = LOCK_DIR) -> Iterator[None]:
     """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of node-local
     connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
@@ -172,7 +172,7 @@ def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner
                 marker.write_text(json.dumps({"done": 0, "version": version, "specs": specs}))
         for version, specs in add.items():
             try:
-                _iptables_restore(runner, version, "-I", specs)
+                iptables_batch(runner, version, "-I", specs)
             except OSError as e:        # no worse than before: the connection may be reset
                 log.warning("cannot hold TCP between ranks during the restore: %s", e)
     try:
@@ -194,12 +194,12 @@ def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner
 
 def _unlock(runner: Runner, marker: Path, state: dict) -> None:
     try:
-        _iptables_restore(runner, state["version"], "-D", state["specs"])
+        iptables_batch(runner, state["version"], "-D", state["specs"])
     except OSError as e:      # one rule already gone fails the batch: delete them one by one
         log.warning("batch unlock failed (%s); deleting rule by rule", e)
         for spec in state["specs"]:
             try:
-                _iptables_restore(runner, state["version"], "-D", [spec])
+                iptables_batch(runner, state["version"], "-D", [spec])
             except OSError:
                 pass
     marker.unlink(missing_ok=True)

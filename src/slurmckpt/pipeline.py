@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, ghost, ipc, netlock, pmi, procfs, proctree
+from slurmckpt import asuser, crossnode, ghost, ipc, netlock, pmi, procfs, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.gpu import GpuStage
@@ -173,19 +173,13 @@ def _check_restorable(p: RankPipeline, epoch: int) -> None:
         stdio.add(f"socket:[{p.pmi_ino}]")
     trees = ipc.job_trees(p.cgroup.other_trees(), p.cgroup.tree.job)   # the job's own, never another job's
     # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
-    # to another node of the job it is too, but one rank's restore cannot bring it back (refused); to
-    # anything else (a client, a database) it is dumped and restored closed (_record, restore_rank).
+    # to another node of the job it is too (both ends frozen at the barrier, restored on the same nodes:
+    # crossnode.py); to anything else (a client, a database) it is dumped and restored closed (_record).
     outside = proctree.outside_tcp(pids, inside=proctree.socket_inodes(list(trees)))
     other_nodes = p.job_addresses() if outside else set()
-    remote = [str(c) for c in outside if c.remote_ip in other_nodes]
-    if remote:
-        raise CaptureError(f"TCP connection(s) to another host: {', '.join(remote)} (another node of this "
-                           "job); each rank's tree is restored by its own criu run, which cannot bring back a "
-                           "connection between nodes (an MPI job across nodes is not checkpointable yet: "
-                           "docs/mpi.md)", step=p.step, rank=p.rank)
-    if outside:
-        log.info("capturing with connection(s) to outside the job, restored closed: %s",
-                 ", ".join(map(str, outside)))
+    closed = [str(c) for c in outside if c.remote_ip not in other_nodes]
+    if closed:
+        log.info("capturing with connection(s) to outside the job, restored closed: %s", ", ".join(closed))
     shared = ipc.unshareable(pids, {pid: name.label for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
@@ -250,13 +244,22 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "pmi": [] if replay else _pmi_socket(p, pids),
-        # connections to outside the job: their other end goes on without the job, so restored closed
-        "tcp_close": [] if replay else [c.inode for c in proctree.outside_tcp(
-            pids, inside=proctree.socket_inodes(list(ipc.job_trees(p.cgroup.other_trees(), p.store.job))))],
+        **({} if replay else _tcp_leaving_the_node(p, pids)),
     }
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
     os.chmod(rdir.parent, 0o700)
+
+
+def _tcp_leaving_the_node(p: RankPipeline, pids: list[int]) -> dict:
+    """TCP whose other end is not on this node: to another node of the job (restored as dumped, held until
+    both ends are back: crossnode.py), or to outside the job (its other end goes on without the job, so it
+    is restored closed)."""
+    others = proctree.socket_inodes(list(ipc.job_trees(p.cgroup.other_trees(), p.store.job)))
+    outside = proctree.outside_tcp(pids, inside=others)
+    nodes = p.job_addresses() if outside else set()
+    return {"tcp_nodes": crossnode.job_connections(outside, nodes),
+            "tcp_close": [c.inode for c in outside if c.remote_ip not in nodes]}
 
 
 SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
@@ -423,12 +426,22 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
         pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
     held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
                              lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
+    between_nodes = manifest.get("tcp_nodes", [])
+    if between_nodes:
+        crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
+    hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
+                          f"slurmckpt job {p.store.job}")
     try:
+        hold.before_restore()
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
             pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=work / "pid",
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
+    except BaseException:
+        hold.release()
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    hold.after_restore()
     try:
         p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
     except Exception as e:

@@ -207,3 +207,11 @@ def outside_tcp(pids: list[int], inside: set[str] = frozenset()) -> list[TcpConn
 def tcp_table(pid: int) -> list[list[str]]:
     """The TCP sockets of the network namespace of `pid` (/proc/PID/net/tcp and tcp6), one field list each."""
     return [f for table in ("tcp", "tcp6") for f in procfs.net_table(pid, table) if len(f) > 9]
+
+
+def local_addresses(fib_trie: str | None = None) -> set[str]:
+    """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host), from
+    /proc/self/net/fib_trie (or the text given)."""
+    lines = (procfs.fib_trie() if fib_trie is None else fib_trie).splitlines()
+    return {lines[i - 1].split()[-1] for i, line in enumerate(lines)
+            if i and line.strip() == "/32 host LOCAL" and lines[i - 1].strip().startswith("|--")}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import instance, ipc
+from slurmckpt import instance, ipc, proctree
 from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
 from slurmckpt.slurm.control import expand_hostlist, parse_gpu_allocation, parse_job_record
@@ -243,7 +243,7 @@ FIB_TRIE = """Main:
 def test_the_node_is_found_by_name_or_by_its_address_never_from_the_environment(tmp_path: Path,
                                                                                monkeypatch) -> None:
     from slurmckpt.slurm import control
-    assert control._local_addresses(FIB_TRIE) == {"10.77.0.2", "127.0.0.1"}
+    assert proctree.local_addresses(FIB_TRIE) == {"10.77.0.2", "127.0.0.1"}
     assert control.this_node(["node1", "node2"], "node2.cluster") == "node2"
     monkeypatch.setattr(control.CliSlurm, "_run", lambda self, *cmd: (
         "NodeName=node1 Arch=x86_64 NodeAddr=10.77.0.1 NodeHostName=vm Version=22.05.8\n"

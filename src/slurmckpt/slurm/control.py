@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from slurmckpt import procfs
+from slurmckpt import proctree
 from slurmckpt.errors import SlurmError
 
 log = logging.getLogger("slurmckpt.slurm")
@@ -254,14 +254,6 @@ def other_node_addresses(nodes: list[str], hostname: str, slurm: "CliSlurm | Non
     return found
 
 
-def _local_addresses(fib_trie: str | None = None) -> set[str]:
-    """The IPv4 addresses of this network namespace (a Slurm node may be a namespace of a shared host), from
-    /proc/self/net/fib_trie (or the text given)."""
-    lines = (procfs.fib_trie() if fib_trie is None else fib_trie).splitlines()
-    return {lines[i - 1].split()[-1] for i, line in enumerate(lines)
-            if i and line.strip() == "/32 host LOCAL" and lines[i - 1].strip().startswith("|--")}
-
-
 def this_node(candidates: list[str], hostname: str, local: set[str] | None = None,
               timeout_s: float = 20.0) -> str | None:
     """Which of the job's nodes this process runs on: by NodeName or NodeHostname first, else by NodeAddr
@@ -275,7 +267,7 @@ def this_node(candidates: list[str], hostname: str, local: set[str] | None = Non
         text = CliSlurm(timeout_s)._run("scontrol", "show", "node", "-o", ",".join(candidates))
     except SlurmError:
         return None
-    local = _local_addresses() if local is None else local
+    local = proctree.local_addresses() if local is None else local
     nodes = [(n.group(1), a.group(1) if a else "", h.group(1) if h else "")
              for line in text.splitlines() if (n := re.search(r"NodeName=(\S+)", line))
              for a, h in [(re.search(r"\bNodeAddr=(\S+)", line), re.search(r"\bNodeHost[Nn]ame=(\S+)", line))]]

@@ -1,0 +1,107 @@
+"""TCP between ranks on two nodes of the job: captured with both ends frozen at the barrier, restored where
+both addresses exist again (the job's original nodes), held until both ends are back.
+
+Each end is restored by its own criu run on its own node, at its own time. After a final capture, criu's
+network lock (left by each node's dump) drops a connection's packets on the node whose end is not back yet;
+after a crash (a periodic epoch restored) nothing does, and the end restored first would get a RST from the
+other node's kernel. So each end's restore drops its own outgoing packets of the connection (OUTPUT, on its
+node) from before its criu restore until the other end has said, in the job's directory of the shared image
+store, that it is back; then it lifts its rule and TCP retransmits what was dropped. An end that never comes
+lifts the hold after `timeout_s`: the connection then resets, as it would without the hold.
+
+A node that lacks a recorded local address (the job was requeued onto other nodes) refuses the restore
+before criu runs, naming the address and the node it belonged to.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+import time
+from pathlib import Path
+
+from slurmckpt import netlock
+from slurmckpt.errors import RestoreError
+from slurmckpt.proctree import TcpConnection
+
+log = logging.getLogger("slurmckpt.crossnode")
+
+
+def job_connections(outside: list[TcpConnection], job_addresses: set[str]) -> list[list[str]]:
+    """[local, remote] of the connections whose other end is on another node of the job."""
+    return sorted([c.local, c.remote] for c in outside if c.remote_ip in job_addresses)
+
+
+def require_local_addresses(entries: list[list[str]], local: set[str], node: str) -> None:
+    """Refuse (before criu runs) a restore on a node that lacks an address the connections were made from."""
+    missing = sorted({netlock.split_endpoint(lo)[0] for lo, _ in entries} - local)
+    if missing:
+        raise RestoreError(f"this checkpoint holds TCP connections between nodes of the job from "
+                           f"{', '.join(missing)} (node {node} at the capture), which this node does not have: "
+                           "such a job restores only on its original nodes (docs/mpi.md)")
+
+
+def _rule(local: str, remote: str, tag: str) -> tuple[int, str]:
+    (lh, lp), (rh, rp) = netlock.split_endpoint(local), netlock.split_endpoint(remote)
+    spec = (f"OUTPUT -p tcp -s {lh} --sport {lp} -d {rh} --dport {rp} -m mark ! --mark {netlock.SOCCR_MARK} "
+            f'-m comment --comment "{tag}" -j DROP')
+    return ipaddress.ip_address(lh).version, spec
+
+
+class Hold:
+    """One rank's ends of cross-node connections around its restore (see the module docstring)."""
+
+    def __init__(self, entries: list[list[str]], sync_dir: Path, key: str, tag: str,
+                 runner: netlock.Runner = netlock.run_iptables, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        self.entries, self.sync_dir, self.key, self.tag = entries, sync_dir, key, tag
+        self.runner, self.timeout_s, self.poll_s = runner, timeout_s, poll_s
+        self.held: dict[tuple[str, str], tuple[int, str]] = {}
+        self.thread: threading.Thread | None = None
+
+    def _marker(self, local: str, remote: str) -> Path:
+        """Said by the end `local` of the connection, once it is restored."""
+        end = local.replace("[", "").replace("]", "").replace(":", "_")
+        return self.sync_dir / f"{self.key}.{netlock.pair_id(local, remote)}.{end}"
+
+    def before_restore(self) -> None:
+        for local, remote in self.entries:
+            version, spec = _rule(local, remote, self.tag)
+            try:
+                netlock.iptables_batch(self.runner, version, "-I", [spec])
+                self.held[(local, remote)] = (version, spec)
+            except OSError as e:            # no worse than before: the connection may be reset
+                log.warning("cannot hold %s -> %s during the restore: %s", local, remote, e)
+
+    def after_restore(self) -> None:
+        """This end is back: say so, and lift each rule once the other end has said the same."""
+        self.sync_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for local, remote in self.entries:
+            self._marker(local, remote).write_text(str(time.time()))
+        if self.held:
+            self.thread = threading.Thread(target=self._await_peers, daemon=True, name="crossnode-hold")
+            self.thread.start()
+
+    def release(self) -> None:
+        """Lift every rule still held (the restore failed, or the wait is over)."""
+        for pair in list(self.held):
+            self._lift(pair)
+
+    def _lift(self, pair: tuple[str, str]) -> None:
+        version, spec = self.held.pop(pair)
+        try:
+            netlock.iptables_batch(self.runner, version, "-D", [spec])
+        except OSError as e:
+            log.warning("cannot lift the hold on %s -> %s: %s", *pair, e)
+
+    def _await_peers(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.held and time.monotonic() < deadline:
+            for local, remote in list(self.held):
+                if self._marker(remote, local).exists():
+                    log.info("%s -> %s: the other end is back, hold lifted", local, remote)
+                    self._lift((local, remote))
+            time.sleep(self.poll_s)
+        if self.held:
+            log.warning("the other end of %s never came back within %.0fs: hold lifted",
+                        ", ".join(f"{a} -> {b}" for a, b in self.held), self.timeout_s)
+            self.release()

@@ -1,0 +1,76 @@
+"""TCP between ranks on two nodes of the job: which connections are the job's, the refusal on a node without
+the recorded addresses, and the hold each end keeps (its OUTPUT rule) until the other end says it is back."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmckpt import crossnode
+from slurmckpt.errors import RestoreError
+from slurmckpt.proctree import TcpConnection
+
+A, B = "10.77.0.1:40000", "10.77.0.2:5000"
+
+
+class Rules:
+    """Stands in for iptables-restore: the rules each node holds."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+
+    def __call__(self, cmd: list[str], stdin: str) -> None:
+        for line in stdin.splitlines():
+            if line.startswith("-I "):
+                self.held.append(line[3:])
+            elif line.startswith("-D "):
+                self.held.remove(line[3:])
+
+
+def test_only_connections_to_the_jobs_other_nodes_are_the_jobs() -> None:
+    outside = [TcpConnection(A, B, "10.77.0.2", 11, False),
+               TcpConnection("10.77.0.1:40001", "10.0.0.9:5432", "10.0.0.9", 12, False)]   # a database
+    assert crossnode.job_connections(outside, {"10.77.0.2", "10.77.0.3"}) == [[A, B]]
+    assert crossnode.job_connections(outside, set()) == []
+
+
+def test_a_node_without_the_recorded_address_refuses_before_criu_runs() -> None:
+    crossnode.require_local_addresses([[A, B]], {"10.77.0.1", "127.0.0.1"}, "node1")
+    with pytest.raises(RestoreError, match=r"10\.77\.0\.1 \(node node1 at the capture\).*original nodes"):
+        crossnode.require_local_addresses([[A, B]], {"10.77.0.3", "127.0.0.1"}, "node1")
+
+
+def test_each_end_holds_its_packets_until_the_other_end_is_back(tmp_path: Path) -> None:
+    """Node 1 restores first: its rule stays while node 2 is not back, and goes once node 2 has said it is;
+    node 2, restored second, finds node 1's word at once."""
+    node1, node2 = Rules(), Rules()
+    end1 = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", node1, timeout_s=30, poll_s=0.01)
+    end2 = crossnode.Hold([[B, A]], tmp_path, "1.4", "job 7", node2, timeout_s=30, poll_s=0.01)
+    end1.before_restore()
+    assert len(node1.held) == 1 and "-s 10.77.0.1 --sport 40000 -d 10.77.0.2 --dport 5000" in node1.held[0]
+    end1.after_restore()
+    time.sleep(0.2)
+    assert len(node1.held) == 1, "lifted before the other end was back"
+    end2.before_restore()
+    end2.after_restore()
+    for end in (end1, end2):
+        end.thread.join(5)
+    assert node1.held == [] and node2.held == []
+
+
+def test_an_end_that_never_comes_back_lifts_the_hold_after_the_timeout(tmp_path: Path) -> None:
+    rules = Rules()
+    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", rules, timeout_s=0.2, poll_s=0.01)
+    end.before_restore()
+    end.after_restore()
+    end.thread.join(5)
+    assert rules.held == []
+
+
+def test_a_failed_restore_lifts_its_rules(tmp_path: Path) -> None:
+    rules = Rules()
+    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", rules)
+    end.before_restore()
+    end.release()
+    assert rules.held == [] and not list(tmp_path.iterdir()), "nothing may say this end is back"
