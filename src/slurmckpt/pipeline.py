@@ -163,9 +163,10 @@ def _thaw(p: RankPipeline, epoch: int) -> None:
 
 def _check_restorable(p: RankPipeline, epoch: int) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
-    if p.replay:
-        return       # replayed, not imaged: srun's own connections to the step daemons are expected
     pids = p.cgroup.pids()
+    if p.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
+        _refuse_replayed_batch_talking_to_other_nodes(p, pids)
+        return
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
@@ -210,6 +211,23 @@ def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
                            "start again while this one is restored (OpenMPI's mpirun starting orted through "
                            "srun does this); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
                            "--mca ras ^slurm`) (docs/mpi.md)",
+                           step=p.step, rank=p.rank)
+
+
+def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[int]) -> None:
+    """The batch step runs srun, so it is replayed on requeue (its script runs again from the top) while
+    the steps' ranks are restored: a process of it (other than srun itself) with TCP to another node of the
+    job talks to a rank there, which would be restored while this end starts afresh. That is OpenMPI's
+    mpirun starting orted on the other nodes through srun (docs/mpi.md)."""
+    mine = [pid for pid in pids if proctree.exe_name(pid) not in ("srun", "sattach")]
+    outside = proctree.outside_tcp(mine)
+    nodes = p.job_addresses() if outside else set()
+    to_nodes = [str(c) for c in outside if c.remote_ip in nodes]
+    if to_nodes:
+        raise CaptureError(f"TCP connection(s) {', '.join(to_nodes)} from the batch step, which is running srun, "
+                           "to ranks on other nodes of the job: a batch step running srun is replayed on "
+                           "requeue, not restored, so its end would start again while the other is restored "
+                           "(OpenMPI's mpirun starting orted through srun does this) (docs/mpi.md)",
                            step=p.step, rank=p.rank)
 
 
