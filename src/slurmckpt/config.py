@@ -1,7 +1,10 @@
 """Configuration: YAML file -> frozen dataclass. Defaults live here; errors name the key.
 
-Environment overrides `SLURMCKPT_CFG_<KEY>` apply to user-side processes only: the root agent runs with a clean
-environment built by the SPANK shim, so a user cannot redirect where root writes images.
+Where the file is (the first that exists; docs/operations.md, "Configuration"): `$SLURMCKPT_CONFIG` (user-side
+tools only), `/etc/slurmckpt/slurmckpt.yaml`, then `slurmckpt.yaml` next to the slurm.conf in use
+(`$SLURM_CONF`'s directory, else /etc/slurm). Environment overrides `SLURMCKPT_CFG_<KEY>` apply to user-side
+processes only: the root agent runs with a clean environment built by the SPANK shim, so a user cannot
+redirect where root writes images.
 """
 from __future__ import annotations
 
@@ -15,8 +18,23 @@ from pathlib import Path
 import yaml
 
 from slurmckpt.errors import ConfigError
+from slurmckpt.policy import Policy
 
 DEFAULT_PATH = Path("/etc/slurmckpt/slurmckpt.yaml")
+FILE_NAME = "slurmckpt.yaml"
+DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
+
+
+def config_paths(environ: dict[str, str] | None = None) -> list[Path]:
+    """Where the config is looked for, in order (the first that exists is read)."""
+    env = environ or {}
+    paths = [Path(env["SLURMCKPT_CONFIG"])] if env.get("SLURMCKPT_CONFIG") else []
+    paths.append(DEFAULT_PATH)
+    slurm_dir = Path(env.get("SLURM_CONF") or DEFAULT_SLURM_CONF).parent
+    for p in (slurm_dir / FILE_NAME, Path(DEFAULT_SLURM_CONF).parent / FILE_NAME):
+        if p not in paths:
+            paths.append(p)
+    return paths
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -60,6 +78,22 @@ class Config:
     # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
     # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
     debug_stall_after: str = ""
+    # ---- operations (docs/operations.md) ----
+    # Agent logs: one file per task in log_dir, rotated by size, old tasks' files removed; or syslog
+    # (journald reads /dev/log on systemd hosts).
+    log_target: str = field(default="file", metadata={"choices": ("file", "syslog")})
+    log_max_bytes: int = field(default=16 << 20, metadata={"size": True})
+    log_backups: int = 3
+    log_keep_days: int = 14              # agent log files of tasks older than this are removed; 0 keeps all
+    syslog_address: str = "/dev/log"
+    # Prometheus node_exporter textfile collector file ("" = none); %n = this node's name.
+    metrics_textfile: str = "/var/lib/prometheus/node-exporter/slurmckpt.prom"
+    # Per-job summaries the job's user can read (epochs, times, sizes); same shared file system as storage_root.
+    summary_dir: str = "/var/lib/slurmckpt/summaries"
+    # Where slurmckpt's note on a job goes (sacct/scontrol show it): AdminComment, Comment, or none.
+    job_comment_field: str = field(default="AdminComment", metadata={"choices": ("AdminComment", "Comment", "none")})
+    policy: Policy = field(default_factory=Policy, metadata={"policy": True})
+    source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:
@@ -75,9 +109,12 @@ class Config:
 
     @classmethod
     def load(cls, path: Path | None = None, environ: dict[str, str] | None = None) -> "Config":
+        """`path`, or the first of config_paths(environ) that exists; `environ` (user side only) may also
+        override keys with SLURMCKPT_CFG_<KEY>."""
         values: dict[str, object] = {}
-        path = path or DEFAULT_PATH
-        if path.exists():
+        if path is None:
+            path = next((p for p in config_paths(environ) if p.exists()), None)
+        if path is not None and path.exists():
             try:
                 loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
@@ -88,20 +125,35 @@ class Config:
         for key in (environ or {}):
             if key.startswith("SLURMCKPT_CFG_"):
                 values[key[len("SLURMCKPT_CFG_"):].lower()] = environ[key]  # type: ignore[index]
-        return cls.from_mapping(values, source=str(path))
+        config = cls.from_mapping(values, source=str(path) if path else "config")
+        return dataclasses.replace(config, source=str(path) if path and path.exists() else cls.source)
 
     @classmethod
     def from_mapping(cls, values: dict[str, object], source: str = "config") -> "Config":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
         kwargs: dict[str, object] = {}
         for key, raw in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
-            if fields[key].metadata.get("size"):
-                kwargs[key] = _coerce(key, parse_size(key, raw, source), "int", source)
-            else:
-                kwargs[key] = _coerce(key, raw, fields[key].type, source)
+            kwargs[key] = _field_value(fields[key], raw, source)
         return cls(**kwargs)  # type: ignore[arg-type]
+
+    def with_settings(self, settings: dict[str, object]) -> "Config":
+        """This config with a job's policy settings (policy.JobPolicy.settings, already checked)."""
+        return dataclasses.replace(self, **settings) if settings else self
+
+
+def _field_value(f: dataclasses.Field, raw: object, source: str) -> object:
+    if f.metadata.get("policy"):
+        known = [n.name for n in dataclasses.fields(Config) if not n.metadata.get("internal")]
+        return Policy.parse(raw, source, lambda key, value: _field_value(_FIELDS[key], value, "policy"), known)
+    if f.metadata.get("size"):
+        return _coerce(f.name, parse_size(f.name, raw, source), "int", source)
+    value = _coerce(f.name, raw, f.type, source)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{source}: key '{f.name}': bad value {raw!r}: want one of {', '.join(choices)}")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -139,5 +191,14 @@ def _coerce(key: str, raw: object, typ: object, source: str) -> object:
         raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: {e}") from e
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
 def load_user_config() -> Config:
     return Config.load(environ=dict(os.environ))
+
+
+def load_root_config() -> Config:
+    """For root processes started by Slurm (the agent): fixed paths, and of the environment only
+    SLURM_CONF (set by slurmstepd), never SLURMCKPT_* (docs/security.md)."""
+    return Config.load(environ={k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
