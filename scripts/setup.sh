@@ -218,7 +218,9 @@ step_python() {
     $py -m venv "$SLURMCKPT_VENV" || die "python3 -m venv failed (is python3-venv installed?)"
   fi
   local pip=("$SLURMCKPT_VENV/bin/python" -m pip --disable-pip-version-check --no-input)
-  "$SLURMCKPT_VENV/bin/python" -c 'import pytest' 2>/dev/null || "${pip[@]}" install -q pytest 2> >(grep -v "is ignored" >&2) || die "pip install pytest failed"
+  # the test tools (pyproject.toml's [test] extra): pytest, and prometheus-client's text-format parser
+  "$SLURMCKPT_VENV/bin/python" -c 'import pytest, prometheus_client' 2>/dev/null \
+    || "${pip[@]}" install -q pytest prometheus-client 2> >(grep -v "is ignored" >&2) || die "pip install pytest prometheus-client failed"
   if [ -f "$REPO/pyproject.toml" ]; then
     # Non-editable: the installed copy is what Slurm runs. pip re-installs a local directory on every run;
     # if the installed sources still differ from the tree, force it.
