@@ -5,24 +5,45 @@ Every subcommand takes -h/--help; those that print data take --json, -p/--parsab
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
 import click
 
 from slurmckpt import __version__
-from slurmckpt.cli.doctor import doctor
-from slurmckpt.cli.images import inspect, list_cmd
-from slurmckpt.cli.jobs import checkpoint, migrate, requeue
 from slurmckpt.cli.output import CliError
-from slurmckpt.cli.policy import policy
-from slurmckpt.cli.status import status
 from slurmckpt.errors import SlurmckptError
+
+# name -> "module:attribute"; each imported only when it runs (a fast `slurmckpt policy check` for
+# cli_filter.lua, a fast `status`). The image store's garbage collection goes in here as `gc`.
+COMMANDS = {
+    "status": "slurmckpt.cli.status:status",
+    "checkpoint": "slurmckpt.cli.jobs:checkpoint",
+    "requeue": "slurmckpt.cli.jobs:requeue",
+    "migrate": "slurmckpt.cli.jobs:migrate",
+    "list": "slurmckpt.cli.images:list_cmd",
+    "inspect": "slurmckpt.cli.images:inspect",
+    "policy": "slurmckpt.cli.policy:policy",
+    "doctor": "slurmckpt.cli.doctor:doctor",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *COMMANDS])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in COMMANDS:
+            module, _, attr = COMMANDS[name].partition(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=LazyGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="slurmckpt", message="%(prog)s %(version)s")
 def cli() -> None:
     """Transparent checkpoint/restore for Slurm jobs: status and control of checkpointed jobs, the image
@@ -47,12 +68,6 @@ def agent(**args) -> None:
         raise CliError("the agent runs as root, started by slurmstepd")
     from slurmckpt.agent_start import ShimArgs, run_agent
     run_agent(ShimArgs(**args))
-
-
-# Each command module adds its command here (the image store's garbage collection goes in as `gc`).
-COMMANDS = (status, checkpoint, requeue, migrate, list_cmd, inspect, policy, doctor)
-for command in COMMANDS:
-    cli.add_command(command)
 
 
 def main() -> None:
