@@ -68,31 +68,34 @@ def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) and not float(value).is_integer() else str(int(value))
 
 
-def render(state: dict, now: float, alive=None) -> str:
-    """The text exposition format (version 0.0.4) of `state`, every metric with HELP and TYPE."""
+def render(state: dict, now: float, node: str, alive=None) -> str:
+    """The text exposition format (version 0.0.4) of `state`, every metric with HELP and TYPE. Every sample
+    carries `node` (the Slurm node): node_exporter merges the *.prom files of a directory, and nodes that share
+    a host (and the directory) must not collide."""
     alive = alive or _agent_alive
+    at = f'node="{escape(node)}"'
     lines: list[str] = []
     for m in METRICS:
         lines += [f"# HELP {m.name} {m.help}", f"# TYPE {m.name} {m.kind}"]
         if m.kind == "counter":
             values = state.get("counters", {}).get(m.name, {})
             if not m.label:
-                lines.append(f"{m.name} {_number(values.get('', 0))}")
+                lines.append(f"{m.name}{{{at}}} {_number(values.get('', 0))}")
             for key, value in sorted(values.items()):
                 if m.label and key:
-                    lines.append(f'{m.name}{{{m.label}="{escape(key)}"}} {_number(value)}')
+                    lines.append(f'{m.name}{{{at},{m.label}="{escape(key)}"}} {_number(value)}')
         elif m.kind == "histogram":
             h = state.get("histograms", {}).get(m.name) or {"buckets": [0] * len(SECONDS_BUCKETS), "sum": 0.0,
                                                            "count": 0}
             for bound, count in zip(SECONDS_BUCKETS, h["buckets"]):
-                lines.append(f'{m.name}_bucket{{le="{bound}"}} {count}')
-            lines += [f'{m.name}_bucket{{le="+Inf"}} {h["count"]}', f"{m.name}_sum {_number(h['sum'])}",
-                      f"{m.name}_count {h['count']}"]
+                lines.append(f'{m.name}_bucket{{{at},le="{bound}"}} {count}')
+            lines += [f'{m.name}_bucket{{{at},le="+Inf"}} {h["count"]}', f"{m.name}_sum{{{at}}} {_number(h['sum'])}",
+                      f"{m.name}_count{{{at}}} {h['count']}"]
         elif m.name == "slurmckpt_metrics_updated_timestamp_seconds":
-            lines.append(f"{m.name} {_number(round(now, 3))}")
+            lines.append(f"{m.name}{{{at}}} {_number(round(now, 3))}")
         else:
             entries = state.get("gauges", {}).get(m.name, {})
-            lines.append(f"{m.name} {_number(sum(e['value'] for e in entries.values() if alive(e)))}")
+            lines.append(f"{m.name}{{{at}}} {_number(sum(e['value'] for e in entries.values() if alive(e)))}")
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +124,7 @@ class NodeMetrics:
         node = node or node_name()
         self.textfile = Path(textfile.replace("%n", node)) if textfile else None
         self.state = Path(state_dir) / f"metrics-{node}.json"
-        self.task, self.clock = task, clock
+        self.task, self.node, self.clock = task, node, clock
 
     def count(self, name: str, label: str = "", by: float = 1) -> None:
         def change(state: dict) -> None:
@@ -157,7 +160,7 @@ class NodeMetrics:
             with self._locked() as state:
                 change(state)
                 if self.textfile:
-                    publish(self.textfile, render(state, self.clock()))
+                    publish(self.textfile, render(state, self.clock(), self.node))
         except (OSError, ValueError) as e:
             log.warning("metrics not updated (%s): %s", name, e)
 

@@ -17,13 +17,19 @@ def families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def samples(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+def samples(text: str, node: str = "n1") -> dict[tuple, float]:
+    """name, labels but the node's -> value; every sample must carry the node's label."""
+    out = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            labels = dict(s.labels)
+            assert labels.pop("node") == node, s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 def test_an_empty_node_still_declares_every_metric_with_help_and_type(tmp_path: Path):
-    text = render({}, now=1700000000.5)
+    text = render({}, now=1700000000.5, node="n1")
     fams = families(text)
     for m in METRICS:
         base = m.name.removesuffix("_total") if m.kind == "counter" else m.name
@@ -97,12 +103,22 @@ def test_several_agent_processes_add_up_and_gauges_of_dead_agents_drop_out(tmp_p
     assert samples((tmp_path / "m.prom").read_text())[("slurmckpt_agents", ())] == 0
 
 
+def test_two_nodes_sharing_a_directory_never_collide(tmp_path: Path):
+    """Test clusters run several slurmd on one host: their files in one directory, told apart by `node`."""
+    for node in ("node1", "node2"):
+        NodeMetrics(str(tmp_path / "slurmckpt-%n.prom"), str(tmp_path), "7.batch.0", node=node).count(
+            "slurmckpt_commits_total", "interval")
+    seen = [(s.name, tuple(sorted(s.labels.items()))) for n in ("node1", "node2")
+            for f in text_string_to_metric_families((tmp_path / f"slurmckpt-{n}.prom").read_text()) for s in f.samples]
+    assert len(seen) == len(set(seen)) and ("slurmckpt_commits_total", (("node", "node2"), ("trigger", "interval"))) in seen
+
+
 def test_a_gauge_entry_of_a_reused_pid_does_not_count(tmp_path: Path):
     """An entry names the agent's pid and start time: another process with that pid is not that agent."""
     state = {"gauges": {"slurmckpt_persists_pending": {
         "1.batch.0": {"value": 1, "pid": os.getpid(), "started": 1.0},
         "2.batch.0": {"value": 1, "pid": 2**22 + 7, "started": 1.0}}}}
-    assert samples(render(state, 0))[("slurmckpt_persists_pending", ())] == 0
+    assert samples(render(state, 0, "n1"))[("slurmckpt_persists_pending", ())] == 0
 
 
 def test_an_unwritable_textfile_never_fails_the_caller(tmp_path: Path):

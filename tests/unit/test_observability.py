@@ -188,12 +188,14 @@ def test_events_write_one_relay_line_each_and_feed_metrics_comment_and_summary(t
     assert data["epochs"][0]["bytes"] == 2048 and data["failed_captures"][0]["stage"] == "dump"
     assert data["run"]["restored_epoch"] == 2
     prom = (tmp_path / "m.prom").read_text()
-    for want in ('slurmckpt_captures_total{trigger="interval"} 1', 'slurmckpt_commits_total{trigger="interval"} 1',
-                 'slurmckpt_capture_failures_total{stage="dump"} 1', "slurmckpt_stall_seconds_count 1",
-                 'slurmckpt_restores_total{result="ok"} 1', "slurmckpt_agents 1", "slurmckpt_persists_pending 0"):
+    for want in ('slurmckpt_captures_total{node="n1",trigger="interval"} 1',
+                 'slurmckpt_commits_total{node="n1",trigger="interval"} 1',
+                 'slurmckpt_capture_failures_total{node="n1",stage="dump"} 1', 'slurmckpt_stall_seconds_count{node="n1"} 1',
+                 'slurmckpt_restores_total{node="n1",result="ok"} 1', 'slurmckpt_agents{node="n1"} 1',
+                 'slurmckpt_persists_pending{node="n1"} 0'):
         assert want in prom, want
     ev.stopped()
-    assert "slurmckpt_agents 0" in (tmp_path / "m.prom").read_text()
+    assert 'slurmckpt_agents{node="n1"} 0' in (tmp_path / "m.prom").read_text()
 
 
 def test_a_relay_that_is_full_or_gone_costs_lines_never_the_agent(tmp_path: Path):
