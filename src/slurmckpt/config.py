@@ -54,45 +54,60 @@ def _default_criu() -> str:
     return "/usr/local/sbin/criu" if Path("/usr/local/sbin/criu").exists() else "criu"
 
 
+def _key(default: object = dataclasses.MISSING, doc: str = "", factory=dataclasses.MISSING, **meta: object):
+    """A config key: its default and the one description slurmckpt.yaml(5) and the docs show (manpage.py)."""
+    return field(default=default, default_factory=factory, metadata={"doc": doc, **meta})  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class Config:
-    storage_root: str = "/var/lib/slurmckpt/images"   # root-owned image store, shared across nodes
-    criu_path: str = field(default_factory=_default_criu)
-    init_path: str = "/usr/local/libexec/slurmckpt/slurmckpt-init"
-    log_dir: str = "/var/log/slurmckpt"
-    run_dir: str = "/run/slurmckpt"      # per-task private dirs (the namespace init's cwd)
-    freezer_root: str = "auto"            # task_cgroup.default_root(): cgroup v2 where the kernel has it
-    keep_epochs: int = 2                 # committed epochs kept per job (restore falls back to the older)
-    prepare_timeout_s: float = 30.0      # every rank frozen (and GPUs locked) within this, else ABORT
-    capture_timeout_s: float = 600.0     # every rank dumped within this, else ABORT
-    walltime_margin_s: float = 45.0      # minimum lead before EndTime for the final capture
-    requeue_wait_s: float = 600.0        # how long a finished final capture waits for Slurm's requeue kill
-    gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
-    gpu_lock_rounds: int = 8
-    criu_extra_args: tuple[str, ...] = ()
-    # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
-    # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
-    ghost_limit_max: int = field(default=256 << 20, metadata={"size": True})
-    # Read by proctrack/slurmckpt in each slurmstepd (spank/proctrack_slurmckpt.c), not by Python.
-    proctrack_delegate: str = "proctrack/cgroup"
-    # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
-    # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
-    debug_stall_after: str = ""
-    # ---- operations (docs/operations.md) ----
-    # Agent logs: one file per task in log_dir, rotated by size, old tasks' files removed; or syslog
-    # (journald reads /dev/log on systemd hosts).
-    log_target: str = field(default="file", metadata={"choices": ("file", "syslog")})
-    log_max_bytes: int = field(default=16 << 20, metadata={"size": True})
-    log_backups: int = 3
-    log_keep_days: int = 14              # agent log files of tasks older than this are removed; 0 keeps all
-    syslog_address: str = "/dev/log"
-    # Prometheus node_exporter textfile collector file ("" = none); %n = this node's name.
-    metrics_textfile: str = "/var/lib/prometheus/node-exporter/slurmckpt.prom"
-    # Per-job summaries the job's user can read (epochs, times, sizes); same shared file system as storage_root.
-    summary_dir: str = "/var/lib/slurmckpt/summaries"
-    # Where slurmckpt's note on a job goes (sacct/scontrol show it): AdminComment, Comment, or none.
-    job_comment_field: str = field(default="AdminComment", metadata={"choices": ("AdminComment", "Comment", "none")})
-    policy: Policy = field(default_factory=Policy, metadata={"policy": True})
+    storage_root: str = _key("/var/lib/slurmckpt/images", "The image store (root-only, 0700): one directory per "
+                             "cluster and job. Put it on a file system every node shares, so that a job restores "
+                             "on other nodes.")
+    criu_path: str = _key(factory=_default_criu, doc="The CRIU binary (>= 4.1). Default: /usr/local/sbin/criu if "
+                          "it exists, else criu from PATH.")
+    init_path: str = _key("/usr/local/libexec/slurmckpt/slurmckpt-init", "The PID-namespace init of each task's "
+                          "tree; the plugstack line's init= overrides it.")
+    log_dir: str = _key("/var/log/slurmckpt", "Directory of the agents' log files (root-only, 0700).")
+    run_dir: str = _key("/run/slurmckpt", "Node-local directory for per-task private directories and the node's "
+                        "metrics state.")
+    freezer_root: str = _key("auto", "Where the freeze cgroups go: auto (task_cgroup.default_root(): cgroup v2 "
+                             "where the kernel has it) or a cgroup directory.")
+    keep_epochs: int = _key(2, "Committed checkpoints kept per job; a restore that fails falls back to the older "
+                            "one. The policy may set it per partition or QOS.")
+    prepare_timeout_s: float = _key(30.0, "Seconds within which every rank must be frozen (and its GPUs locked), "
+                                    "else the epoch aborts and the previous checkpoint stays.")
+    capture_timeout_s: float = _key(600.0, "Seconds within which every rank must be dumped, else the epoch aborts.")
+    walltime_margin_s: float = _key(45.0, "Least lead before the job's EndTime for its final capture (the margin "
+                                    "grows with the last capture's duration).")
+    requeue_wait_s: float = _key(600.0, "How long a task whose final capture committed waits for Slurm to take "
+                                 "the job down.")
+    gpu_lock_timeout_ms: int = _key(500, "Timeout of one GPU lock round, in milliseconds.")
+    gpu_lock_rounds: int = _key(8, "Lock rounds tried before a GPU job's epoch aborts.")
+    criu_extra_args: tuple[str, ...] = _key((), "Extra arguments for every criu dump and restore (a list or one "
+                                            "string).")
+    ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "
+                                "rank's images may hold: bytes or a number with KiB, MiB, GiB.", size=True)
+    proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
+                                   "process tracking plugin, which slurmckpt delegates to (read by every new "
+                                   "slurmstepd).")
+    debug_stall_after: str = _key("", "Tests only: STAGE:SECONDS pauses every rank that long after STAGE.")
+    log_target: str = _key("file", "Where agents log: file (one file per task in log_dir, rotated by size, old "
+                           "tasks' files removed) or syslog (syslog_address; journald reads /dev/log).",
+                           choices=("file", "syslog"))
+    log_max_bytes: int = _key(16 << 20, "Size at which an agent's log file is rotated.", size=True)
+    log_backups: int = _key(3, "Rotated copies kept per agent log file.")
+    log_keep_days: int = _key(14, "Agent log files not written for this many days are removed when an agent "
+                              "starts; 0 keeps them all.")
+    syslog_address: str = _key("/dev/log", "The syslog socket for log_target: syslog.")
+    metrics_textfile: str = _key("/var/lib/prometheus/node-exporter/slurmckpt.prom", "The Prometheus "
+                                 "node_exporter textfile collector file the agents keep up to date (empty: none); %n "
+                                 "is this node's name.")
+    summary_dir: str = _key("/var/lib/slurmckpt/summaries", "Per-job summaries each job's user can read (epochs, "
+                            "times, sizes, failed captures); on the same shared file system as storage_root.")
+    job_comment_field: str = _key("AdminComment", "The job field slurmckpt's note and last checkpoint go to: "
+                                  "AdminComment, Comment or none.", choices=("AdminComment", "Comment", "none"))
+    policy: Policy = _key(factory=Policy, doc="Site policy per partition and QOS: see POLICY.", policy=True)
     source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
 
     def stall(self) -> tuple[str, float] | None:

@@ -20,7 +20,15 @@ from typing import Callable, Iterable, Mapping
 from slurmckpt.duration import format_duration, parse_duration
 from slurmckpt.errors import ConfigError
 
-RULE_KEYS = ("allowed", "default_interval", "min_interval")
+RULE_DOCS = {
+    "allowed": "false: no checkpoints for jobs here; an explicit --checkpoint-interval is refused at submission and "
+               "a job wrapped by the plugin's default_interval= runs without them.",
+    "default_interval": "The interval of jobs that give no --checkpoint-interval (replaces the plugin's "
+                        "default_interval=, which must be on for the plugin to wrap such jobs); off turns it off.",
+    "min_interval": "The shortest interval: a shorter --checkpoint-interval is refused at submission, raised to it "
+                    "in running jobs, and the agents refuse periodic captures that come sooner.",
+}
+RULE_KEYS = tuple(RULE_DOCS)
 # Config keys a policy entry may set for the jobs it covers (each only where Config has it).
 SETTING_KEYS = ("keep_epochs", "compression")
 
