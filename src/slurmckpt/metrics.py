@@ -183,10 +183,13 @@ class NodeMetrics:
 
 def publish(path: Path, text: str) -> None:
     """Atomic: node_exporter reads either the previous file or this one, never a part."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o755)     # node_exporter may run as its own user (Debian: prometheus)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
+        os.fchmod(fd, 0o644)
         os.write(fd, text.encode())
     finally:
         os.close(fd)

@@ -84,6 +84,7 @@ def publish(store: JobStore, summary_dir: str, uid: int) -> Path:
     for d in (target.parent.parent, target.parent):
         try:
             os.mkdir(d, 0o755)
+            os.chmod(d, 0o755)          # whatever the umask slurmstepd left: users traverse it
         except FileExistsError:
             pass
         st = os.lstat(d)

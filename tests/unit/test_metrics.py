@@ -130,3 +130,15 @@ def test_an_unwritable_textfile_never_fails_the_caller(tmp_path: Path):
         assert not target.exists()
     with pytest.raises(ValueError):
         NodeMetrics("", str(tmp_path / "run"), "t").count("slurmckpt_no_such_metric")
+
+
+def test_the_file_is_world_readable_whatever_the_umask(tmp_path: Path):
+    """node_exporter may run as its own user (Debian: prometheus); slurmstepd's umask is not ours to trust."""
+    old = os.umask(0o077)
+    try:
+        NodeMetrics(str(tmp_path / "new" / "m.prom"), str(tmp_path / "run"), "t", node="n1").count(
+            "slurmckpt_captures_total", "interval")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new" / "m.prom").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
