@@ -125,6 +125,16 @@ def test_policy_check_prints_ok_or_the_refusal(site, args, code, out):
     assert r.output.count("\n") == 1
 
 
+def test_policy_check_speaks_json_too(site):
+    import json
+    r = CliRunner().invoke(cli, ["policy", "check", "--json", "--interval", "5m", "--partition", "low"])
+    assert r.exit_code == 1 and json.loads(r.output) == {
+        "ok": False, "message": "slurmckpt: --checkpoint-interval=5m: below the minimum 10m of partition low (site "
+                                "policy); see `slurmckpt policy show`"}
+    r = CliRunner().invoke(cli, ["policy", "check", "-P", "-n", "--interval", "30m", "--partition", "low"])
+    assert r.exit_code == 0 and r.output == "ok|\n"
+
+
 def test_policy_show_lists_entries_and_resolves(site):
     r = CliRunner().invoke(cli, ["policy", "show", "-P"])
     assert r.exit_code == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from slurmckpt.cli.lookup import JOB, config, queued
-from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown
+from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown, when
 from slurmckpt.config import Config
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.storage import JobStore, list_jobs
@@ -30,14 +30,13 @@ def store_root(cfg: Config) -> Path:
 @output_options
 def list_cmd(fmt: Format) -> None:
     """(root) Committed checkpoints of every job in the image store."""
-    from slurmckpt.cli.status import _when
     root = store_root(config())
     rows = []
     for cluster, job in list_jobs(root):
         for e in JobStore(root, cluster, job).committed():
             rows.append({"cluster": cluster, "job": job, "epoch": e["epoch"], "reason": e["reason"],
                          "ranks": len(e["ranks"]), "committed_at": e["committed_at"],
-                         "committed": _when(e["committed_at"])})
+                         "committed": when(e["committed_at"])})
     emit(fmt, LIST_COLUMNS, rows)
 
 

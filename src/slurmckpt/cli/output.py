@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -91,3 +92,8 @@ def emit(fmt: Format, columns: Sequence[Column], rows: Sequence[dict], document:
 def say(fmt: Format, text: str) -> None:
     """A human message: on stdout in text format, on stderr otherwise (stdout carries only the data)."""
     click.echo(text, err=fmt.quiet)
+
+
+def when(at: object) -> str:
+    """A time stamp as Slurm's tools print one (local time, no zone), "" when there is none."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(float(at))) if isinstance(at, (int, float)) else ""

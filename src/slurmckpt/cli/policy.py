@@ -28,24 +28,31 @@ def _partitions(value: str | None) -> list[str]:
     return [found] if found else []
 
 
+CHECK_COLUMNS = [Column("result", "RESULT"), Column("message", "MESSAGE")]
+
+
 @policy.command()
 @click.option("--interval", "value", required=True, help="The job's --checkpoint-interval value.")
 @click.option("--partition", help="The job's --partition (comma-separated list); default: Slurm's default one.")
 @click.option("--qos", help="The job's --qos.")
-def check(value: str, partition: str | None, qos: str | None) -> None:
-    """Would the policy accept `--checkpoint-interval=VALUE` in PARTITION with QOS? (cli_filter's question)"""
+@output_options
+def check(value: str, partition: str | None, qos: str | None, fmt: Format) -> None:
+    """Would the policy accept `--checkpoint-interval=VALUE` in PARTITION with QOS? (cli_filter's question:
+    it prints `ok`, or `refused: MESSAGE` with exit code 1)"""
     cfg = config()
     try:
-        seconds = parse_duration(value)
+        refusal = cfg.policy.for_job(_partitions(partition) if cfg.policy.partitions else [], qos).refusal(
+            parse_duration(value))
+        message = f"slurmckpt: {refusal}; see `slurmckpt policy show`" if refusal else ""
     except ValueError as e:
-        click.echo(f"refused: {e}")
-        raise SystemExit(1)
-    parts = _partitions(partition) if cfg.policy.partitions else []
-    refusal = cfg.policy.for_job(parts, qos).refusal(seconds)
+        refusal, message = str(e), str(e)
+    if fmt.kind == "text":
+        click.echo(f"refused: {message}" if refusal else "ok")
+    else:
+        emit(fmt, CHECK_COLUMNS, [{"result": "refused" if refusal else "ok", "message": message}],
+             {"ok": not refusal, "message": message or None})
     if refusal:
-        click.echo(f"refused: slurmckpt: {refusal}; see `slurmckpt policy show`")
         raise SystemExit(1)
-    click.echo("ok")
 
 
 COLUMNS = [Column("scope", "SCOPE"), Column("allowed", "ALLOWED"), Column("default_interval", "DEFAULT_INTERVAL"),

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import pwd
-import time
 
 import click
 
 from slurmckpt.cli.lookup import JOB, SACCT_TIMEOUT_S, SQUEUE_TIMEOUT_S, config, job_summary, queued
 from slurmckpt.cli.output import (CliError, Column, Format, JobNotFoundError, emit, output_options, say,
-                                  shown)
+                                  shown, when)
 from slurmckpt.errors import SlurmError
 from slurmckpt.fresh_start import CaptureFailure
 from slurmckpt.slurm.comment import human_bytes
@@ -29,15 +28,11 @@ EPOCH_COLUMNS = [Column("epoch", "EPOCH", right=True), Column("committed", "COMM
                  Column("size", "SIZE", right=True), Column("nodes", "NODES")]
 
 
-def _when(at: object) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(float(at))) if isinstance(at, (int, float)) else ""
-
-
 def row(job: dict, info: dict | None) -> dict:
     """One job's line: what slurmctld (or accounting) says, and its newest checkpoint."""
     newest = ((info or {}).get("epochs") or [None])[0]
     return {**job, "epoch": newest["epoch"] if newest else None,
-            "committed": _when(newest["committed_at"]) if newest else None,
+            "committed": when(newest["committed_at"]) if newest else None,
             "size": human_bytes(newest["bytes"]) if newest else None,
             "bytes": newest["bytes"] if newest else None}
 
@@ -108,7 +103,7 @@ def _details(cfg, r: dict, fmt: Format) -> None:
         run = info.get("run") or {}
         if run:
             interval = run.get("interval_s") or 0
-            click.echo(f"   Run: restart {run.get('restart_count')} started {_when(run.get('started_at'))} on "
+            click.echo(f"   Run: restart {run.get('restart_count')} started {when(run.get('started_at'))} on "
                        f"{shown(run.get('batch_node'))}, interval {interval}s"
                        + (f", disabled: {shown(run['disabled'])}" if run.get("disabled") else ""))
         epochs = info.get("epochs") or []
@@ -116,7 +111,7 @@ def _details(cfg, r: dict, fmt: Format) -> None:
                                             if epochs else "none committed"))
         if epochs:
             emit(Format("text"), EPOCH_COLUMNS,
-                 [{**e, "committed": _when(e["committed_at"]), "size": human_bytes(e["bytes"]),
+                 [{**e, "committed": when(e["committed_at"]), "size": human_bytes(e["bytes"]),
                    "nodes": ",".join(e.get("nodes", []))} for e in epochs])
         for w in info.get("withdrawn") or []:
             click.echo(f"withdrawn: epoch {w.get('epoch')}: {shown(w.get('reason'))}")
@@ -124,6 +119,6 @@ def _details(cfg, r: dict, fmt: Format) -> None:
         if failed:
             f = CaptureFailure.from_dict(failed)
             click.echo(f"last failed capture: {shown(f.describe())} (node {shown(f.node or '?')}, stage "
-                       f"{shown(f.stage)}, {_when(f.at)})")
+                       f"{shown(f.stage)}, {when(f.at)})")
     if r.get("note"):
         click.echo(f"{r['note_field']}: {shown(r['note'])}")
