@@ -121,18 +121,18 @@ def test_unknown_jobs_fail_like_squeue_and_at_once() -> None:
 
 
 def test_requeue_captures_requeues_and_the_job_resumes() -> None:
-    job = zdtm_job("ops-requeue", 150, "--checkpoint-interval=30m")
+    job = zdtm_job("ops-requeue", 100, "--checkpoint-interval=30m")
     job.wait_output(r"ops-requeue step 10 ")
     out = run(CLI, "requeue", "--parsable", "--noheader", str(job.id), user=USER).stdout
     assert out == f"{job.id}\n"
     job.wait_output(r"committed \(manual-requeue\)", timeout=90)
     job.wait_output(r"restored from checkpoint epoch", timeout=240)
     assert job.wait_done() == "COMPLETED"
-    assert job.app_lines() == expected_lines("ops-requeue", 150) and job.restarts() == 1
+    assert job.app_lines() == expected_lines("ops-requeue", 100) and job.restarts() == 1
 
 
 def test_migrate_moves_a_running_job_to_another_node_and_restores_it_there() -> None:
-    job = zdtm_job("ops-migrate", 200, "-w", "node1", "--checkpoint-interval=30m")
+    job = zdtm_job("ops-migrate", 150, "-w", "node1", "--checkpoint-interval=30m")
     job.wait_output(r"ops-migrate step 10 ")
     p = run(CLI, "migrate", str(job.id), "--to", "node2", "--json", user=USER, timeout=600)
     doc = json.loads(p.stdout)
@@ -140,7 +140,7 @@ def test_migrate_moves_a_running_job_to_another_node_and_restores_it_there() -> 
     job.wait_output(r"restored from checkpoint epoch", timeout=120)
     assert slurmd_lines("node2", job, "restore"), "no restore line in slurmd.node2.log"
     assert job.wait_done() == "COMPLETED"
-    assert job.app_lines() == expected_lines("ops-migrate", 200)
+    assert job.app_lines() == expected_lines("ops-migrate", 150)
     assert job_field(job.id, "NodeList") == "node2"
 
 
