@@ -40,8 +40,9 @@ lint:
 
 SHARE := /usr/local/share
 
-install: man
+install:
 	SLURMCKPT_KEEP_CONFIG=1 bash scripts/setup.sh python spank files
+	$(MAKE) man
 	install -D -m 0644 build/man/slurmckpt.1 $(SHARE)/man/man1/slurmckpt.1
 	install -D -m 0644 build/man/slurmckpt.yaml.5 $(SHARE)/man/man5/slurmckpt.yaml.5
 	install -D -m 0644 etc/cli_filter.lua $(SHARE)/slurmckpt/cli_filter.lua
@@ -49,8 +50,10 @@ install: man
 deb:
 	bash scripts/build-deb.sh build
 
+# The venv's python once set-up made it (make install), else Debian's with its python3-* packages (make deb).
+MAN_PYTHON = $(if $(wildcard $(PYTHON)),$(PYTHON),/usr/bin/python3)
 man:
-	PYTHONPATH=src /usr/bin/python3 -m slurmckpt.manpage build/man
+	PYTHONPATH=src $(MAN_PYTHON) -m slurmckpt.manpage build/man
 
 shim-matrix:
 	bash scripts/shim-matrix.sh $(SHIM_SUITES)
