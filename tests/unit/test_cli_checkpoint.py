@@ -84,15 +84,28 @@ def test_a_job_enabled_by_the_plugins_default_interval_is_accepted(site, monkeyp
     assert slurm.ran("scancel")
 
 
-def test_accounting_without_a_record_is_asked_once_and_never_waited_for(site, monkeypatch):
-    """slurmdbd learns of a job a few seconds after its submission: the answer is 'cannot tell yet' at once
-    (no 20 s wait), naming what is missing, and the refusal does not blame a missing job."""
+def test_accounting_is_waited_for_briefly_and_only_for_a_running_job_without_a_run_record(site, monkeypatch):
+    """slurmdbd learns of a job a few seconds after its submission: for a running job with no run record the
+    submit line is asked once a second until it is there (a job that just started), at most
+    ACCOUNTING_WAIT_S; then 'cannot tell yet', naming what is missing, never blaming a missing job."""
+    monkeypatch.setattr(lookup, "ACCOUNTING_WAIT_S", 0.0)
     slurm = _fake(sacct=Ran(0, "")).install(monkeypatch)
     start = time.monotonic()
     r = CliRunner().invoke(cli, ["checkpoint", "7"])
     assert time.monotonic() - start < 2
     assert r.exit_code == 1 and "cannot tell yet" in r.output and "nothing was sent" in r.output, r.output
     assert len(slurm.ran("sacct")) == 1 and not slurm.ran("scancel")
+    answers = iter(["", "7|\n", "7|sbatch job.sh\n"])              # no record, no line yet, the line
+    monkeypatch.setattr(lookup, "ACCOUNTING_WAIT_S", 10.0)
+    monkeypatch.setattr(lookup.time, "sleep", lambda s: None)
+    slurm = _fake(sacct=lambda cmd: next(answers)).install(monkeypatch)
+    r = CliRunner().invoke(cli, ["checkpoint", "7"])
+    assert r.exit_code == 1 and "not submitted with --checkpoint-interval" in r.output, r.output
+    assert len(slurm.ran("sacct")) == 3
+    monkeypatch.setattr(lookup, "ACCOUNTING_WAIT_S", 0.0)      # no submit line in time: the script's #SBATCH
+    slurm = _fake(scontrol=lambda cmd: SCRIPT if "batch_script" in cmd else "ClusterName = c\n").install(monkeypatch)
+    assert CliRunner().invoke(cli, ["checkpoint", "7"]).exit_code == 0
+    assert len(slurm.ran("sacct")) == 1 and slurm.ran("scancel")
 
 
 @pytest.mark.parametrize("interval, sent", [

@@ -1,11 +1,12 @@
-"""Which job a command names and what slurmckpt knows about it, fast: slurmctld first (one `squeue` call),
-accounting only for a job slurmctld has forgotten (status, inspect) and with a short timeout; never a wait
-for slurmdbd (docs/operations.md, "Command line")."""
+"""Which job a command names and what slurmckpt knows about it, fast: slurmctld first (one `squeue` call, which
+also refuses an unknown job), accounting only where needed (a job slurmctld has forgotten; the submit line of a
+running job with no run record yet) with short timeouts (docs/operations.md, "Command line")."""
 from __future__ import annotations
 
 import functools
 import os
 import re
+import time
 
 import click
 
@@ -21,6 +22,7 @@ from slurmckpt.slurm.queue import QueuedJob
 
 SQUEUE_TIMEOUT_S = 10.0
 SACCT_TIMEOUT_S = 5.0
+ACCOUNTING_WAIT_S = 15.0     # for the submit line of a running job that just started (never for an unknown one)
 
 
 class JobSpec(click.ParamType):
@@ -114,22 +116,26 @@ def interval_on(value: str | None) -> bool:
         return False
 
 
-def submitted_interval(job_id: int) -> tuple[str | None, bool]:
-    """(what the job was submitted with, whether that is known): the submit line from accounting (one
-    call, short timeout, no waiting) and the #SBATCH lines of its script from slurmctld."""
+def submitted_interval(job_id: int, wait_s: float | None = None) -> tuple[str | None, bool]:
+    """(what the job was submitted with, whether that is known): its submit line from accounting, asked once
+    a second (short timeouts) until slurmdbd has it, at most `wait_s` (a job that just started may not be in
+    accounting yet), then the #SBATCH lines of its script (slurmctld), which the command line overrides."""
     slurm = CliSlurm(timeout_s=SACCT_TIMEOUT_S)
     try:
         script = slurm.batch_script(job_id) or ""
     except SlurmError:
         script = ""
-    try:
-        submit_line = slurm.submit_line(job_id) or ""
-    except SlurmError:
-        submit_line = ""
+    deadline = time.monotonic() + (ACCOUNTING_WAIT_S if wait_s is None else wait_s)
+    while True:
+        try:
+            submit_line = slurm.submit_line(job_id) or ""
+        except SlurmError:
+            submit_line = ""
+        if submit_line or time.monotonic() >= deadline:      # the command line wins over #SBATCH: wait for it
+            break
+        time.sleep(1)
     found = interval_in(submit_line, script)
     return found, bool(found or submit_line)
-
-
 def runs_under_slurmckpt(job: QueuedJob, cfg: Config) -> tuple[bool | None, str]:
     """(answer, how it is known). True when the job's batch step is wrapped (its capture signal is handled),
     False when it is not, None when it cannot be told yet. First the job's run record (written when the
