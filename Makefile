@@ -6,6 +6,11 @@
 #                          tests (single-node ones run on node1..3, multi-node ones need 3)
 #   make shim-matrix       the shim built and its C unit tests run against Debian trixie's (24.11) and sid's
 #                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
+#   make install           on a cluster node: the venv in /opt/slurmckpt/venv with the package, the plugins and the
+#                          namespace init in /usr/local, the config template where none exists, directories, man
+#                          pages and cli_filter.lua (setup.sh's install steps; no test cluster, no packages)
+#   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
+#   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
 #   make status | stop     cluster status / stop every daemon of the test cluster
 #   make clean             remove build artefacts from the tree (the cluster and installed files stay)
@@ -14,7 +19,7 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test lint shim-matrix status stop clean
+.PHONY: setup demo test lint shim-matrix status stop clean install deb man
 SHIM_SUITES ?= trixie sid
 
 setup:
@@ -32,6 +37,23 @@ test: setup
 
 lint:
 	$(PYFLAKES) src tests
+
+SHARE := /usr/local/share
+
+install:
+	SLURMCKPT_KEEP_CONFIG=1 bash scripts/setup.sh python spank files
+	$(MAKE) man
+	install -D -m 0644 build/man/slurmckpt.1 $(SHARE)/man/man1/slurmckpt.1
+	install -D -m 0644 build/man/slurmckpt.yaml.5 $(SHARE)/man/man5/slurmckpt.yaml.5
+	install -D -m 0644 etc/cli_filter.lua $(SHARE)/slurmckpt/cli_filter.lua
+
+deb:
+	bash scripts/build-deb.sh build
+
+# The venv's python once set-up made it (make install), else Debian's with its python3-* packages (make deb).
+MAN_PYTHON = $(if $(wildcard $(PYTHON)),$(PYTHON),/usr/bin/python3)
+man:
+	PYTHONPATH=src $(MAN_PYTHON) -m slurmckpt.manpage build/man
 
 shim-matrix:
 	bash scripts/shim-matrix.sh $(SHIM_SUITES)

@@ -9,6 +9,7 @@
 #   NODES=N                       1 (default): one slurmd on the host, node name node1, address 127.0.0.1.
 #                                 N>1: node1..nodeN, one slurmd per network namespace, 10.77.0.<i>/24 on
 #                                 bridge ckptbr0 (host side 10.77.0.254, where slurmctld listens).
+#   SLURMCKPT_KEEP_CONFIG=1       keep an existing /etc/slurmckpt/slurmckpt.yaml (make install)
 #   SLURMCKPT_DEV_ALLOW_MISSING=1 developer escape hatch: warn instead of failing when pyproject.toml or
 #                                 spank/Makefile is missing (the SPANK line in plugstack.conf is then commented out).
 set -euo pipefail
@@ -52,6 +53,10 @@ PACKAGES=(
   gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev python3-numpy
   # The image store's shared file system (scripts/glusterfs.sh)
   glusterfs-server glusterfs-client
+  # Operations: the Lua Slurm's cli_filter/lua runs (tests/unit/test_cli_filter_lua.py runs etc/cli_filter.lua
+  # with it), node_exporter reading slurmckpt's metrics file, groff for the man pages, and what the Debian
+  # package depends on (scripts/build-deb.sh; tests/integration/test_package.py installs it)
+  lua5.1 prometheus-node-exporter groff-base python3-click python3-yaml python3-xxhash python3-psutil
 )
 
 missing_packages() {
@@ -220,7 +225,9 @@ step_python() {
     $py -m venv "$SLURMCKPT_VENV" || die "python3 -m venv failed (is python3-venv installed?)"
   fi
   local pip=("$SLURMCKPT_VENV/bin/python" -m pip --disable-pip-version-check --no-input)
-  "$SLURMCKPT_VENV/bin/python" -c 'import pytest' 2>/dev/null || "${pip[@]}" install -q pytest 2> >(grep -v "is ignored" >&2) || die "pip install pytest failed"
+  # the test tools (pyproject.toml's [test] extra): pytest, and prometheus-client's text-format parser
+  "$SLURMCKPT_VENV/bin/python" -c 'import pytest, prometheus_client' 2>/dev/null \
+    || "${pip[@]}" install -q pytest prometheus-client 2> >(grep -v "is ignored" >&2) || die "pip install pytest prometheus-client failed"
   if [ -f "$REPO/pyproject.toml" ]; then
     # Non-editable: the installed copy is what Slurm runs. pip re-installs a local directory on every run;
     # if the installed sources still differ from the tree, force it.
@@ -292,12 +299,14 @@ step_users() {
 step_files() {
   step_start "slurmckpt config and directories"
   install -d -m 0755 /etc/slurmckpt
-  if [ -f "$REPO/etc/slurmckpt.yaml" ]; then
+  if [ "${SLURMCKPT_KEEP_CONFIG:-0}" = 1 ] && [ -e /etc/slurmckpt/slurmckpt.yaml ]; then
+    log "   /etc/slurmckpt/slurmckpt.yaml kept (make install never replaces a site's config)"
+  elif [ -f "$REPO/etc/slurmckpt.yaml" ]; then
     install -m 0644 "$REPO/etc/slurmckpt.yaml" /etc/slurmckpt/slurmckpt.yaml
   else
     warn "$REPO/etc/slurmckpt.yaml missing: /etc/slurmckpt/slurmckpt.yaml not installed (package defaults apply)"
   fi
-  install -d -m 0755 /var/lib/slurmckpt
+  install -d -m 0755 /var/lib/slurmckpt /var/lib/slurmckpt/summaries
   install -d -o root -g root -m 0700 /var/lib/slurmckpt/images /var/log/slurmckpt
   step_done
 }
@@ -395,6 +404,7 @@ step_slurm_config() {
   render "$REPO/etc/gres.conf.in"       "$SLURM_ETC/gres.conf"       0644
   render "$REPO/etc/cgroup.conf.in"     "$SLURM_ETC/cgroup.conf"     0644
   render "$REPO/etc/plugstack.conf.in"  "$SLURM_ETC/plugstack.conf"  0644
+  install -m 0644 "$REPO/etc/cli_filter.lua" "$SLURM_ETC/cli_filter.lua"
   render "$REPO/etc/slurmdbd.conf.in"   "$SLURM_ETC/slurmdbd.conf"   0600
   echo "$NODES" >"$CLUSTER_DIR/nodes"
   log "   nodes: $nodelist, CPUs=$cpus each, RealMemory=$realmem MB, controller $host ($T_CTLD_ADDR)"

@@ -23,16 +23,19 @@
 
 #define AGENT_FD     3          /* the agent's socket end, after the exec */
 #define AGENT_ERR_FD 4          /* close-on-exec pipe reporting exec errors */
+#define AGENT_LOG_FD 5          /* the log relay's write end (log_relay.c) */
 #define AGENT_PATH   "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
 
 struct agent_cmd {
 	char fd[16], job[16], rank[16], uid[16], gid[16], restarts[16];
+	char interval[24], logfd[16];
 	char conf[PATH_MAX + 16];
-	char *argv[19];
+	char *argv[25];
 	char *envp[3];
 };
 
-static void agent_cmd_build(struct agent_cmd *c, struct step_info *si)
+static void agent_cmd_build(struct agent_cmd *c, struct step_info *si,
+			    long interval, int explicit, int with_log)
 {
 	const char *conf = getenv("SLURM_CONF");
 	int n = 0;
@@ -62,6 +65,16 @@ static void agent_cmd_build(struct agent_cmd *c, struct step_info *si)
 	c->argv[n++] = c->restarts;
 	c->argv[n++] = "--init";
 	c->argv[n++] = slurmckpt_args.init;
+	snprintf(c->interval, sizeof(c->interval), "%ld", interval);
+	c->argv[n++] = "--interval";
+	c->argv[n++] = c->interval;
+	c->argv[n++] = "--interval-from";
+	c->argv[n++] = explicit ? "option" : "default";
+	if (with_log) {
+		snprintf(c->logfd, sizeof(c->logfd), "%d", AGENT_LOG_FD);
+		c->argv[n++] = "--log-fd";
+		c->argv[n++] = c->logfd;
+	}
 	c->argv[n] = NULL;
 
 	n = 0;
@@ -83,8 +96,9 @@ static void close_from(int lowfd)
 		close(fd);
 }
 
-/* In the forked child: never returns. */
-static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd)
+/* In the forked child: never returns. logfd: the relay's write end, or -1. */
+static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd,
+		       int logfd)
 {
 	sigset_t empty;
 	int sig, err, fd;
@@ -97,11 +111,15 @@ static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd)
 	if ((fd = fcntl(errfd, F_DUPFD_CLOEXEC, 10)) < 0)
 		goto fail;
 	errfd = fd;
+	if (logfd >= 0 && (logfd = fcntl(logfd, F_DUPFD, 10)) < 0)
+		goto fail;
 	if (dup2(nullfd, 0) < 0 || dup2(nullfd, 1) < 0 || dup2(nullfd, 2) < 0 ||
 	    dup2(sock, AGENT_FD) < 0 || dup3(errfd, AGENT_ERR_FD, O_CLOEXEC) < 0)
 		goto fail;
 	errfd = AGENT_ERR_FD;
-	close_from(AGENT_ERR_FD + 1);
+	if (logfd >= 0 && dup2(logfd, AGENT_LOG_FD) < 0)
+		goto fail;
+	close_from(AGENT_LOG_FD + 1);
 
 	/* Root without the job user's supplementary groups. */
 	if (setgroups(0, NULL) < 0)
@@ -155,7 +173,7 @@ static int set_env_long(spank_t sp, const char *name, long value)
 	return (0);
 }
 
-int agent_spawn(spank_t sp, long interval)
+int agent_spawn(spank_t sp, long interval, int explicit)
 {
 	struct agent_cmd cmd;
 	struct step_info si;
@@ -167,7 +185,7 @@ int agent_spawn(spank_t sp, long interval)
 
 	if (step_info_get(sp, &si) < 0)
 		goto fail;
-	agent_cmd_build(&cmd, &si);
+	agent_cmd_build(&cmd, &si, interval, explicit, log_relay_fd() >= 0);
 
 	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) < 0) {
 		slurm_error("slurmckpt: task_init_privileged: socketpair: %s",
@@ -189,7 +207,7 @@ int agent_spawn(spank_t sp, long interval)
 		goto fail;
 	}
 	if (pid == 0)
-		agent_exec(&cmd, sv[1], nullfd, errpipe[1]);
+		agent_exec(&cmd, sv[1], nullfd, errpipe[1], log_relay_fd());
 
 	close(errpipe[1]);
 	errpipe[1] = -1;

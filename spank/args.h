@@ -7,9 +7,16 @@
 #include <limits.h>
 #include <stddef.h>
 
+/* Defaults of make install; the Debian package builds with its own (scripts/build-deb.sh). */
+#ifndef ARGS_DEFAULT_WRAPPER
 #define ARGS_DEFAULT_WRAPPER "/opt/slurmckpt/venv/bin/slurmckpt-wrap"
+#endif
+#ifndef ARGS_DEFAULT_AGENT
 #define ARGS_DEFAULT_AGENT   "/opt/slurmckpt/venv/bin/slurmckpt"
+#endif
+#ifndef ARGS_DEFAULT_INIT
 #define ARGS_DEFAULT_INIT    "/usr/local/libexec/slurmckpt/slurmckpt-init"
+#endif
 
 struct plugin_args {
 	char wrapper[PATH_MAX];   /* wrapper=: exec'd as the task's argv[0] */

@@ -65,7 +65,7 @@ int option_register(spank_t sp)
 	return (0);
 }
 
-int option_interval(spank_t sp, long *seconds)
+int option_interval(spank_t sp, long *seconds, int *explicit)
 {
 	char *value = NULL;
 	const char *why;
@@ -81,7 +81,8 @@ int option_interval(spank_t sp, long *seconds)
 		return (-1);
 	}
 	rc = spank_option_getopt(sp, &interval_option, &value);
-	if (rc != ESPANK_SUCCESS || value == NULL) {
+	*explicit = (rc == ESPANK_SUCCESS && value != NULL);
+	if (!*explicit) {
 		*seconds = slurmckpt_args.default_interval;
 		return (0);
 	}

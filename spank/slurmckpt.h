@@ -18,8 +18,12 @@ extern struct plugin_args slurmckpt_args;
 
 /* option.c: --checkpoint-interval */
 int option_register(spank_t sp);
-/* Interval in seconds for this step (0 = off); -1 (logged) when invalid. */
-int option_interval(spank_t sp, long *seconds);
+/*
+ * Interval in seconds for this step (0 = off); -1 (logged) when invalid.
+ * *explicit: 1 when the job gave --checkpoint-interval, 0 when it is the
+ * plugstack default_interval= (the agent applies the site policy's default).
+ */
+int option_interval(spank_t sp, long *seconds, int *explicit);
 
 /* step.c: which step and task this is */
 struct step_info {
@@ -35,7 +39,16 @@ int step_wrappable(spank_t sp);
 int step_info_get(spank_t sp, struct step_info *si);
 
 /* agent_spawn.c: fork+exec the root agent (task_init_privileged). */
-int agent_spawn(spank_t sp, long interval);
+int agent_spawn(spank_t sp, long interval, int explicit);
+
+/*
+ * log_relay.c: in slurmstepd, a pipe whose lines go to slurmd's log
+ * (slurm_info/slurm_error); the agents write their event lines to it.
+ */
+int log_relay_start(void);
+int log_relay_fd(void);         /* the write end, -1 when not started */
+void log_relay_stop(int wait_s);
+void log_relay_emit(char *line);   /* one line, as the relay logs it */
 
 /* task_wrap.c: the wrapper goes in front of the task's argv (task_init). */
 int task_wrap(spank_t sp);

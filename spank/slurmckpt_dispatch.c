@@ -4,7 +4,9 @@
  *   all contexts      init: parse plugstack.conf args, register the option
  *   srun/sbatch/salloc the option callback validates --checkpoint-interval
  *   slurmstepd         user_init notes whether the step is wrapped, for
- *                      proctrack/slurmckpt (slurmckpt_step_wrapped)
+ *                      proctrack/slurmckpt (slurmckpt_step_wrapped), and
+ *                      starts the log relay for its agents (log_relay.c);
+ *                      exit stops it
  *   slurmstepd, per task of the batch step and of numbered steps, when the
  *   interval is not off:
  *     task_init_privileged (root)  start the agent on a socketpair
@@ -49,7 +51,7 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 int slurm_spank_user_init(spank_t sp, int ac, char **av)
 {
 	long interval = 0;
-	int wrappable;
+	int wrappable, explicit = 0;
 
 	(void)ac;
 	(void)av;
@@ -58,15 +60,18 @@ int slurm_spank_user_init(spank_t sp, int ac, char **av)
 	if ((wrappable = step_wrappable(sp)) < 0)
 		return (-1);
 	/* An invalid value fails the task in task_init_privileged, with the message. */
-	if (wrappable && option_interval(sp, &interval) == 0 && interval != 0)
+	if (wrappable && option_interval(sp, &interval, &explicit) == 0 && interval != 0) {
 		step_is_wrapped = 1;
+		/* Without the relay the agents still run; their lines stay in their own logs. */
+		(void)log_relay_start();
+	}
 	return (0);
 }
 
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 {
 	long interval = 0;
-	int wrappable;
+	int wrappable, explicit = 0;
 
 	(void)ac;
 	(void)av;
@@ -74,11 +79,11 @@ int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 		return (0);
 	if ((wrappable = step_wrappable(sp)) < 0)
 		return (-1);
-	if (wrappable && option_interval(sp, &interval) < 0)
+	if (wrappable && option_interval(sp, &interval, &explicit) < 0)
 		return (-1);
 	if (interval == 0)
 		return (task_env_clear(sp));
-	if (agent_spawn(sp, interval) < 0)
+	if (agent_spawn(sp, interval, explicit) < 0)
 		return (-1);
 	task_agent_started = 1;
 	return (0);
@@ -91,4 +96,14 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	if (spank_context() != S_CTX_REMOTE || !task_agent_started)
 		return (0);
 	return (task_wrap(sp));
+}
+
+int slurm_spank_exit(spank_t sp, int ac, char **av)
+{
+	(void)sp;
+	(void)ac;
+	(void)av;
+	if (spank_context() == S_CTX_REMOTE)
+		log_relay_stop(5);
+	return (0);
 }

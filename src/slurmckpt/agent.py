@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -19,7 +18,8 @@ from slurmckpt.channel import Channel
 from slurmckpt.config import Config
 from slurmckpt.criu import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
-from slurmckpt.fresh_start import FailureReporter, coordinator_verdict
+from slurmckpt.events import AgentEvents
+from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import pmi, procfs, watchdog
@@ -27,7 +27,8 @@ from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
-from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record, other_node_addresses, this_node
+from slurmckpt.policy import JobPolicy
+from slurmckpt.slurm.control import JobRecord, other_node_addresses, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt import validate
@@ -37,10 +38,19 @@ log = logging.getLogger("slurmckpt.agent")
 
 class Agent:
     restored: int | None = None          # the epoch this task restored (None: not restored)
+    events: AgentEvents | None = None    # slurmd's log, metrics, the job's comment and summary (events.py)
+    policy = JobPolicy()                 # the site policy for the job's partition and QOS (policy.py)
+    interval_s = 0                       # the interval this task uses (the shim's, after the policy)
+    last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
-                 slurm_job: JobRecord | None = None) -> None:
+                 slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
+                 policy: JobPolicy = JobPolicy(), interval: tuple[int, bool] = (0, True)) -> None:
+        """`interval`: the shim's seconds and whether the job asked for them (--checkpoint-interval) or they
+        are the plugin's default_interval=, which the policy's default replaces."""
         self.ident, self.channel, self.config, self.peer = ident, channel, config, peer
+        self.events, self.policy = events, policy
+        self.interval_s = policy.interval(*interval)
         self.wrapper_pid = peer.pid
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
@@ -61,7 +71,8 @@ class Agent:
                                      None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
                                      peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max)
         self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
-                                        socket.gethostname())
+                                        socket.gethostname(), annotate=events.note if events else _no_note,
+                                        on_recorded=events.capture_failed if events else None)
         self.pipeline.job_addresses = self._other_node_addresses
 
     def _other_node_addresses(self) -> set[str]:
@@ -125,6 +136,8 @@ class Agent:
         except OSError:
             pass
         self.cgroup.remove()
+        if self.events:
+            self.events.stopped()
 
     # ---- operations ------------------------------------------------------------------------------------
     def op_hello(self, m: dict, fds: list[int]) -> dict:
@@ -142,7 +155,7 @@ class Agent:
             why_not, epochs = str(e), []
         if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
-                    **({"warning": why_not} if why_not else {}),
+                    **({"warning": why_not} if why_not else {}), **self._policy_plan(),
                     "tree_procs": str(self.cgroup.path / "cgroup.procs")}
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
@@ -151,7 +164,29 @@ class Agent:
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
-                **({"warning": "; ".join(notes)} if notes else {})}
+                **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
+
+    def _policy_plan(self) -> dict:
+        """The interval the wrapper schedules (the policy's default and minimum applied), and `disabled` when
+        the policy forbids checkpoints for the job's partition or QOS: the wrapper then runs the task plainly.
+        The wrapper handles the capture signals once it asks for its plan: the run record says so now."""
+        plan = {"interval_s": self.interval_s, "policy": self.policy.describe()}
+        refused = self.policy.capture_refusal(final=True, since_last_s=None)
+        if self.events:
+            if refused:
+                self.events.refused(*refused)
+            self.events.started(self.ident.restart_count, self.interval_s, plan["policy"],
+                                refused[1] if refused else None)
+        return {**plan, "disabled": refused[1]} if refused else plan
+
+    def _require_policy(self, epoch: int, final: bool) -> None:
+        """A capture the site policy forbids is refused before anything is frozen."""
+        since = None if self.last_periodic is None else time.monotonic() - self.last_periodic
+        refused = self.policy.capture_refusal(final, since)
+        if refused:
+            if self.events:
+                self.events.refused(*refused)
+            raise PermissionDenied(f"{refused[1]}; nothing was frozen", epoch=epoch)
 
     def _not_restorable(self) -> str | None:
         """None when this task may restore the store's images; else why not ("" for a first run with
@@ -231,7 +266,10 @@ class Agent:
             why_not = self._not_restorable()
         except StorageError as e:
             why_not = str(e)
-        return self.reporter.fresh_start(self.ident.restart_count, why_not or self.store_note)
+        notice = self.reporter.fresh_start(self.ident.restart_count, why_not or self.store_note)
+        if self.events:
+            self.events.fresh_start(notice)
+        return notice
 
     def op_capture_failed(self, m: dict, fds: list[int]) -> dict:
         """The job's coordinator aborted an epoch (its verdict, relayed by the wrapper hosting it): recorded
@@ -240,8 +278,11 @@ class Agent:
         return {}
 
     def op_prepare(self, m: dict, fds: list[int]) -> dict:
-        self.reporter.epoch_began(_epoch(m), validate.flag(m["final"], "final") if "final" in m else None,
-                                  validate.label(m.get("trigger", "unknown"), "trigger"))
+        final = validate.flag(m["final"], "final") if "final" in m else None
+        self.reporter.epoch_began(_epoch(m), final, validate.label(m.get("trigger", "unknown"), "trigger"))
+        self._require_policy(_epoch(m), bool(final))
+        if self.events:
+            self.events.preparing(_epoch(m))
         with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):
             return self.pipeline.prepare(_epoch(m))
 
@@ -249,13 +290,24 @@ class Agent:
         final = validate.flag(m.get("final", True), "final")
         self.reporter.epoch_is_final(_epoch(m), final)
         with self.reporter.recorded(_epoch(m), "capture", self.pipeline):
-            return self.pipeline.capture(_epoch(m), final=final)
+            reply = self.pipeline.capture(_epoch(m), final=final)
+        if self.events:
+            self.events.captured(_epoch(m), self.reporter.epoch[2], final, int(reply.get("bytes", 0)))
+        return reply
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
+        if self.events:
+            self.last_periodic = self.events.stopped_at.get(_epoch(m), self.last_periodic)
+            self.events.resumed(_epoch(m))
         with self.reporter.recorded(_epoch(m), "resume", self.pipeline):
-            return self.pipeline.resume(_epoch(m))
+            reply = self.pipeline.resume(_epoch(m))
+        if self.events:
+            self.events.persisted(_epoch(m))
+        return reply
 
     def op_abort(self, m: dict, fds: list[int]) -> dict:
+        if self.events:
+            self.events.aborted(_epoch(m))
         self.pipeline.abort(_epoch(m))
         return {}
 
@@ -274,6 +326,8 @@ class Agent:
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
+        if self.events:
+            self.events.committed(_epoch(m), reason, ranks, final=self.reporter.epoch[1] is True)
         return {}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:
@@ -292,9 +346,13 @@ class Agent:
             pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
         except Exception as e:
             self.reporter.restore_failed(_epoch(m), e)     # the reason if the task starts afresh
+            if self.events:
+                self.events.restore_failed(_epoch(m), reason_of(e))
             raise
         self.restored = _epoch(m)
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
+        if self.events:
+            self.events.restored(_epoch(m), time.monotonic() - start)
         return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
 
     def _allocated_gpus(self) -> tuple[str, str]:
@@ -319,6 +377,8 @@ class Agent:
         epoch, why = _epoch(m), validate.text(m.get("reason", ""), "reason")
         rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {why}"[:500])
         log.warning("epoch %d rejected for the whole job (%r)", epoch, why[:500])
+        if self.events:
+            self.events.withdrawn(epoch, f"rank {self._task_name} could not restore it: {why}")
         return {"rejected": rejected}
 
     def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
@@ -358,58 +418,6 @@ def _epoch(m: dict) -> int:
     return validate.epoch(m.get("epoch"))
 
 
-def cluster_name() -> str:
-    try:
-        return CliSlurm(timeout_s=20).cluster_name() or "cluster"
-    except SlurmckptError:
-        return "cluster"
-
-
-def _restart_count(job: int) -> int:
-    try:
-        return int(CliSlurm(timeout_s=20).job(job).get("restart_cnt", 0))
-    except (SlurmckptError, ValueError, TypeError):
-        return 0
-
-
-def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | None:
-    """The job as slurmctld knows it; None (nothing restored, commits stay unbound) if it cannot say, or
-    if it names another owner than the shim's argv."""
-    for attempt in range(attempts):
-        try:
-            record = job_record(job)
-        except SlurmckptError as e:
-            log.warning("scontrol show job %d (attempt %d): %s", job, attempt + 1, e)
-            time.sleep(0.5)
-            continue
-        if (record.uid, record.gid) != (uid, gid):
-            log.error("Slurm says job %d belongs to uid %d gid %d, the shim said %d/%d: not bound", job,
-                      record.uid, record.gid, uid, gid)
-            return None
-        return record
-    return None
-
-
-def run_agent(fd: int, job: int, step: str, rank: int, uid: int, gid: int, restart_count: int,
-              init: str | None) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)    # Slurm signals every process of the step; we act on the wrapper's word
-    config = Config.load()
-    if init:
-        config = Config.from_mapping({**{f: getattr(config, f) for f in config.__dataclass_fields__},
-                                      "init_path": init})
-    if step != "batch" and not step.isdigit():
-        raise SystemExit(f"slurmckpt agent: bad step {step!r}")
-    Path(config.log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    logging.basicConfig(filename=f"{config.log_dir}/agent-{job}.{step}.{rank}.log", level=logging.INFO,
-                        format=f"%(asctime)s %(name)s job={job} step={step} rank={rank} pid=%(process)d "
-                               "%(levelname)s %(message)s")
-    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT (and its squeue --json says restart_cnt 0
-    # after a requeue): ask slurmctld, by the trusted job id.
-    slurm_job = _slurm_job(job, uid, gid)
-    restart_count = max(restart_count, slurm_job.restarts) if slurm_job else (restart_count or _restart_count(job))
-    ident = TaskIdentity(cluster_name(), job, step, rank, uid, gid, restart_count)
-    agent = Agent(ident, Channel.from_fd(fd), config, Peer.parent(), slurm_job)
-    log.info("job instance from Slurm: %s; restart count %d", slurm_job, restart_count)
-    log.info("agent up for wrapper pid %d", agent.wrapper_pid)
-    agent.serve()
+def _no_note(job: int, text: str) -> str:
+    log.warning("no outlet for the job's comment (agent built without events): %s", text)
+    return "none"

@@ -1,7 +1,10 @@
 """Configuration: YAML file -> frozen dataclass. Defaults live here; errors name the key.
 
-Environment overrides `SLURMCKPT_CFG_<KEY>` apply to user-side processes only: the root agent runs with a clean
-environment built by the SPANK shim, so a user cannot redirect where root writes images.
+Where the file is (the first that exists; docs/operations.md, "Configuration"): `$SLURMCKPT_CONFIG` (user-side
+tools only), `/etc/slurmckpt/slurmckpt.yaml`, then `slurmckpt.yaml` next to the slurm.conf in use
+(`$SLURM_CONF`'s directory, else /etc/slurm). Environment overrides `SLURMCKPT_CFG_<KEY>` apply to user-side
+processes only: the root agent runs with a clean environment built by the SPANK shim, so a user cannot
+redirect where root writes images.
 """
 from __future__ import annotations
 
@@ -15,8 +18,23 @@ from pathlib import Path
 import yaml
 
 from slurmckpt.errors import ConfigError
+from slurmckpt.policy import Policy
 
 DEFAULT_PATH = Path("/etc/slurmckpt/slurmckpt.yaml")
+FILE_NAME = "slurmckpt.yaml"
+DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
+
+
+def config_paths(environ: dict[str, str] | None = None) -> list[Path]:
+    """Where the config is looked for, in order (the first that exists is read)."""
+    env = environ or {}
+    paths = [Path(env["SLURMCKPT_CONFIG"])] if env.get("SLURMCKPT_CONFIG") else []
+    paths.append(DEFAULT_PATH)
+    slurm_dir = Path(env.get("SLURM_CONF") or DEFAULT_SLURM_CONF).parent
+    for p in (slurm_dir / FILE_NAME, Path(DEFAULT_SLURM_CONF).parent / FILE_NAME):
+        if p not in paths:
+            paths.append(p)
+    return paths
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -36,30 +54,61 @@ def _default_criu() -> str:
     return "/usr/local/sbin/criu" if Path("/usr/local/sbin/criu").exists() else "criu"
 
 
+def _key(default: object = dataclasses.MISSING, doc: str = "", factory=dataclasses.MISSING, **meta: object):
+    """A config key: its default and the one description slurmckpt.yaml(5) and the docs show (manpage.py)."""
+    return field(default=default, default_factory=factory, metadata={"doc": doc, **meta})  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class Config:
-    storage_root: str = "/var/lib/slurmckpt/images"   # root-owned image store, shared across nodes
-    criu_path: str = field(default_factory=_default_criu)
-    init_path: str = "/usr/local/libexec/slurmckpt/slurmckpt-init"
-    log_dir: str = "/var/log/slurmckpt"
-    run_dir: str = "/run/slurmckpt"      # per-task private dirs (the namespace init's cwd)
-    freezer_root: str = "auto"            # task_cgroup.default_root(): cgroup v2 where the kernel has it
-    keep_epochs: int = 2                 # committed epochs kept per job (restore falls back to the older)
-    prepare_timeout_s: float = 30.0      # every rank frozen (and GPUs locked) within this, else ABORT
-    capture_timeout_s: float = 600.0     # every rank dumped within this, else ABORT
-    walltime_margin_s: float = 45.0      # minimum lead before EndTime for the final capture
-    requeue_wait_s: float = 600.0        # how long a finished final capture waits for Slurm's requeue kill
-    gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
-    gpu_lock_rounds: int = 8
-    criu_extra_args: tuple[str, ...] = ()
-    # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
-    # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
-    ghost_limit_max: int = field(default=256 << 20, metadata={"size": True})
-    # Read by proctrack/slurmckpt in each slurmstepd (spank/proctrack_slurmckpt.c), not by Python.
-    proctrack_delegate: str = "proctrack/cgroup"
-    # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
-    # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
-    debug_stall_after: str = ""
+    storage_root: str = _key("/var/lib/slurmckpt/images", "The image store (root-only, 0700): one directory per "
+                             "cluster and job. Put it on a file system every node shares, so that a job restores "
+                             "on other nodes.")
+    criu_path: str = _key(factory=_default_criu, doc="The CRIU binary (>= 4.1). Default: /usr/local/sbin/criu if "
+                          "it exists, else criu from PATH.")
+    init_path: str = _key("/usr/local/libexec/slurmckpt/slurmckpt-init", "The PID-namespace init of each task's "
+                          "tree; the plugstack line's init= overrides it.")
+    log_dir: str = _key("/var/log/slurmckpt", "Directory of the agents' log files (root-only, 0700).")
+    run_dir: str = _key("/run/slurmckpt", "Node-local directory for per-task private directories and the node's "
+                        "metrics state.")
+    freezer_root: str = _key("auto", "Where the freeze cgroups go: auto (task_cgroup.default_root(): cgroup v2 "
+                             "where the kernel has it) or a cgroup directory.")
+    keep_epochs: int = _key(2, "Committed checkpoints kept per job; a restore that fails falls back to the older "
+                            "one. The policy may set it per partition or QOS.")
+    prepare_timeout_s: float = _key(30.0, "Seconds within which every rank must be frozen (and its GPUs locked), "
+                                    "else the epoch aborts and the previous checkpoint stays.")
+    capture_timeout_s: float = _key(600.0, "Seconds within which every rank must be dumped, else the epoch aborts.")
+    walltime_margin_s: float = _key(45.0, "Least lead before the job's EndTime for its final capture (the margin "
+                                    "grows with the last capture's duration).")
+    requeue_wait_s: float = _key(600.0, "How long a task whose final capture committed waits for Slurm to take "
+                                 "the job down.")
+    gpu_lock_timeout_ms: int = _key(500, "Timeout of one GPU lock round, in milliseconds.")
+    gpu_lock_rounds: int = _key(8, "Lock rounds tried before a GPU job's epoch aborts.")
+    criu_extra_args: tuple[str, ...] = _key((), "Extra arguments for every criu dump and restore (a list or one "
+                                            "string).")
+    ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "
+                                "rank's images may hold: bytes or a number with KiB, MiB, GiB.", size=True)
+    proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
+                                   "process tracking plugin, which slurmckpt delegates to (read by every new "
+                                   "slurmstepd).")
+    debug_stall_after: str = _key("", "Tests only: STAGE:SECONDS pauses every rank that long after STAGE.")
+    log_target: str = _key("file", "Where agents log: file (one file per task in log_dir, rotated by size, old "
+                           "tasks' files removed) or syslog (syslog_address; journald reads /dev/log).",
+                           choices=("file", "syslog"))
+    log_max_bytes: int = _key(16 << 20, "Size at which an agent's log file is rotated.", size=True)
+    log_backups: int = _key(3, "Rotated copies kept per agent log file.")
+    log_keep_days: int = _key(14, "Agent log files not written for this many days are removed when an agent "
+                              "starts; 0 keeps them all.")
+    syslog_address: str = _key("/dev/log", "The syslog socket for log_target: syslog.")
+    metrics_textfile: str = _key("/var/lib/prometheus/node-exporter/slurmckpt.prom", "The Prometheus "
+                                 "node_exporter textfile collector file the agents keep up to date (empty: none); %n "
+                                 "is this node's name.")
+    summary_dir: str = _key("/var/lib/slurmckpt/summaries", "Per-job summaries each job's user can read (epochs, "
+                            "times, sizes, failed captures); on the same shared file system as storage_root.")
+    job_comment_field: str = _key("AdminComment", "The job field slurmckpt's note and last checkpoint go to: "
+                                  "AdminComment, Comment or none.", choices=("AdminComment", "Comment", "none"))
+    policy: Policy = _key(factory=Policy, doc="Site policy per partition and QOS: see POLICY.", policy=True)
+    source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:
@@ -75,9 +124,12 @@ class Config:
 
     @classmethod
     def load(cls, path: Path | None = None, environ: dict[str, str] | None = None) -> "Config":
+        """`path`, or the first of config_paths(environ) that exists; `environ` (user side only) may also
+        override keys with SLURMCKPT_CFG_<KEY>."""
         values: dict[str, object] = {}
-        path = path or DEFAULT_PATH
-        if path.exists():
+        if path is None:
+            path = next((p for p in config_paths(environ) if p.exists()), None)
+        if path is not None and path.exists():
             try:
                 loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
@@ -88,20 +140,35 @@ class Config:
         for key in (environ or {}):
             if key.startswith("SLURMCKPT_CFG_"):
                 values[key[len("SLURMCKPT_CFG_"):].lower()] = environ[key]  # type: ignore[index]
-        return cls.from_mapping(values, source=str(path))
+        config = cls.from_mapping(values, source=str(path) if path else "config")
+        return dataclasses.replace(config, source=str(path) if path and path.exists() else cls.source)
 
     @classmethod
     def from_mapping(cls, values: dict[str, object], source: str = "config") -> "Config":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
         kwargs: dict[str, object] = {}
         for key, raw in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
-            if fields[key].metadata.get("size"):
-                kwargs[key] = _coerce(key, parse_size(key, raw, source), "int", source)
-            else:
-                kwargs[key] = _coerce(key, raw, fields[key].type, source)
+            kwargs[key] = _field_value(fields[key], raw, source)
         return cls(**kwargs)  # type: ignore[arg-type]
+
+    def with_settings(self, settings: dict[str, object]) -> "Config":
+        """This config with a job's policy settings (policy.JobPolicy.settings, already checked)."""
+        return dataclasses.replace(self, **settings) if settings else self
+
+
+def _field_value(f: dataclasses.Field, raw: object, source: str) -> object:
+    if f.metadata.get("policy"):
+        known = [n.name for n in dataclasses.fields(Config) if not n.metadata.get("internal")]
+        return Policy.parse(raw, source, lambda key, value: _field_value(_FIELDS[key], value, "policy"), known)
+    if f.metadata.get("size"):
+        return _coerce(f.name, parse_size(f.name, raw, source), "int", source)
+    value = _coerce(f.name, raw, f.type, source)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{source}: key '{f.name}': bad value {raw!r}: want one of {', '.join(choices)}")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
@@ -139,5 +206,14 @@ def _coerce(key: str, raw: object, typ: object, source: str) -> object:
         raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: {e}") from e
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
 def load_user_config() -> Config:
     return Config.load(environ=dict(os.environ))
+
+
+def load_root_config() -> Config:
+    """For root processes started by Slurm (the agent): fixed paths, and of the environment only
+    SLURM_CONF (set by slurmstepd), never SLURMCKPT_* (docs/security.md)."""
+    return Config.load(environ={k: v for k, v in os.environ.items() if k == "SLURM_CONF"})

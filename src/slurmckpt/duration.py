@@ -48,3 +48,15 @@ def parse_duration(text: str) -> int:
     if total < MIN_INTERVAL_S:
         raise bad("below the minimum of 10 seconds (use off to disable)")
     return total
+
+
+def format_duration(seconds: int) -> str:
+    """The shortest unit spelling the grammar above reads back: 5400 -> 1h30m, 0 -> off."""
+    if seconds <= 0:
+        return "off"
+    out = ""
+    for unit, scale in _SCALE.items():
+        if seconds >= scale:
+            out += f"{seconds // scale}{unit}"
+            seconds %= scale
+    return out

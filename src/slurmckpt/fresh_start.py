@@ -24,29 +24,22 @@ from typing import Callable, Iterator, Protocol
 from slurmckpt import validate
 from slurmckpt.errors import CriuError, StorageError
 from slurmckpt.instance import store_lock
+from slurmckpt.slurm.comment import one_line
 from slurmckpt.storage import JobStore, atomic_write_json
 
 log = logging.getLogger("slurmckpt.fresh_start")
 
 FAILURES_FILE = "capture-failures.json"
 KEEP = 20                 # records kept per job (newest)
-MAX_REASON = 400          # characters of one reason
-MAX_COMMENT = 700         # characters of the AdminComment line
+MAX_REASON = 400          # characters of one reason (one_line's default)
+MAX_COMMENT = 700         # characters of the AdminComment line (slurm/comment.py)
 MAX_ANNOTATIONS = 8       # AdminComment updates one agent makes at most (slurmctld is shared)
 
-Annotate = Callable[[int, str], str]      # (job id, text) -> the field that was set
+Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (slurm/comment.py JobComment.note)
 
 
 class Pipeline(Protocol):
     failed_stage: str          # the stage that raised last (pipeline.RankPipeline)
-
-
-def one_line(value: object, limit: int = MAX_REASON) -> str:
-    """Printable, one line, at most `limit` characters: every run of whitespace (newlines included) becomes
-    one space, any other non-printable character (escape sequences, bidi controls) a '?'."""
-    text = " ".join((value if isinstance(value, str) else str(value)).split())
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
 
 
 def reason_of(error: BaseException) -> str:
@@ -135,10 +128,11 @@ class FailureReporter:
     """What one agent saw fail, recorded and told: capture failures (recorded; a final one also goes to the
     job's AdminComment), its restore failures of this run, and the fresh-start line."""
 
-    def __init__(self, store: JobStore, job: int, rank: str, node: str, annotate: Annotate | None = None,
-                 background: bool = True) -> None:
+    def __init__(self, store: JobStore, job: int, rank: str, node: str, annotate: Annotate,
+                 background: bool = True, on_recorded: Callable[[CaptureFailure], None] | None = None) -> None:
         self.store, self.job, self.rank, self.node = store, job, rank, node
-        self.annotate = annotate or _annotate_job
+        self.annotate = annotate
+        self.on_recorded = on_recorded or (lambda failure: None)      # events.py: log line, metrics
         self.background = background
         self.restore_failures: list[tuple[int, str]] = []
         self.notice: str | None = None
@@ -175,6 +169,8 @@ class FailureReporter:
             log.error("could not record the failure of epoch %d: %s", epoch, e)
             return None
         log.warning("%s (recorded: %s)", failure.describe(), added)
+        if added:
+            self.on_recorded(failure)
         if added and final:
             self._annotate(f"slurmckpt: {failure.describe()}")
         return failure if added else None
@@ -230,8 +226,3 @@ def coordinator_verdict(m: dict) -> dict:
             "trigger": validate.label(m.get("trigger", "unknown"), "trigger"),
             "rank": "" if rank in (None, "?") else ".".join(map(str, validate.rank_name(rank))),
             "node": "" if node in (None, "?") else validate.hostname(node), "seen_by": "coordinator"}
-
-
-def _annotate_job(job: int, text: str) -> str:
-    from slurmckpt.slurm.control import CliSlurm
-    return CliSlurm(timeout_s=20).annotate(job, text)

@@ -4,11 +4,17 @@ last capture's duration, so no `--signal` is needed from the user)."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 log = logging.getLogger("slurmckpt.triggers")
+
+# `slurmckpt checkpoint | requeue JOB` (scancel --batch --signal, Slurm authorises it): real-time signals
+# whose default action ends a process, so the CLI sends them only to a job whose batch step is wrapped.
+CHECKPOINT_SIGNAL = signal.SIGRTMIN + 4     # capture, keep running
+REQUEUE_SIGNAL = signal.SIGRTMIN + 5        # capture, then requeue
 
 
 @dataclass

@@ -7,6 +7,7 @@ final capture, takes part in the job's epochs through the coordinator, and exits
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import select
@@ -23,15 +24,13 @@ from slurmckpt.coordinator.supervisor import HostCallbacks
 from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
-from slurmckpt.triggers import Schedule
+from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
 
 log = logging.getLogger("slurmckpt.wrapper")
 
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
              signal.SIGWINCH, signal.SIGCONT)
-CHECKPOINT_SIGNAL = signal.SIGRTMIN + 4     # `slurmckpt checkpoint JOBID` (scancel --batch --signal)
-REQUEUE_SIGNAL = signal.SIGRTMIN + 5        # `slurmckpt checkpoint --requeue JOBID`
 
 
 def say(env: TaskEnv, message: str) -> None:
@@ -95,6 +94,9 @@ class Wrapper:
         for sig in (*FORWARDED, signal.SIGTERM, signal.SIGCHLD, CHECKPOINT_SIGNAL, REQUEUE_SIGNAL):
             signal.signal(sig, lambda s, f: self.pending.append(s))
         plan = self.call("plan")
+        if plan.get("disabled"):
+            self._run_plainly(libc, str(plan["disabled"]))
+        self._apply_interval(plan)
         self.tree_procs = plan.get("tree_procs")
         self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result))
         if self.member.supervisor:
@@ -109,6 +111,25 @@ class Wrapper:
             self.agent.close()          # the agent ends what is left of the tree and exits
         self._reap_children(2.0)
         return code
+
+    def _run_plainly(self, libc, why: str) -> None:
+        """The site policy forbids checkpoints for this job: the task becomes its own command, as without the
+        plugin (the agent sees its channel close on the exec and exits)."""
+        say(self.env, f"{why}: running the task without checkpoints")
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
+        os.execvpe(self.argv[0], self.argv, env)
+
+    def _apply_interval(self, plan: dict) -> None:
+        """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
+        interval = plan.get("interval_s")
+        if isinstance(interval, int) and interval != self.env.interval_s:
+            rule = plan.get("policy") or {}
+            source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
+                rule.get("default_interval_from")
+            say(self.env, f"checkpoint interval {interval}s, set by the site policy ({source or 'slurmckpt.yaml'})")
+            self.env = dataclasses.replace(self.env, interval_s=interval)
+            self.member.env = self.env
 
     def _reap_children(self, timeout_s: float) -> None:
         """Leave no zombie behind: one that outlived its parent in the tree was re-parented here, and as a

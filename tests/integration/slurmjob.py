@@ -42,6 +42,34 @@ def proctrack_delegate(plugin: str):
         CONFIG.write_text(saved)
 
 
+@contextmanager
+def site_config(text: str):
+    """Run what is inside with `text` (YAML keys) added to the cluster's slurmckpt.yaml: agents read it when a
+    task starts, `slurmckpt policy check` (cli_filter.lua) at every submission."""
+    saved = CONFIG.read_text()
+    CONFIG.write_text(saved.rstrip("\n") + "\n" + text)
+    try:
+        yield
+    finally:
+        CONFIG.write_text(saved)
+
+
+PLUGSTACK = Path("/etc/slurm/plugstack.conf")
+
+
+@contextmanager
+def plugin_args(*args: str):
+    """Run what is inside with `args` added to the slurmckpt line of plugstack.conf (sbatch and every new
+    slurmstepd read it; no daemon restarts)."""
+    saved = PLUGSTACK.read_text()
+    PLUGSTACK.write_text("\n".join(l + " " + " ".join(args) if "slurmckpt_spank.so" in l and not l.startswith("#")
+                                   else l for l in saved.splitlines()) + "\n")
+    try:
+        yield
+    finally:
+        PLUGSTACK.write_text(saved)
+
+
 def run(*cmd: str, user: str | None = None, check: bool = True, cwd: Path | None = None,
         timeout: float = 60) -> subprocess.CompletedProcess:
     full = (["runuser", "-u", user, "--"] if user else []) + list(cmd)

@@ -40,3 +40,32 @@ class FakeSlurm:
 
     def ran(self, name: str) -> list[list[str]]:
         return [c for c in self.calls if c[0] == name]
+
+
+def squeue_line(job_id: int, user: str = "ckptuser1", uid: int = 1001, state: str = "RUNNING", restarts: int = 0,
+                partition: str = "debug", qos: str = "normal", nodes: str = "node1", array: tuple | None = None,
+                admin_comment: str = "(null)", comment: str = "(null)", reqnodes: str = "") -> str:
+    """One line of `squeue -h -O` as slurm/queue.py asks for it (the fields it names, each followed by the
+    separator), the way Slurm 22.05 prints them."""
+    from slurmckpt.slurm.queue import SEP
+    array_job, task = array if array else (job_id, "N/A")
+    values = [job_id, array_job, task, user, uid, state, restarts, partition, qos, nodes, reqnodes, "None",
+              admin_comment, comment]
+    return "".join(f"{v}{SEP}" for v in values) + "\n"
+
+
+def squeue_answer(*lines: str):
+    """An squeue answer that knows exactly these jobs: `-j` of any other id fails like squeue does."""
+    from slurmckpt.slurm.queue import SEP
+    known = {line.split(SEP)[0]: line for line in lines}
+    known.update({f"{line.split(SEP)[1]}_{line.split(SEP)[2]}": line for line in lines})
+
+    def answer(cmd: list[str]) -> Ran:
+        if "-j" not in cmd:
+            return Ran(0, "".join(lines))
+        wanted = cmd[cmd.index("-j") + 1].split(",")
+        found = [known[w] for w in wanted if w in known]
+        if not found and len(wanted) == 1:
+            return Ran(1, "", "slurm_load_jobs error: Invalid job id specified")
+        return Ran(0, "".join(found))
+    return answer

@@ -1,5 +1,5 @@
-"""The CLI names exactly the job the user wrote, signals only the caller's own jobs, and prints what users
-wrote escaped."""
+"""The CLI names exactly the job the user wrote (array tasks by their own id), signals only the caller's own
+jobs, moves a job with `migrate` through Slurm's own steps, and prints what users wrote escaped."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import slurmckpt.cli as cli
-from fake_slurm import FakeSlurm
-from slurmckpt.errors import SlurmError
-from slurmckpt.slurm import jobref
+from fake_slurm import FakeSlurm, Ran, squeue_answer, squeue_line
+from slurmckpt.cli import cli, jobs, lookup
+from slurmckpt.cli.output import shown
+from slurmckpt.config import Config
 from slurmckpt.slurm.jobref import BadJobSpec, JobRef, parse_job_spec
 
-SCONTROL_ARRAY = ("JobId=1240 ArrayJobId=1234 ArrayTaskId=5 JobName=a UserId=ckptuser1(1001) GroupId=x(1001)\n"
-                  "JobId=1239 ArrayJobId=1234 ArrayTaskId=4 JobName=a UserId=ckptuser1(1001) GroupId=x(1001)\n")
+ARRAY_TASK = squeue_line(1240, array=(1234, 5))
+OTHER_TASK = squeue_line(1239, array=(1234, 4))
 
 
 @pytest.mark.parametrize("text,ref", [("7", JobRef(7)), ("1234", JobRef(1234)), ("1234_5", JobRef(1234, 5)),
@@ -37,83 +37,129 @@ def test_the_old_int_parse_named_another_job():
     assert int("1234_5") == 12345            # what click's type=int did with an array task id
 
 
-def test_array_task_resolves_through_slurm_to_its_own_job_id():
-    calls = []
+@pytest.fixture
+def user(monkeypatch, tmp_path: Path):
+    """Run the CLI as uid 1001 with a config of our own (no summary there: the submit line decides)."""
+    (tmp_path / "slurmckpt.yaml").write_text(f"summary_dir: {tmp_path}/summaries\n")
+    monkeypatch.setenv("SLURMCKPT_CONFIG", str(tmp_path / "slurmckpt.yaml"))
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    lookup.cluster.cache_clear()
 
-    def run(*cmd):
-        calls.append(cmd)
-        return SCONTROL_ARRAY
-    info = jobref.resolve(JobRef(1234, 5), run)
-    assert (info.job_id, info.uid) == (1240, 1001)
-    assert calls[0] == ("scontrol", "-o", "show", "job", "1234_5")
-
-
-def test_plain_job_takes_the_line_of_exactly_that_id():
-    out = "JobId=12345 UserId=other(1002)\nJobId=1234 UserId=ckptuser1(1001)\n"
-    assert jobref.resolve(JobRef(1234), lambda *c: out).uid == 1001
-
-
-def test_forgotten_job_resolves_through_accounting_and_unknown_is_an_error():
-    def run(*cmd):
-        if cmd[0] == "scontrol":
-            raise SlurmError("Invalid job id specified")
-        return "1240|1234_5|1001\n1239|1234_4|1001\n"
-    assert jobref.resolve(JobRef(1234, 5), run).job_id == 1240
-    with pytest.raises(SlurmError, match="no job 1234_9"):
-        jobref.resolve(JobRef(1234, 9), run)
+    def be(uid: int) -> None:
+        monkeypatch.setattr(os, "geteuid", lambda: uid)
+        monkeypatch.setattr(os, "getuid", lambda: uid)
+    be(1001)
+    return be
 
 
-def _fake_slurm(monkeypatch, uid: int, job_id: int = 1240):
-    def resolve(ref, run):
-        return jobref.JobInfo(job_id, uid, ref)
-    monkeypatch.setattr(jobref, "resolve", resolve)
-    monkeypatch.setattr(cli, "submitted_interval", lambda job, wait_s=20.0: "10s")
-    return FakeSlurm().install(monkeypatch).calls
+def _slurm(monkeypatch, *lines: str, **more) -> FakeSlurm:
+    return FakeSlurm(squeue=squeue_answer(*lines), sacct="1240|sbatch --checkpoint-interval=10m x\n",
+                     **more).install(monkeypatch)
 
 
-def test_checkpoint_refuses_another_users_job_before_any_signal(monkeypatch):
-    monkeypatch.setattr(os, "geteuid", lambda: 1002)
-    monkeypatch.setattr(os, "getuid", lambda: 1002)
-    sent = _fake_slurm(monkeypatch, uid=1001)
-    r = CliRunner().invoke(cli.cli, ["checkpoint", "1234_5"])
-    assert r.exit_code != 0 and "refused" in r.output and "uid 1001" in r.output
-    assert not [c for c in sent if c[0] == "scancel"], "a signal was sent to another user's job"
-
-
-def test_checkpoint_of_an_array_task_signals_its_own_job_id(monkeypatch):
-    monkeypatch.setattr(os, "geteuid", lambda: 1001)
-    monkeypatch.setattr(os, "getuid", lambda: 1001)
-    sent = _fake_slurm(monkeypatch, uid=1001)
-    r = CliRunner().invoke(cli.cli, ["checkpoint", "1234_5"])
+def test_an_array_task_is_signalled_by_its_own_job_id(user, monkeypatch):
+    slurm = _slurm(monkeypatch, ARRAY_TASK, OTHER_TASK)
+    r = CliRunner().invoke(cli, ["checkpoint", "1234_5"])
     assert r.exit_code == 0, r.output
-    assert [c for c in sent if c[0] == "scancel"][0][-1] == "1240"
+    assert slurm.ran("squeue")[0][-2:] == ["-j", "1234_5"]
+    assert slurm.ran("scancel")[0][-1] == "1240"
 
 
-def test_root_may_checkpoint_any_users_job(monkeypatch):
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    sent = _fake_slurm(monkeypatch, uid=1001)
-    assert CliRunner().invoke(cli.cli, ["checkpoint", "1234"]).exit_code == 0
-    assert any(c[0] == "scancel" for c in sent)
+def test_another_users_job_is_refused_before_any_signal(user, monkeypatch):
+    user(1002)
+    slurm = _slurm(monkeypatch, ARRAY_TASK)
+    for args in (["checkpoint", "1234_5"], ["checkpoint", "--force", "1234_5"], ["requeue", "1240"],
+                 ["migrate", "1240", "--to", "node2"]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 1 and "refused: job 1240 (1234_5) belongs to uid 1001" in r.output, r.output
+    assert not slurm.ran("scancel") and not any(c[:2] == ["scontrol", "update"] for c in slurm.calls)
 
 
-@pytest.mark.parametrize("command", ["checkpoint", "inspect", "status"])
+def test_root_may_checkpoint_any_users_job(user, monkeypatch):
+    user(0)
+    slurm = _slurm(monkeypatch, squeue_line(1240))
+    assert CliRunner().invoke(cli, ["checkpoint", "1240"]).exit_code == 0
+    assert slurm.ran("scancel")
+
+
+@pytest.mark.parametrize("command", [["checkpoint"], ["inspect"], ["status"], ["requeue"],
+                                     ["migrate", "--to", "node2"]])
 @pytest.mark.parametrize("bad", ["1234_5_6", "12a34", "1234_", "-5"])
-def test_commands_refuse_malformed_job_ids_with_a_clear_error(monkeypatch, command, bad):
-    sent = _fake_slurm(monkeypatch, uid=os.getuid())
-    r = CliRunner().invoke(cli.cli, [command, "--", bad])
+def test_commands_refuse_malformed_job_ids_with_a_clear_error(user, monkeypatch, command, bad):
+    slurm = _slurm(monkeypatch)
+    r = CliRunner().invoke(cli, [*command, "--", bad])
     assert r.exit_code == 2 and "is not a job id" in r.output, r.output
-    assert sent == []
+    assert slurm.calls == []
 
 
+# ---- migrate ---------------------------------------------------------------------------------------------
+def _moving(states: list[str]):
+    """squeue answers for a job that goes through `states`, one per question, then stays in the last."""
+    seen: list[str] = []
+
+    def answer(cmd: list[str]) -> Ran:
+        state = states[min(len(seen), len(states) - 1)]
+        seen.append(state)
+        nodes = "node2" if state == "RUNNING" and len(seen) > 2 else "node1"
+        return Ran(0, squeue_line(1240, state=state, nodes=nodes, restarts=1 if len(seen) > 2 else 0))
+    return answer
+
+
+def _nodes(cmd: list[str]) -> Ran:
+    if cmd[1:3] == ["show", "node"]:
+        node = cmd[-1]
+        state = {"node1": "MIXED", "node2": "IDLE", "node3": "DOWN*", "node4": "IDLE"}.get(node)
+        if state is None:
+            return Ran(1, "", f"Node {node} not found")
+        parts = "debug,low" if node != "node4" else "other"
+        return Ran(0, f"NodeName={node} Arch=x86_64 State={state} Partitions={parts}\n")
+    return Ran(0, "ClusterName = c\n")
+
+
+def test_migrate_captures_requeues_points_the_pending_job_at_the_node_and_waits_for_it(user, monkeypatch):
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+    slurm = FakeSlurm(squeue=_moving(["RUNNING", "RUNNING", "PENDING", "RUNNING"]), scontrol=_nodes,
+                      sacct="1240|sbatch --checkpoint-interval=10m x\n").install(monkeypatch)
+    r = CliRunner().invoke(cli, ["migrate", "1240", "--to", "node2", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["action"] == "migrate" and doc["detail"].startswith("running on node2 (restart 1)")
+    order = [c[0] if c[0] != "scontrol" else " ".join(c[:2]) for c in slurm.calls]
+    signal_at, update_at = order.index("scancel"), order.index("scontrol update")
+    assert signal_at < update_at and "squeue" in order[signal_at:update_at]     # pending before the update
+    assert ["scontrol", "update", "JobId=1240", "ReqNodeList=node2"] in slurm.calls
+
+
+@pytest.mark.parametrize("target, why", [("node3", "is DOWN*"), ("node9", "Slurm knows no such node"),
+                                         ("node4", "not in the job's partition debug"),
+                                         ("node1", "already runs on node1")])
+def test_migrate_refuses_a_target_slurm_would_not_run_it_on_before_anything_is_sent(user, monkeypatch, target,
+                                                                                     why):
+    slurm = FakeSlurm(squeue=squeue_answer(squeue_line(1240)), scontrol=_nodes).install(monkeypatch)
+    r = CliRunner().invoke(cli, ["migrate", "1240", "--to", target])
+    assert r.exit_code == 1 and why in r.output, r.output
+    assert not slurm.ran("scancel")
+
+
+def test_migrate_says_when_the_job_ends_instead_of_being_requeued(user, monkeypatch):
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+    FakeSlurm(squeue=_moving(["RUNNING", "RUNNING", "COMPLETED"]), scontrol=_nodes,
+              sacct="1240|sbatch --checkpoint-interval=10m x\n").install(monkeypatch)
+    r = CliRunner().invoke(cli, ["migrate", "1240", "--to", "node2"])
+    assert r.exit_code == 1 and "ended (COMPLETED) while waiting for the capture and requeue" in r.output
+
+
+# ---- what users wrote, shown ------------------------------------------------------------------------------
 def test_shown_escapes_control_characters_and_terminal_sequences():
-    assert cli.shown("/home/u/out.txt") == "/home/u/out.txt"
-    assert cli.shown("naïve ünïcode") == "naïve ünïcode"
+    assert shown("/home/u/out.txt") == "/home/u/out.txt"
+    assert shown("naïve ünïcode") == "naïve ünïcode"
     for hostile in ("\x1b[2J\x1b[H", "a\nb", "x\rroot# ", "\x1b]0;title\x07", "evil\u202etxt.exe", "\x9b31m"):
-        out = cli.shown(hostile)
+        out = shown(hostile)
         assert out.isprintable() and "\x1b" not in out and "\u202e" not in out, out
 
 
 def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
+    from slurmckpt.cli import lookup as lk
     from slurmckpt.storage import JobStore
     root = tmp_path / "images"
     store = JobStore(root, "c", 77)
@@ -125,10 +171,10 @@ def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
         "outputs": [{"fd": 1, "link": "/home/u/\x1b]0;pwned\x07out", "size": 3}],
         "truncate": [{"path": "/tmp/a\nfake line", "size": 1}]})
     store.commit(1, {"batch.0": {"kind": "image", "node": "n1"}}, "interval", 2)
-    monkeypatch.setattr(cli.Config, "load", classmethod(lambda c: cli.Config.from_mapping(
-        {"storage_root": str(root)})))
-    r = CliRunner().invoke(cli.cli, ["inspect", "77"])
+    monkeypatch.setattr(lk, "load_user_config", lambda: Config.from_mapping({"storage_root": str(root)}))
+    r = CliRunner().invoke(cli, ["inspect", "77"])
     assert r.exit_code == 0, r.output
     assert "\x1b" not in r.output and "\x07" not in r.output and "fake line\n" not in r.output
     assert "\\x1b[2Jx.py" in r.output and "\\x1b]0;pwned\\x07out" in r.output
-    json.dumps(r.output)
+    r = CliRunner().invoke(cli, ["inspect", "--json", "77"])
+    assert json.loads(r.output)["ranks"]["batch.0"]["argv"] == ["python", "\x1b[2Jx.py"]   # JSON escapes itself

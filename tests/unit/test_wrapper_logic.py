@@ -299,3 +299,32 @@ def test_a_contended_lock_reaches_the_coordinator_client_as_its_type(make):
     w = make({"prepare": LockContended("GPU lock of pid 7 timed out after 500 ms")})
     with pytest.raises(LockContended):
         w._on_command("prepare", 4, {})
+
+
+# ---- the site policy, as the agent's plan says it -------------------------------------------------------------
+def test_the_policys_interval_replaces_the_shims_and_is_said(make, said):
+    w = make()
+    w.env = w.member.env = w.env.__class__(**{**w.env.__dict__, "interval_s": 10})
+    w._apply_interval({"interval_s": 600, "policy": {"min_interval_s": 600, "min_interval_from": "partition low"}})
+    assert w.env.interval_s == 600 and w.member.env.interval_s == 600
+    assert said == ["checkpoint interval 600s, set by the site policy (partition low)"]
+    w._apply_interval({"interval_s": 600})                    # the same again: nothing to say
+    assert len(said) == 1
+
+
+def test_a_disabled_task_becomes_its_plain_command_without_the_private_variables(make, said, monkeypatch):
+    w = make()
+    ran: list = []
+    monkeypatch.setenv("SLURMCKPT_AGENT_FD", "3")
+    monkeypatch.setenv("SLURMCKPT_INTERVAL", "600")
+    monkeypatch.setattr(wrapper.os, "execvpe", lambda path, argv, env: ran.append((path, argv, env)))
+
+    class Libc:
+        def prctl(self, *args):
+            ran.append(("prctl", args))
+    w._run_plainly(Libc(), "checkpoints are not allowed in partition debug (site policy)")
+    assert said == ["checkpoints are not allowed in partition debug (site policy): running the task without "
+                    "checkpoints"]
+    assert ran[0] == ("prctl", (wrapper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0))
+    path, argv, env = ran[1]
+    assert (path, argv) == ("app", ["app"]) and not any(k.startswith("SLURMCKPT_") for k in env)

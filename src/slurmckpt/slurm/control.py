@@ -16,8 +16,14 @@ from typing import Protocol
 
 from slurmckpt import proctree
 from slurmckpt.errors import SlurmError
+from slurmckpt.slurm import queue
+from slurmckpt.slurm.queue import QueuedJob
 
 log = logging.getLogger("slurmckpt.slurm")
+
+
+class JobUnknown(SlurmError):
+    """slurmctld does not know the job (it never existed, or it ended longer than MinJobAge ago)."""
 
 
 class SlurmControl(Protocol):
@@ -44,13 +50,18 @@ class CliSlurm:
         self._run("scontrol", "requeue", str(job_id))
         log.info("requeued job %d in %.2fs", job_id, time.monotonic() - start)
 
-    def annotate(self, job_id: int, text: str) -> str:
-        """Root only: `text` (one sanitized line, fresh_start.py) becomes the job's AdminComment, which sacct
-        and `scontrol show job` show; Comment when slurmctld refuses AdminComment. Returns the field set."""
+    def annotate(self, job_id: int, text: str, field: str = "AdminComment") -> str:
+        """Root only: `text` (one sanitized line, slurm/comment.py) becomes the job's AdminComment (or
+        `field`), which sacct and `scontrol show job` show; Comment when slurmctld refuses AdminComment.
+        Returns the field set."""
+        if field not in ("AdminComment", "Comment"):
+            raise SlurmError(f"no such job comment field {field!r}", job=job_id)
         try:
-            self._run("scontrol", "update", f"JobId={job_id}", f"AdminComment={text}")
-            return "AdminComment"
+            self._run("scontrol", "update", f"JobId={job_id}", f"{field}={text}")
+            return field
         except SlurmError as first:
+            if field == "Comment":
+                raise
             try:
                 self._run("scontrol", "update", f"JobId={job_id}", f"Comment={text}")
             except SlurmError as second:
@@ -96,10 +107,52 @@ class CliSlurm:
         """`squeue -h -o FMT [-j JOB]`, one line per job."""
         return self._run("squeue", "-h", "-o", fmt, *(["-j", str(job_id)] if job_id else [])).splitlines()
 
+    def queued(self, jobs: list[str] | None = None, user: str | None = None) -> list[QueuedJob]:
+        """The jobs slurmctld knows (`jobs`: ids as Slurm writes them, N or N_M; `user`: only theirs).
+        A single job id slurmctld does not know raises JobUnknown (squeue: "Invalid job id specified")."""
+        args = ["squeue", "-h", "-a", "-O", queue.format_arg()]
+        if jobs:
+            args += ["-j", ",".join(jobs)]
+        if user:
+            args += ["-u", user]
+        try:
+            return queue.parse(self._run(*args))
+        except SlurmError as e:
+            if "Invalid job id" in str(e):
+                raise JobUnknown(f"Slurm knows no job {','.join(jobs or [])}") from e
+            raise
+
+    def accounted(self, job: str) -> dict[str, str] | None:
+        """A job slurmctld forgot, from accounting (one `sacct` call with the caller's timeout): JobID,
+        JobIDRaw, User, UID, State, Partition, QOS, NodeList, AdminComment, Comment; None if it has none."""
+        keys = ("JobIDRaw", "JobID", "User", "UID", "State", "Partition", "QOS", "NodeList", "AdminComment",
+                "Comment")
+        out = self._run("sacct", "-n", "-X", "-P", "-j", job, "-o", ",".join(keys))
+        rows = [dict(zip(keys, line.split("|", len(keys) - 1))) for line in out.splitlines() if line.strip()]
+        return next((r for r in rows if job in (r.get("JobID"), r.get("JobIDRaw"))), None)
+
+    def update_job(self, job_id: int, **fields: str) -> None:
+        """`scontrol update JobId=N Key=Value...` (as the caller: Slurm authorises it)."""
+        self._run("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()))
+
+    def node_state(self, node: str) -> dict[str, str]:
+        """NodeName, State, Partitions of one node (`scontrol show node -o`); SlurmError if unknown."""
+        line = self._run("scontrol", "show", "node", "-o", node).strip()
+        return {k: v for k, _, v in (w.partition("=") for w in line.split()) if k in ("NodeName", "State",
+                                                                                  "Partitions")}
+
     def cluster_name(self) -> str | None:
         for line in self._run("scontrol", "show", "config").splitlines():
             if line.startswith("ClusterName"):
                 return line.split("=", 1)[1].strip() or None
+        return None
+
+    def default_partition(self) -> str | None:
+        """The partition a job that names none runs in (Default=YES)."""
+        for line in self._run("scontrol", "show", "partition", "-o").splitlines():
+            fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+            if fields.get("Default") == "YES":
+                return fields.get("PartitionName")
         return None
 
     def node_addr(self, node: str) -> str | None:
@@ -170,6 +223,8 @@ class JobRecord:
     restarts: int
     state: str
     gpus: dict[str, list[int]]
+    partition: str = ""         # where the job runs: the site policy's key (policy.py)
+    qos: str = ""
 
 
 _GRES_IDX = re.compile(r"(?:^|,)gpu(?::[^:(,]+)?:\d+\(IDX:([^)]*)\)")
@@ -227,8 +282,10 @@ def parse_job_record(text: str, job_id: int) -> JobRecord:
     uid, gid = re.search(r"\((\d+)\)", field("UserId")), re.search(r"\((\d+)\)", field("GroupId"))
     if not uid or not gid:
         raise SlurmError("scontrol show job: UserId/GroupId without a number", job=job_id)
+    optional = {k: m.group(1) for k in ("Partition", "QOS") if (m := re.search(rf"(?:^|\s){k}=(\S*)", text))}
     return JobRecord(job_id, int(uid.group(1)), int(gid.group(1)), field("SubmitTime"),
-                     int(field("Restarts")), field("JobState"), parse_gpu_allocation(text))
+                     int(field("Restarts")), field("JobState"), parse_gpu_allocation(text),
+                     optional.get("Partition", ""), optional.get("QOS", ""))
 
 
 def job_record(job_id: int, timeout_s: float = 20.0) -> JobRecord:

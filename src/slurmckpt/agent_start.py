@@ -1,0 +1,116 @@
+"""How a root agent starts (docs/architecture.md, "Privilege model"): who it serves comes from the SPANK
+shim's argv and from slurmctld by the trusted job id, never from the job's environment; then its config,
+its logs, the site policy for its job's partition and QOS (policy.py), and its outlets (events.py)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmckpt import agentlog
+from slurmckpt.agent import Agent
+from slurmckpt.identity import TaskIdentity
+from slurmckpt.channel import Channel
+from slurmckpt.config import Config, load_root_config
+from slurmckpt.errors import SlurmckptError
+from slurmckpt.events import AgentEvents, SlurmdLog, Task
+from slurmckpt.metrics import NodeMetrics, node_name
+from slurmckpt.peer import Peer
+from slurmckpt.policy import JobPolicy
+from slurmckpt.slurm.comment import JobComment
+from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record
+from slurmckpt.storage import JobStore
+
+log = logging.getLogger("slurmckpt.agent")
+
+
+@dataclass(frozen=True)
+class ShimArgs:
+    """What the SPANK shim passed (spank/agent_spawn.c), as trusted as Slurm itself."""
+    fd: int
+    job: int
+    step: str
+    rank: int
+    uid: int
+    gid: int
+    restart_count: int = 0
+    init: str | None = None
+    interval: int | None = None        # seconds; None: a shim that does not say
+    interval_from: str = "option"      # option (the job's --checkpoint-interval) | default (default_interval=)
+    log_fd: int | None = None          # the log relay into slurmd's log (spank/log_relay.c)
+
+
+def cluster_name() -> str:
+    try:
+        return CliSlurm(timeout_s=20).cluster_name() or "cluster"
+    except SlurmckptError:
+        return "cluster"
+
+
+def _restart_count(job: int) -> int:
+    try:
+        return int(CliSlurm(timeout_s=20).job(job).get("restart_cnt", 0))
+    except (SlurmckptError, ValueError, TypeError):
+        return 0
+
+
+def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | None:
+    """The job as slurmctld knows it; None (nothing restored, commits stay unbound) if it cannot say, or
+    if it names another owner than the shim's argv."""
+    for attempt in range(attempts):
+        try:
+            record = job_record(job)
+        except SlurmckptError as e:
+            log.warning("scontrol show job %d (attempt %d): %s", job, attempt + 1, e)
+            time.sleep(0.5)
+            continue
+        if (record.uid, record.gid) != (uid, gid):
+            log.error("Slurm says job %d belongs to uid %d gid %d, the shim said %d/%d: not bound", job,
+                      record.uid, record.gid, uid, gid)
+            return None
+        return record
+    return None
+
+
+def job_policy(config: Config, slurm_job: JobRecord | None) -> JobPolicy:
+    """The site policy for the partition and QOS slurmctld says the job runs in (the default rule alone
+    when slurmctld could not be asked)."""
+    if slurm_job is None:
+        return config.policy.for_job([], None)
+    return config.policy.for_job([slurm_job.partition] if slurm_job.partition else [], slurm_job.qos or None)
+
+
+def run_agent(args: ShimArgs) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)    # Slurm signals every process of the step; we act on the wrapper's word
+    if args.step != "batch" and not args.step.isdigit():
+        raise SystemExit(f"slurmckpt agent: bad step {args.step!r}")
+    config = load_root_config()
+    if args.init:
+        config = dataclasses.replace(config, init_path=args.init)
+    agentlog.setup(config, args.job, args.step, args.rank)
+    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT (and its squeue --json says restart_cnt 0
+    # after a requeue): ask slurmctld, by the trusted job id.
+    slurm_job = _slurm_job(args.job, args.uid, args.gid)
+    restart_count = (max(args.restart_count, slurm_job.restarts) if slurm_job
+                     else (args.restart_count or _restart_count(args.job)))
+    ident = TaskIdentity(cluster_name(), args.job, args.step, args.rank, args.uid, args.gid, restart_count)
+    policy = job_policy(config, slurm_job)
+    config = config.with_settings(dict(policy.settings))     # keep_epochs, compression for this job
+    store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
+    node = node_name()
+    task = ident.tree.task
+    events = AgentEvents(Task(ident.job, ident.step, ident.rank, ident.uid, node), store, config,
+                         SlurmdLog(args.log_fd), JobComment(store, ident.job, config.job_comment_field),
+                         NodeMetrics(config.metrics_textfile, config.run_dir, task, node))
+    interval = args.interval if args.interval is not None else 0
+    agent = Agent(ident, Channel.from_fd(args.fd), config, Peer.parent(), slurm_job, events=events, policy=policy,
+                  interval=(interval, args.interval is None or args.interval_from == "option"))
+    log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
+             policy.describe())
+    log.info("agent up for wrapper pid %d on %s", agent.wrapper_pid, socket.gethostname())
+    agent.serve()

@@ -1,0 +1,96 @@
+"""`slurmckpt list | inspect` (root): what the image store holds. The store is root-only (0700); users see
+their own jobs' checkpoints through `slurmckpt status` (the job summaries, summary.py)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+from slurmckpt.cli.lookup import JOB, config, queued
+from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown, when
+from slurmckpt.config import Config
+from slurmckpt.slurm.jobref import JobRef
+from slurmckpt.storage import JobStore, list_jobs
+
+LIST_COLUMNS = [Column("cluster", "CLUSTER"), Column("job", "JOBID", right=True), Column("epoch", "EPOCH", right=True),
+                Column("reason", "TRIGGER"), Column("ranks", "RANKS", right=True), Column("committed", "COMMITTED")]
+
+
+def store_root(cfg: Config) -> Path:
+    root = Path(cfg.storage_root)
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise CliError(f"{root} is readable by root only (images belong to root); run as root, or see your "
+                       "jobs' checkpoints with `slurmckpt status`")
+    return root
+
+
+@click.command(name="list")
+@output_options
+def list_cmd(fmt: Format) -> None:
+    """(root) Committed checkpoints of every job in the image store."""
+    root = store_root(config())
+    rows = []
+    for cluster, job in list_jobs(root):
+        for e in JobStore(root, cluster, job).committed():
+            rows.append({"cluster": cluster, "job": job, "epoch": e["epoch"], "reason": e["reason"],
+                         "ranks": len(e["ranks"]), "committed_at": e["committed_at"],
+                         "committed": when(e["committed_at"])})
+    emit(fmt, LIST_COLUMNS, rows)
+
+
+def _job_id(ref: JobRef) -> int:
+    """N as written; an array task's own id through Slurm."""
+    return ref.job if ref.task is None else queued(ref).job_id
+
+
+@click.command()
+@click.argument("job", type=JOB)
+@click.option("--epoch", type=int, default=None, help="Default: the newest committed one.")
+@output_options
+def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
+    """(root) What a checkpoint holds: ranks, processes, files, output snapshots, sizes, timings."""
+    root = store_root(config())
+    job_id = _job_id(job)
+    clusters = [c for c, j in list_jobs(root) if j == job_id]
+    if not clusters:
+        raise CliError(f"no checkpoint of job {job_id} in {root}")
+    store = JobStore(root, clusters[0], job_id)
+    chosen = next((e for e in store.committed() if epoch in (None, e["epoch"])), None)
+    if chosen is None:
+        raise CliError(f"job {job_id} has no committed epoch {epoch}")
+    ranks = {}
+    for name, record in sorted(chosen["ranks"].items()):
+        if record["kind"] != "completed":
+            step, _, rank = name.rpartition(".")
+            record = {**record, **store.read_rank_manifest(chosen["epoch"], step, int(rank))}
+        ranks[name] = record
+    if fmt.kind == "json":
+        emit(fmt, [], [], {"job": job_id, "cluster": clusters[0], "epoch": chosen["epoch"],
+                           "reason": chosen["reason"], "committed_at": chosen["committed_at"], "ranks": ranks})
+        return
+    if fmt.kind != "text":
+        emit(fmt, [Column("rank", "RANK"), Column("kind", "KIND"), Column("node", "NODE"),
+                   Column("processes", "PROCESSES"), Column("bytes", "BYTES"), Column("files", "FILES")],
+             [{"rank": n, "kind": r.get("kind"), "node": r.get("node"), "processes": r.get("processes"),
+               "bytes": sum(f["size"] for f in r.get("files", {}).values()), "files": len(r.get("files", {}))}
+              for n, r in ranks.items()])
+        return
+    click.echo(f"job {job_id} epoch {chosen['epoch']} ({shown(chosen['reason'])}), {len(ranks)} rank(s)")
+    for name, m in ranks.items():
+        if m["kind"] == "completed":
+            click.echo(f"  {shown(name)}: completed before the capture, exit code {shown(m['exit_code'])}")
+            continue
+        total = sum(f["size"] for f in m["files"].values())
+        click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
+                   f"process(es), {total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {shown(m.get('uid'))}")
+        if m.get("argv"):
+            click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
+        for o in m.get("outputs", []):
+            click.echo(f"    output fd {shown(o['fd'])}: {shown(o['link'])} ({shown(o['size'])} B snapshot)")
+        for t in m.get("truncate", []):
+            click.echo(f"    written file: {shown(t['path'])} at {shown(t['size'])} B")
+        if m.get("gpu"):
+            click.echo(f"    gpu: {json.dumps(m['gpu'])}")
+        click.echo(f"    timings: {json.dumps(m.get('timings', {}))}")
