@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.integration.slurmjob import Job, run, submit, workdir
 
 USER = "ckptuser1"
@@ -29,6 +31,8 @@ def ring_lines(job: Job) -> tuple[list[int], list[str]]:
     return steps, [l for l in job.app_lines() if l.startswith(("final ", "ghost "))]
 
 
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks, 8 MiB deleted shared mapping)", package="openmpi-bin",
+                      launcher="mpirun in sbatch", nodes=1)
 def test_openmpi_mpirun_on_one_node_requeued_twice_equals_an_uninterrupted_run() -> None:
     """mpirun -np 2 in a batch script, rank 0 holding an 8 MiB deleted shared mapping (a ghost file above
     criu's 1 MiB default, sized from the tree): requeued twice mid-run, every step is printed exactly once
@@ -52,6 +56,8 @@ def test_openmpi_mpirun_on_one_node_requeued_twice_equals_an_uninterrupted_run()
     assert job.restarts() == 2
 
 
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="openmpi-bin", launcher="mpirun in sbatch (orted via srun)",
+                      nodes=2, expect="refused")
 def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_on() -> None:
     """Across two nodes mpirun in the batch step launches orted on the other node with srun (a second
     step) and talks to it over TCP: the batch step running srun would be replayed, not restored. Every
@@ -69,6 +75,7 @@ def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_
     assert "restored from checkpoint" not in job.text() and job.restarts() == 0
 
 
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=1)
 def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run() -> None:
     """MPICH (Debian's, ch4:ucx) ranks started by `srun --mpi=pmi2 -n2`, each its own task with its own agent
     and PID namespace, captured at one cut with the batch step: each rank holds its PMI socket to
@@ -95,4 +102,31 @@ def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run(
     assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
     assert result == ref, (result, ref)
     assert job.text().count("srun exit 0") == 1 and "PMI" not in job.text(), job.text()[-3000:]
+    assert job.restarts() == 2
+
+
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=2)
+def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted_run() -> None:
+    """MPICH ranks on two nodes (`srun --mpi=pmi2 -N2 -n2`) talk TCP between the nodes' own addresses:
+    both ends are frozen at the barrier and captured, and after each requeue (Slurm places the job on the
+    same nodes) each end is restored on its node and held until the other is back. Every step is printed
+    exactly once and the ring's checksum equals an uninterrupted run's."""
+    wd = build("mpich-2nodes", "mpicc.mpich")
+    out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
+    ref = [l for l in out.splitlines() if l.startswith("final ")]
+    assert ref, out
+    job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -N2 -n2 ./mpi_ring 300 100\necho srun exit $?\n",
+                 "-J", "mpich-2n", "-N2", "-n2", "-w", "node1,node2", "--checkpoint-interval=10s")
+    for restart in (1, 2):
+        commits = len(re.findall(r"committed \(interval\): 3 rank", job.text())) + 1
+        job.wait_output(r"committed \(interval\): 3 rank", commits, timeout=180)
+        assert "final " not in job.text(), "the ring ended before the requeue"
+        job.requeue()
+        job.wait_output(r"0\.1\]: restored from checkpoint epoch", restart, timeout=240)
+        job.wait_output(r"0\.0\]: restored from checkpoint epoch", restart, timeout=60)
+    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
+    steps, result = ring_lines(job)
+    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
+    assert result == ref, (result, ref)
+    assert job.text().count("srun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
     assert job.restarts() == 2
