@@ -235,7 +235,8 @@ main() {
     case $1 in
       build) cmd_build ;; up) cmd_up ;; demo) cmd_demo ;; status) cmd_status ;; logs) cmd_logs ;;
       down) cmd_down ;;
-      exec) shift; [ $# -ge 2 ] || die "usage: $0 exec SERVICE CMD..."; compose exec -T "$@"; return ;;
+      exec) shift; [ $# -ge 2 ] || die "usage: $0 exec SERVICE CMD..."
+            if [ -t 0 ] && [ -t 1 ]; then compose exec "$@"; else compose exec -T "$@"; fi; return ;;
       *) die "unknown command '$1' (build up demo status logs down exec)" ;;
     esac
     shift
