@@ -216,7 +216,7 @@ cmd_demo() {
   in_ctld env DEMO_OTHER_NODE=1 bash /opt/slurmckpt/src/scripts/demo.sh
 }
 
-cmd_status() { compose ps; in_ctld sinfo; }
+cmd_status() { compose ps; in_ctld sinfo 2>/dev/null || log "slurmctld is not running (cluster.sh up)"; }
 
 cmd_logs() { compose logs --tail=40 2>&1; }
 
