@@ -3,7 +3,9 @@
 #   make demo              setup, then scripts/demo.sh
 #   make test              setup with 3 nodes (one slurmd per network namespace), then the linter, the
 #                          shim's C unit tests (make -C spank test, then shim-matrix), the unit and integration
-#                          tests (single-node ones run on node1..3, multi-node ones need 3)
+#                          tests (single-node ones run on node1..3, multi-node ones need 3), and the
+#                          docker-slurm test (tests/docker: the container cluster built, a job moved between
+#                          its nodes)
 #   make shim-matrix       the shim built and its C unit tests run against Debian trixie's (24.11) and sid's
 #                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
 #   make install           on a cluster node: the venv in /opt/slurmckpt/venv with the package, the plugins and the
@@ -12,6 +14,9 @@
 #   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
 #   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
+#   make docker-slurm      no root needed with Docker: the container cluster of docker-slurm/ built and started,
+#                          the demo run in it (a job restored on the other node); make docker-slurm-down stops
+#                          it (docker-slurm/cluster.sh, docs/docker-slurm.md)
 #   make status | stop     cluster status / stop every daemon of the test cluster
 #   make clean             remove build artefacts from the tree (the cluster and installed files stay)
 NODES ?= 1
@@ -19,7 +24,7 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test lint shim-matrix status stop clean install deb man
+.PHONY: setup demo test lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
 SHIM_SUITES ?= trixie sid
 
 setup:
@@ -33,7 +38,7 @@ test: setup
 	$(MAKE) lint
 	$(MAKE) -C spank test
 	$(MAKE) shim-matrix
-	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration
+	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration tests/docker
 
 lint:
 	$(PYFLAKES) src tests
@@ -57,6 +62,12 @@ man:
 
 shim-matrix:
 	bash scripts/shim-matrix.sh $(SHIM_SUITES)
+
+docker-slurm:
+	bash docker-slurm/cluster.sh build up demo
+
+docker-slurm-down:
+	bash docker-slurm/cluster.sh down
 
 status:
 	bash scripts/cluster.sh status

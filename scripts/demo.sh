@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # slurmckpt demo: a real job on the local cluster is checkpointed, requeued and restored mid-run.
-# Run by `make demo` after `make setup`. Everything shown is read live from Slurm and the job's output.
+# Run by `make demo` after `make setup`, and in docker-slurm's controller with DEMO_OTHER_NODE=1: the node the
+# job ran on is drained before the requeue, so that it is restored on another node (and resumed after).
+# Everything shown is read live from Slurm and the job's output.
 set -euo pipefail
+OTHER_NODE=${DEMO_OTHER_NODE:-0}
 USER_NAME=ckptuser1
 WD=/var/tmp/slurmckpt-work/$USER_NAME/demo
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +28,11 @@ until grep -q "committed (interval)" "$WD/slurm-$JOB.out" 2>/dev/null; do sleep 
 grep "^slurmckpt" "$WD/slurm-$JOB.out" | tail -n1
 sleep 3
 BEFORE=$(last_step)
+FIRST_NODE=$(squeue -h -j "$JOB" -o %N)
+if [ "$OTHER_NODE" = 1 ]; then
+  banner "job $JOB runs on $FIRST_NODE: scontrol update nodename=$FIRST_NODE state=drain, so that it restarts elsewhere"
+  scontrol update nodename="$FIRST_NODE" state=drain reason="slurmckpt demo: move job $JOB"
+fi
 banner "progress before requeue: step $BEFORE of 120 -> scontrol requeue $JOB"
 scontrol requeue "$JOB"
 T0=$(date +%s.%N)
@@ -33,6 +41,8 @@ banner "waiting for Slurm to start the job again (requeue delay is Slurm's: cred
 while [ "$(squeue -h -j "$JOB" -o %T)" != RUNNING ]; do printf '.'; sleep 1; done; echo
 until grep -q "restored from checkpoint" "$WD/slurm-$JOB.out"; do sleep 0.5; done
 grep "restored from checkpoint" "$WD/slurm-$JOB.out" | tail -n1
+echo "running on $(squeue -h -j "$JOB" -o %N) now (it ran on $FIRST_NODE before the requeue)"
+if [ "$OTHER_NODE" = 1 ]; then scontrol update nodename="$FIRST_NODE" state=resume; fi
 sleep 2
 echo "progress after restore: step $(last_step) (it resumed after step $BEFORE, not from 0)"
 banner "slurmckpt inspect $JOB"

@@ -4,9 +4,11 @@
 # Colours only on a terminal, so CI logs stay clean.
 if [ -t 2 ]; then _C_B=$'\e[1m'; _C_R=$'\e[31m'; _C_Y=$'\e[33m'; _C_0=$'\e[0m'; else _C_B= _C_R= _C_Y= _C_0=; fi
 
-log()  { printf '%s[slurmckpt-setup]%s %s\n' "$_C_B" "$_C_0" "$*" >&2; }
-warn() { printf '%s[slurmckpt-setup] WARNING:%s %s\n' "$_C_Y" "$_C_0" "$*" >&2; }
-die()  { printf '%s[slurmckpt-setup] ERROR:%s %s\n' "$_C_R" "$_C_0" "$*" >&2; SLURMCKPT_DIED=1; exit 1; }
+# The scripts' name in their messages (docker-slurm/cluster.sh sets its own).
+LOG_TAG=${LOG_TAG:-slurmckpt-setup}
+log()  { printf '%s[%s]%s %s\n' "$_C_B" "$LOG_TAG" "$_C_0" "$*" >&2; }
+warn() { printf '%s[%s] WARNING:%s %s\n' "$_C_Y" "$LOG_TAG" "$_C_0" "$*" >&2; }
+die()  { printf '%s[%s] ERROR:%s %s\n' "$_C_R" "$LOG_TAG" "$_C_0" "$*" >&2; SLURMCKPT_DIED=1; exit 1; }
 
 need_root() { [ "$(id -u)" = 0 ] || die "must run as root (try: sudo $0 $*)"; }
 
@@ -24,6 +26,9 @@ NET_BRIDGE=ckptbr0
 NET_PREFIX=10.77.0
 NET_HOST_IP=$NET_PREFIX.254
 export SLURM_CONF
+
+# The patch set of our CRIU builds, which names their cache directory $SLURMCKPT_CACHE/criu-VERSION-pID.
+criu_patch_id() { cat "$REPO"/scripts/criu-patches/*.patch | sha256sum | cut -c1-12; }
 
 # Print the last lines of a log file (for failure messages).
 tail_log() { local f=$1 n=${2:-30}; if [ -f "$f" ]; then echo "----- last $n lines of $f -----" >&2; tail -n "$n" "$f" >&2; echo "-----" >&2; fi; }

@@ -5,11 +5,15 @@
 #   scripts/setup.sh              everything (what `make setup` runs)
 #   scripts/setup.sh STEP...      only the named steps, in the order given:
 #                                 packages criu python spank users files slurm-config cluster smoke
+#                                 criu-build (not in the default list): build and cache CRIU without
+#                                 installing or checking it, for an image build (docker-slurm/), where
+#                                 `criu check` cannot run: it needs the privileges of the node that runs it
 # Environment:
 #   NODES=N                       1 (default): one slurmd on the host, node name node1, address 127.0.0.1.
 #                                 N>1: node1..nodeN, one slurmd per network namespace, 10.77.0.<i>/24 on
 #                                 bridge ckptbr0 (host side 10.77.0.254, where slurmctld listens).
 #   SLURMCKPT_KEEP_CONFIG=1       keep an existing /etc/slurmckpt/slurmckpt.yaml (make install)
+#   SLURMCKPT_PACKAGES="G..."     package groups of scripts/packages.sh (default: node criu-build test storage ops)
 #   SLURMCKPT_DEV_ALLOW_MISSING=1 developer escape hatch: warn instead of failing when pyproject.toml or
 #                                 spank/Makefile is missing (the SPANK line in plugstack.conf is then commented out).
 set -euo pipefail
@@ -41,59 +45,14 @@ step_start() { STEP_T0=$(date +%s%N); log "== $1"; }
 step_done()  { local ms=$(( ($(date +%s%N) - STEP_T0) / 1000000 )); log "   done in $((ms / 1000)).$(( (ms % 1000) / 100 )) s"; }
 
 # --------------------------------------------------------------------------------------------------- packages
-PACKAGES=(
-  slurmctld slurmd slurm-client slurmdbd munge libslurm-dev mariadb-server
-  build-essential patch pkg-config python3 python3-venv python3-dev pyflakes3
-  iproute2 nftables iptables procps psmisc ca-certificates xz-utils
-  # CRIU build dependencies (docs/architecture.md)
-  libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
-  libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev libnftables-dev libbsd-dev uuid-dev
-  # Real programs the integration tests run (tests/integration/test_programs.py, test_mpi.py); both MPIs
-  # co-exist, the tests call mpicc.openmpi / mpirun.openmpi / mpicc.mpich by name
-  gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev python3-numpy
-  # The image store's shared file system (scripts/glusterfs.sh)
-  glusterfs-server glusterfs-client
-  # Operations: the Lua Slurm's cli_filter/lua runs (tests/unit/test_cli_filter_lua.py runs etc/cli_filter.lua
-  # with it), node_exporter reading slurmckpt's metrics file, groff for the man pages, and what the Debian
-  # package depends on (scripts/build-deb.sh; tests/integration/test_package.py installs it)
-  lua5.1 prometheus-node-exporter groff-base python3-click python3-yaml python3-xxhash python3-psutil
-)
-
-missing_packages() {
-  local p st
-  for p in "$@"; do
-    st=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
-    [ "$st" = installed ] || echo "$p"
-  done
-}
-
-# No init system here: keep package postinst scripts from starting daemons we start ourselves.
-with_no_daemon_start() {
-  local made=0 rc=0
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\n# slurmckpt setup: no daemon starts during apt-get install\nexit 101\n' >/usr/sbin/policy-rc.d
-    chmod 755 /usr/sbin/policy-rc.d; made=1
-  fi
-  "$@" || rc=$?
-  [ $made = 0 ] || rm -f /usr/sbin/policy-rc.d
-  return $rc
-}
+# shellcheck source=scripts/packages.sh
+. "$REPO/scripts/packages.sh"
+PACKAGE_GROUPS=${SLURMCKPT_PACKAGES:-node criu-build test storage ops}
 
 step_packages() {
-  step_start "apt packages"
-  local miss
-  miss=$(missing_packages "${PACKAGES[@]}")
-  if [ -z "$miss" ]; then
-    log "   all ${#PACKAGES[@]} packages already installed (no apt-get update)"
-  else
-    log "   missing: $(echo "$miss" | tr '\n' ' ')"
-    apt-get update || die "apt-get update failed"
-    # shellcheck disable=SC2086
-    with_no_daemon_start apt-get install -y -q --no-install-recommends $miss \
-      || die "apt-get install failed for: $(echo "$miss" | tr '\n' ' ')"
-    miss=$(missing_packages "${PACKAGES[@]}")
-    [ -z "$miss" ] || die "packages still not installed after apt-get install: $miss"
-  fi
+  step_start "apt packages ($PACKAGE_GROUPS)"
+  # shellcheck disable=SC2086
+  install_packages $PACKAGE_GROUPS
   step_done
 }
 
@@ -182,8 +141,7 @@ EOF
 
 # Our CRIU carries scripts/criu-patches/ (rlimits read from /proc/<pid>/limits when prlimit() is refused to
 # root without CAP_SYS_RESOURCE, as on these machines): the distribution's criu is never used, and a build is
-# cached per CRIU version and patch set.
-criu_patch_id() { cat "$REPO"/scripts/criu-patches/*.patch | sha256sum | cut -c1-12; }
+# cached per CRIU version and patch set (criu_patch_id, scripts/lib.sh).
 
 step_criu() {
   step_start "CRIU >= $CRIU_MIN (patched)"
@@ -200,6 +158,13 @@ step_criu() {
   criu_build
   criu_ok /usr/local/sbin/criu || die "the CRIU built from source does not pass 'criu check' (see above)"
   criu_ready /usr/local/sbin/criu
+  step_done
+}
+
+step_criu_build() {
+  step_start "CRIU >= $CRIU_MIN (patched): build into $SLURMCKPT_CACHE, unchecked"
+  local d; d=$(ls -1d "$SLURMCKPT_CACHE"/criu-*-p"$(criu_patch_id)"/ 2>/dev/null | sort -V | tail -n1 || true)
+  if [ -n "$d" ] && [ -x "$d/criu" ]; then log "   cache already holds $d"; else criu_build; fi
   step_done
 }
 
@@ -455,7 +420,7 @@ main() {
   log "slurmckpt setup in $REPO (NODES=$NODES): ${steps[*]}"
   for s in "${steps[@]}"; do
     case $s in
-      packages) step_packages ;; criu) step_criu ;; python) step_python ;; spank) step_spank ;;
+      packages) step_packages ;; criu) step_criu ;; criu-build) step_criu_build ;; python) step_python ;; spank) step_spank ;;
       users) step_users ;; files) step_files ;; slurm-config) step_slurm_config ;;
       cluster) step_cluster ;; smoke) step_smoke ;;
       *) die "unknown step '$s'" ;;
