@@ -51,6 +51,9 @@ class Config:
     requeue_wait_s: float = 600.0        # how long a finished final capture waits for Slurm's requeue kill
     gpu_lock_timeout_ms: int = 500       # per lock round (see barrier.lock_round)
     gpu_lock_rounds: int = 8
+    # GPU tasks get XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true unless the job set
+    # a memory variable of that framework itself (docs/gpu.md, "Frameworks that preallocate")
+    gpu_growth_defaults: bool = True
     criu_extra_args: tuple[str, ...] = ()
     # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
     # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
@@ -118,6 +121,14 @@ def parse_size(key: str, raw: object, source: str = "config") -> int:
 
 def _coerce(key: str, raw: object, typ: object, source: str) -> object:
     try:
+        if typ in ("bool", bool):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "yes", "on", "1"):
+                return True
+            if str(raw).lower() in ("false", "no", "off", "0"):
+                return False
+            raise ValueError("want true or false")
         if typ in ("int", int):
             value: object = int(raw)  # type: ignore[arg-type]
             if value < 0:  # type: ignore[operator]

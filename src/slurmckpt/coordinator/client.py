@@ -14,7 +14,8 @@ log = logging.getLogger("slurmckpt.coordinator.client")
 
 # command -> reply type when it succeeded
 HANDSHAKE_S = 15
-REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish": "done", "abort": "done"}
+REPLIES = {"size": "sized", "prepare": "ready", "capture": "captured", "resume": "done", "finish": "done",
+           "abort": "done"}
 
 
 class RankClient:
@@ -86,8 +87,9 @@ class RankClient:
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})
                 except Exception as e:  # reported to the coordinator, which aborts the epoch
                     log.error("%s of epoch %d failed: %s", kind, epoch, e)
-                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": kind, "error": str(e),
-                               "error_kind": error_kind(e)})
+                    stage = getattr(e, "context", {}).get("stage") or kind    # the pipeline stage, if known
+                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": str(stage)[:64],
+                               "error": str(e), "error_kind": error_kind(e)})
         except (EOFError, OSError, ProtocolError) as e:
             log.info("coordinator connection lost: %s", e)
         finally:

@@ -2,9 +2,14 @@
 
 State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
 
-    periodic: IDLE -> PREPARING (all READY: GPUs checkpointed, trees frozen) -> CAPTURING (all dumped)
-              -> RESUMING (all thawed and sealed) -> COMMITTING (job manifest renamed) -> IDLE
-    final:    IDLE -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+    periodic: IDLE -> SIZING (all SIZED: bytes measured, nothing locked) -> PREPARING (all READY: GPUs
+              checkpointed, trees frozen) -> CAPTURING (all dumped) -> RESUMING (all thawed and sealed)
+              -> COMMITTING (job manifest renamed) -> IDLE
+    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+
+SIZING refuses, before anything is locked, GPU copies that do not fit the host memory of ranks sharing a node
+or a memory cgroup, and sets this epoch's phase timeouts from the bytes (budget.py). Every abort names the
+rank, node, phase and reason; a timeout names every rank that had not answered.
 
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
 """
@@ -17,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
 from slurmckpt.coordinator.protocol import (ERROR_KINDS, LineReader, Sealer, challenge, encode_prefix,
                                             parse_line)
 from slurmckpt import validate
@@ -26,6 +32,11 @@ log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
+
+
+def _ranks(parts: list[RankConn], limit: int = 8) -> str:
+    shown = ", ".join(f"rank {p.name} (node {p.node})" for p in parts[:limit])
+    return shown + (f" and {len(parts) - limit} more" if len(parts) > limit else "")
 
 
 class EpochFailed(Exception):
@@ -39,26 +50,35 @@ class EpochFailed(Exception):
 
 class _Barrier:
     """The replies of one phase: a single future, resolved when the last rank has answered or the first one
-    failed. One future and one wake-up per phase instead of one per rank (asyncio.gather)."""
+    failed. One future and one wake-up per phase instead of one per rank (asyncio.gather). `collect`: a
+    failure counts as that rank's answer (an abort waits for every rank's word, failed or not)."""
 
-    __slots__ = ("future", "replies", "left")
+    __slots__ = ("future", "replies", "left", "collect")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, collect: bool = False) -> None:
         self.future = asyncio.get_running_loop().create_future()
-        self.replies: list[dict | None] = [None] * n
+        self.replies: list[dict | EpochFailed | None] = [None] * n
         self.left = n
+        self.collect = collect
         if n == 0:
             self.future.set_result(self.replies)
 
-    def arrive(self, index: int, msg: dict) -> None:
+    def arrive(self, index: int, msg: dict | EpochFailed) -> None:
+        if self.future.done():
+            return
         self.replies[index] = msg
         self.left -= 1
         if self.left == 0:
             self.future.set_result(self.replies)
 
-    def fail(self, error: EpochFailed) -> None:
-        if not self.future.done():
+    def fail(self, index: int, error: EpochFailed) -> None:
+        if self.collect:
+            self.arrive(index, error)
+        elif not self.future.done():
             self.future.set_exception(error)
+
+    def silent(self, parts: list[RankConn]) -> list[RankConn]:
+        return [p for p, r in zip(parts, self.replies) if r is None]
 
 
 @dataclass
@@ -89,8 +109,8 @@ class RankConn:
             return
         if msg["type"] == "failed" and msg.get("phase") == command:
             kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
-            barrier.fail(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
-                                     self.node, kind))
+            barrier.fail(index, EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
+                                            self.node, kind))
         elif msg["type"] == reply:
             barrier.arrive(index, msg)
         else:
@@ -99,7 +119,8 @@ class RankConn:
 
     def vanish(self) -> None:
         if self.waiting:
-            self.waiting[3].fail(EpochFailed(self.name, self.waiting[2], "rank disconnected", self.node))
+            self.waiting[3].fail(self.waiting[4], EpochFailed(self.name, self.waiting[2], "rank disconnected",
+                                                              self.node))
         self.waiting = None
 
 
@@ -112,6 +133,8 @@ READ_SIZE = 256 * 1024
 def _reply(msg: dict) -> dict:
     """A rank's answer to a command, checked before it counts: epoch, and what a capture reports."""
     validate.epoch(msg.get("epoch"))
+    if msg["type"] == "sized":
+        RankSize.from_reply("", "", msg)
     if msg["type"] == "captured" and msg.get("kind", "image") not in ("image", "replay"):
         raise ProtocolError(f"bad kind {msg.get('kind')!r}: not image or replay")
     if "bytes" in msg:
@@ -337,7 +360,7 @@ class Coordinator:
         """Handle one message of a registered rank. Returns an awaitable when handling must wait for a
         callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
-        if kind in ("ready", "captured", "failed", "done"):
+        if kind in ("sized", "ready", "captured", "failed", "done"):
             rank.deliver(_reply(msg))
         elif kind == "exited":
             self.completed[rank.name] = {"kind": "completed", "node": rank.node,
@@ -419,74 +442,118 @@ class Coordinator:
                           error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
             self.history.append(result)
             return result
-        resumed, sealed = False, None
+        resumed, sealed, phase = False, None, "size"
+        timeouts = PhaseTimeouts.derive([], self.prepare_timeout_s, self.capture_timeout_s)
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
-            await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s, final=final,
-                              trigger=reason)
+            sized = await self._phase(parts, "size", "sized", epoch, self.prepare_timeout_s, final=final,
+                                      trigger=reason)
+            sizes = [RankSize.from_reply(p.name, p.node, reply) for p, reply in zip(parts, sized)]
+            result.update(gpu_bytes=sum(r.gpu_bytes for r in sizes), image_bytes=sum(r.image_bytes for r in sizes))
+            for size, why in refusals(sizes)[:1]:     # nothing is locked yet: refused up front
+                raise EpochFailed(size.rank, "size", f"capture refused before anything was locked: {why}",
+                                  size.node)
+            timeouts = PhaseTimeouts.derive(sizes, self.prepare_timeout_s, self.capture_timeout_s)
+            result["timeouts"] = timeouts.as_dict()
+            phase = "prepare"
+            await self._phase(parts, "prepare", "ready", epoch, timeouts.prepare, final=final, trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
-            captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
-                                         final=final)
+            phase = "capture"
+            captured = await self._phase(parts, "capture", "captured", epoch, timeouts.capture, final=final,
+                                         timeout_s=timeouts.capture)
             result["frozen_s"] = time.monotonic() - t0
             if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
-                resumed = True
-                sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
+                resumed, phase = True, "resume"
+                sealed = await self._phase(parts, "resume", "done", epoch, timeouts.resume)
             records = {**self.completed}
             for p, reply in zip(parts, captured):
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
             await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
         except EpochFailed as e:
             log.error("epoch %d aborted: %s", epoch, e)
-            if not resumed:
-                await self._abort(parts, epoch)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
                           error_kind=e.error_kind)
-        except asyncio.TimeoutError:
             if not resumed:
-                await self._abort(parts, epoch)
-            result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
+                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         except Exception as e:  # committer failure
             log.exception("epoch %d commit failed", epoch)
+            result.update(status="aborted", stage="commit", error=f"the commit failed: {e}")
             if not resumed:
-                await self._abort(parts, epoch)
-            result.update(status="aborted", stage="commit", error=str(e))
+                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         else:
             result["commit_s"] = time.monotonic() - t0
             if final:
                 self.finished = True
                 try:
                     await self._phase(parts, "finish", "done", epoch, 60)
-                except (EpochFailed, asyncio.TimeoutError) as e:
+                except EpochFailed as e:
                     log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
             result.update(status="committed", total_s=time.monotonic() - t0,
                           bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
         self.history.append(result)
         return result
 
-    async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
-                     timeout: float, **fields: object) -> list[dict]:
-        for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
-            if self.ranks.get(p.name) is not p:
-                raise EpochFailed(p.name, command, "rank disconnected", p.node)
-        barrier = _Barrier(len(parts))
+    def _send(self, parts: list[RankConn], command: str, reply: str, epoch: int, collect: bool = False,
+              **fields: object) -> _Barrier:
+        barrier = _Barrier(len(parts), collect)
         for index, p in enumerate(parts):       # armed before any reply can come
             p.expect(epoch, reply, command, barrier, index)
         prefix = encode_prefix({"type": command, "epoch": epoch, **fields})   # one JSON encoding for all
         for p in parts:
             p.send_prefix(prefix)
+        return barrier
+
+    @staticmethod
+    def _disarm(parts: list[RankConn], barrier: _Barrier) -> None:
+        for p in parts:
+            if p.waiting and p.waiting[3] is barrier:
+                p.waiting = None
+
+    async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
+                     timeout: float, **fields: object) -> list[dict]:
+        """Every rank's reply, or EpochFailed: the first rank that failed or left, or (timeout) every rank
+        that had not answered, by name and node."""
+        for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
+            if self.ranks.get(p.name) is not p:
+                raise EpochFailed(p.name, command, "rank disconnected", p.node)
+        barrier = self._send(parts, command, reply, epoch, **fields)
         try:
             return await asyncio.wait_for(barrier.future, timeout)
+        except asyncio.TimeoutError:
+            silent = barrier.silent(parts)
+            raise EpochFailed(silent[0].name, command, f"no answer to {command} within {timeout:.1f}s from "
+                              f"{_ranks(silent)} ({len(parts) - len(silent)} of {len(parts)} rank(s) answered)",
+                              silent[0].node) from None
         finally:
-            for p in parts:
-                if p.waiting and p.waiting[3] is barrier:
-                    p.waiting = None
+            self._disarm(parts, barrier)
 
-    async def _abort(self, parts: list[RankConn], epoch: int) -> None:
+    async def _abort(self, parts: list[RankConn], epoch: int, timeout: float) -> list[str]:
+        """Every rank undoes its part of the epoch (thaw, GPU restore and unlock). Returns, for each rank that
+        did not confirm, who it is and why: disconnected, failed to undo, or silent within `timeout`."""
         live = [p for p in parts if self.ranks.get(p.name) is p]
+        problems = [f"rank {p.name} (node {p.node}) is disconnected (its agent's watchdog thaws a tree left "
+                    "frozen)" for p in parts if p not in live]
+        barrier = self._send(live, "abort", "done", epoch, collect=True)
         try:
-            await self._phase(live, "abort", "done", epoch, 30)
-        except (EpochFailed, asyncio.TimeoutError) as e:
-            log.warning("abort of epoch %d incomplete: %s", epoch, e)
+            await asyncio.wait_for(asyncio.shield(barrier.future), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._disarm(live, barrier)
+        for p, answer in zip(live, barrier.replies):
+            if answer is None:
+                problems.append(f"rank {p.name} (node {p.node}) did not confirm within {timeout:.1f}s (still busy "
+                                "with the phase, or stuck; its agent's watchdog thaws a tree frozen too long)")
+            elif isinstance(answer, EpochFailed):
+                problems.append(f"rank {p.name} (node {p.node}) could not undo its part: {answer.error}")
+        if problems:
+            log.warning("abort of epoch %d incomplete: %s", epoch, "; ".join(problems))
+        return problems
+
+    @staticmethod
+    def _note_abort(result: dict, problems: list[str]) -> None:
+        if problems:
+            result["abort"] = "; ".join(problems)
 
     def missing_ranks(self) -> list[str]:
         present = set(self.ranks) | set(self.completed)
