@@ -316,6 +316,9 @@ def doctor() -> None:
         report(store.stat().st_uid == 0 and mode & 0o077 == 0, "image store", f"{store} mode {mode:o}")
     else:
         report(False, "image store", f"{store} missing")
+    from slurmckpt.cuda.inventory import doctor_checks
+    for ok, what, detail in doctor_checks():        # GPU nodes only (docs/gpu.md)
+        report(ok, what, detail)
     if failures:
         raise click.ClickException(f"{failures} check(s) failed")
 
