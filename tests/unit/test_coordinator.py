@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from slurmckpt.coordinator import server
+from slurmckpt.coordinator import connection, phase
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import (MAX_LINE, VERSION, LineReader, Sealer, encode_prefix, new_token,
                                             parse_line)
@@ -493,8 +493,8 @@ def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):
     assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
     assert job.ranks[0].commands().count("prepare") == 1
     with pytest.raises(ProtocolError, match="error_kind"):
-        server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
-    assert server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
+        phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
+    assert phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
 
 
 # ---- framing and sealing (protocol.LineReader / Sealer) ---------------------------------------------------
@@ -642,7 +642,7 @@ def test_oversized_line_dribbled_in_is_refused_before_its_end(job):
 
 
 def test_silent_connection_is_dropped_after_hello_timeout(job, monkeypatch):
-    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(connection, "HELLO_TIMEOUT_S", 0.2)
     raw = Raw(job.port)
     t0 = time.monotonic()
     assert raw.closed_by_peer()

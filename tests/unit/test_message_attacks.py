@@ -15,7 +15,7 @@ import pytest
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
-from slurmckpt.coordinator import server
+from slurmckpt.coordinator import connection
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import VERSION, Sealer, new_token
 from slurmckpt.errors import ProtocolError, SlurmckptError
@@ -266,7 +266,7 @@ def test_unauthenticated_garbage_and_forged_macs_are_refused(job, garbage):
 
 
 def test_idle_connections_are_capped_and_timed_out(monkeypatch):
-    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connection, "HELLO_TIMEOUT_S", 1.0)
     j = Job(Committer(), max_pending=8)
     try:
         idle = [Raw(j.port) for _ in range(20)]

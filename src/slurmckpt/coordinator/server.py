@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
-from slurmckpt.coordinator.protocol import (ERROR_KINDS, LineReader, Sealer, challenge, encode_prefix,
-                                            parse_line)
+from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
+from slurmckpt.coordinator.phase import EpochFailed, PhaseReplies, RankConn, check_reply, rank_list
+from slurmckpt.coordinator.protocol import encode_prefix
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
 
@@ -32,249 +33,6 @@ log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
-
-
-def _ranks(parts: list[RankConn], limit: int = 8) -> str:
-    shown = ", ".join(f"rank {p.name} (node {p.node})" for p in parts[:limit])
-    return shown + (f" and {len(parts) - limit} more" if len(parts) > limit else "")
-
-
-class EpochFailed(Exception):
-    """`error_kind` (protocol.ERROR_KINDS): "retryable" only for a rank's failed PREPARE that said so."""
-
-    def __init__(self, rank: str, stage: str, error: str, node: str = "?", error_kind: str = "fatal") -> None:
-        super().__init__(f"rank {rank} (node {node}) failed in {stage}: {error}")
-        self.rank, self.stage, self.error, self.node = rank, stage, error, node
-        self.error_kind = error_kind
-
-
-class _Barrier:
-    """The replies of one phase: a single future, resolved when the last rank has answered or the first one
-    failed. One future and one wake-up per phase instead of one per rank (asyncio.gather). `collect`: a
-    failure counts as that rank's answer (an abort waits for every rank's word, failed or not)."""
-
-    __slots__ = ("future", "replies", "left", "collect")
-
-    def __init__(self, n: int, collect: bool = False) -> None:
-        self.future = asyncio.get_running_loop().create_future()
-        self.replies: list[dict | EpochFailed | None] = [None] * n
-        self.left = n
-        self.collect = collect
-        if n == 0:
-            self.future.set_result(self.replies)
-
-    def arrive(self, index: int, msg: dict | EpochFailed) -> None:
-        if self.future.done():
-            return
-        self.replies[index] = msg
-        self.left -= 1
-        if self.left == 0:
-            self.future.set_result(self.replies)
-
-    def fail(self, index: int, error: EpochFailed) -> None:
-        if self.collect:
-            self.arrive(index, error)
-        elif not self.future.done():
-            self.future.set_exception(error)
-
-    def silent(self, parts: list[RankConn]) -> list[RankConn]:
-        return [p for p, r in zip(parts, self.replies) if r is None]
-
-
-@dataclass
-class RankConn:
-    name: str
-    node: str
-    interval: int
-    transport: asyncio.Transport
-    sealer: Sealer
-    waiting: tuple[int, str, str, _Barrier, int] | None = None   # (epoch, reply, command, barrier, index)
-
-    def send(self, message: dict) -> None:
-        self.transport.write(self.sealer.seal(message))
-
-    def send_prefix(self, prefix: bytes) -> None:
-        """Send a message encoded once for all ranks (protocol.encode_prefix); only seq and MAC are ours."""
-        self.transport.write(self.sealer.seal_prefix(prefix))
-
-    def expect(self, epoch: int, reply: str, command: str, barrier: _Barrier, index: int) -> None:
-        self.waiting = (epoch, reply, command, barrier, index)
-
-    def deliver(self, msg: dict) -> None:
-        """A reply to the current phase counts towards its barrier; anything stale is ignored."""
-        if self.waiting is None:
-            return
-        epoch, reply, command, barrier, index = self.waiting
-        if barrier.future.done() or msg.get("epoch") != epoch:
-            return
-        if msg["type"] == "failed" and msg.get("phase") == command:
-            kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
-            barrier.fail(index, EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
-                                            self.node, kind))
-        elif msg["type"] == reply:
-            barrier.arrive(index, msg)
-        else:
-            return
-        self.waiting = None
-
-    def vanish(self) -> None:
-        if self.waiting:
-            self.waiting[3].fail(self.waiting[4], EpochFailed(self.name, self.waiting[2], "rank disconnected",
-                                                              self.node))
-        self.waiting = None
-
-
-HELLO_TIMEOUT_S = 5         # a connection that has not authenticated by then is closed
-MAX_PENDING = 1024          # unauthenticated connections at once; a new one beyond that evicts the oldest
-LINGER_S = 2                # a refused peer gets this long to see our EOF before the socket is closed
-READ_SIZE = 256 * 1024
-
-
-def _reply(msg: dict) -> dict:
-    """A rank's answer to a command, checked before it counts: epoch, and what a capture reports."""
-    validate.epoch(msg.get("epoch"))
-    if msg["type"] == "sized":
-        RankSize.from_reply("", "", msg)
-    if msg["type"] == "captured" and msg.get("kind", "image") not in ("image", "replay"):
-        raise ProtocolError(f"bad kind {msg.get('kind')!r}: not image or replay")
-    if "bytes" in msg:
-        validate.integer(msg["bytes"], "bytes", 0, 2**62)
-    if msg["type"] == "failed":
-        for name in ("phase", "stage", "error"):
-            validate.text(msg.get(name, ""), name)
-        if msg.get("error_kind", "fatal") not in ERROR_KINDS:
-            raise ProtocolError(f"bad error_kind {msg.get('error_kind')!r}: not one of {', '.join(ERROR_KINDS)}")
-    return msg
-
-
-class _Connection(asyncio.BufferedProtocol):
-    """One TCP connection, driven by the event loop's callbacks: what a read brings is cut into lines,
-    authenticated and handled right in buffer_updated. No stream, task or coroutine wake-up per connection
-    or per line: at 1000+ ranks those were most of the coordinator's CPU."""
-
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
-        self.lines = LineReader()
-        self.transport: asyncio.Transport | None = None
-        self.peer: object = None
-        self.sealer: Sealer | None = None
-        self.rank: RankConn | None = None
-        self.held: list[bytes] | None = None     # not None while an awaited handler runs: later lines wait
-        self.eof = False
-        self.closing = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.peer = transport.get_extra_info("peername")
-        hello = challenge()
-        self.sealer = Sealer(self.coord.token, parse_line(hello)["nonce"])
-        self.coord._conns.add(self)
-        self.coord._admit(self)
-        transport.write(hello)
-        self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        # One buffer for all connections: recv_into() a preallocated buffer instead of recv(256 KiB), which
-        # allocates per read; safe to share because buffer_updated consumes it before the next read.
-        return self.coord._rbuf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closing:             # refused: what it still sends is read and dropped
-            return
-        try:
-            lines = self.lines.feed(self.coord._rbuf[:nbytes])
-        except ProtocolError as e:
-            self._refuse(e)
-            return
-        self._process(lines)
-
-    def eof_received(self) -> bool:
-        if self.closing:
-            return False
-        if self.lines.tail:          # a last line without its newline still counts, as with readline()
-            tail, self.lines.tail = self.lines.tail, b""
-            self._process([tail])
-        self.eof = True
-        return self.held is not None      # half-open until the held lines are handled
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.coord._conns.discard(self)
-        self.coord._pending.pop(self, None)
-        self._drop()
-
-    def _process(self, lines: list[bytes]) -> None:
-        for i, line in enumerate(lines):
-            if self.closing:
-                return
-            if self.held is not None:
-                self.held.extend(lines[i:])
-                return
-            try:
-                msg = self.sealer.open(line)
-                if self.rank is None:
-                    self.rank = self.coord._hello(self, msg)
-                    self.timer.cancel()
-                    self.coord._pending.pop(self, None)
-                else:
-                    pending = self.coord._dispatch(self.rank, msg)
-                    if pending is not None:
-                        self._hold(pending)
-            except (ProtocolError, ValueError) as e:
-                self._refuse(e)
-            except Exception:    # a callback's bug: this connection goes, the coordinator stays
-                log.exception("connection from %s dropped", self.peer)
-                self._close()
-
-    def _hold(self, pending: Awaitable[None]) -> None:
-        """This rank's later messages wait until `pending` is done (in order, as a read loop would)."""
-        self.held = []
-        self.transport.pause_reading()        # what is held stays bounded by one read
-        task = asyncio.get_running_loop().create_task(self._release(pending))
-        self.coord._tasks.add(task)
-        task.add_done_callback(self.coord._tasks.discard)
-
-    async def _release(self, pending: Awaitable[None]) -> None:
-        try:
-            await pending
-        except Exception:
-            log.exception("connection from %s dropped", self.peer)
-            self._close()
-            return
-        held, self.held = self.held, None
-        self._process(held)
-        if self.held is None and not self.closing:
-            if self.eof:
-                self.transport.close()
-            else:
-                self.transport.resume_reading()
-
-    def _refuse(self, reason: object) -> None:
-        if not self.closing:
-            log.warning("connection from %s refused: %s", self.peer, reason)
-            self._close()
-
-    def _close(self) -> None:
-        """Drop the connection. Lingering: send EOF and read (and discard) until the peer's EOF or LINGER_S,
-        since closing with unread input (the rest of an oversized line) would reset the connection instead."""
-        self.closing = True
-        self.timer.cancel()
-        self._drop()          # now, not at connection_lost: an epoch must not wait for a dropped rank
-        if self.transport.is_closing():
-            return
-        self.transport.resume_reading()
-        self.transport.write_eof()
-        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
-
-    def _drop(self) -> None:
-        """Deregister this connection's rank (if it is still the registered one)."""
-        rank = self.rank
-        if rank is not None and self.coord.ranks.get(rank.name) is rank:
-            del self.coord.ranks[rank.name]
-            rank.vanish()
-            log.info("rank %s left", rank.name)
 
 
 @dataclass
@@ -301,8 +59,8 @@ class Coordinator:
         self._wanted: set[bool] = set()       # finality of the epochs queued or running
         self._final_tried = -FINAL_QUIET_S      # when the last final epoch ended (committed or not)
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[_Connection] = set()
-        self._pending: dict[_Connection, None] = {}     # not yet authenticated, oldest first
+        self._conns: set[Connection] = set()
+        self._pending: dict[Connection, None] = {}     # not yet authenticated, oldest first
         self._tasks: set[asyncio.Task] = set()
         self._rbuf = memoryview(bytearray(READ_SIZE))
 
@@ -310,7 +68,7 @@ class Coordinator:
         """Listen on `host`: the job's own address (loopback for a one-node job), never every interface."""
         # backlog: a whole job's ranks connect at once (job start, coordinator restart)
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Connection(self), host, port, backlog=4096)
+            lambda: Connection(self), host, port, backlog=4096)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -320,7 +78,7 @@ class Coordinator:
             conn.transport.close()
 
     # ---- connections -----------------------------------------------------------------------------------
-    def _admit(self, conn: _Connection) -> None:
+    def _admit(self, conn: Connection) -> None:
         """Anyone on the node can connect: at most max_pending connections wait for their hello (each for
         HELLO_TIMEOUT_S); beyond that the oldest waiting one goes (a rank says hello within a round trip)."""
         self._pending[conn] = None
@@ -335,7 +93,7 @@ class Coordinator:
             if oldest.transport is not None:
                 oldest.transport.abort()
 
-    def _hello(self, conn: _Connection, msg: dict) -> RankConn:
+    def _hello(self, conn: Connection, msg: dict) -> RankConn:
         """A connection's first authenticated message must be its rank's hello."""
         if msg["type"] != "hello":
             raise ProtocolError("expected hello")
@@ -361,7 +119,7 @@ class Coordinator:
         callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
         if kind in ("sized", "ready", "captured", "failed", "done"):
-            rank.deliver(_reply(msg))
+            rank.deliver(check_reply(msg))
         elif kind == "exited":
             self.completed[rank.name] = {"kind": "completed", "node": rank.node,
                                          "exit_code": validate.integer(msg.get("exit_code", 0), "exit_code",
@@ -494,8 +252,8 @@ class Coordinator:
         return result
 
     def _send(self, parts: list[RankConn], command: str, reply: str, epoch: int, collect: bool = False,
-              **fields: object) -> _Barrier:
-        barrier = _Barrier(len(parts), collect)
+              **fields: object) -> PhaseReplies:
+        barrier = PhaseReplies(len(parts), collect)
         for index, p in enumerate(parts):       # armed before any reply can come
             p.expect(epoch, reply, command, barrier, index)
         prefix = encode_prefix({"type": command, "epoch": epoch, **fields})   # one JSON encoding for all
@@ -504,7 +262,7 @@ class Coordinator:
         return barrier
 
     @staticmethod
-    def _disarm(parts: list[RankConn], barrier: _Barrier) -> None:
+    def _disarm(parts: list[RankConn], barrier: PhaseReplies) -> None:
         for p in parts:
             if p.waiting and p.waiting[3] is barrier:
                 p.waiting = None
@@ -522,7 +280,7 @@ class Coordinator:
         except asyncio.TimeoutError:
             silent = barrier.silent(parts)
             raise EpochFailed(silent[0].name, command, f"no answer to {command} within {timeout:.1f}s from "
-                              f"{_ranks(silent)} ({len(parts) - len(silent)} of {len(parts)} rank(s) answered)",
+                              f"{rank_list(silent)} ({len(parts) - len(silent)} of {len(parts)} rank(s) answered)",
                               silent[0].node) from None
         finally:
             self._disarm(parts, barrier)
