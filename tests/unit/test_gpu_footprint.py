@@ -243,3 +243,17 @@ def test_restore_without_nvml_checks_chip_and_count_through_the_driver():
     with pytest.raises(GpuRemapError, match="chip 'NVIDIA A100-SXM4-80GB'"):
         pipeline_gpu(None, other).check_restore(record({}))
     pipeline_gpu(None).check_restore(None)                          # no GPU state: nothing to check
+
+
+def test_a_checkpoint_records_what_each_gpu_held_for_the_restores_check(node):
+    node.process(11, maps=CUDA_MAPS)
+    driver = FakeGpuDriver(GPUS, sleep=lambda s: None)
+    driver.add_process(11, gpus=[A, B])
+    gpu = pipeline_gpu(nvml_with((11, A, 30 * GIB), (11, B, 2 * GIB), (12, B, 5 * GIB)), driver)
+    gpu.footprint([11])
+    gpu.lock([11])
+    rec = gpu.checkpoint()
+    assert rec["device_bytes"] == {A: 30 * GIB, B: 2 * GIB}          # 12 is not of this tree
+    assert [p["pid"] for p in rec["processes"]] == [11]
+    gpu.resume()
+    assert driver.states()[11].name == "RUNNING"
