@@ -220,8 +220,8 @@ class Wrapper:
         argv = self.argv
         if uses_gpus(env) and self.config.gpu_growth_defaults:    # docs/gpu.md, "Frameworks that preallocate"
             added = growth_defaults(env)
-            if added:
-                env.update(added)
+            env.update(added)
+            if added and self.env.rank == 0:     # one line per step, not one per rank
                 say(self.env, "GPU memory on demand for checkpoints: set " + " ".join(f"{k}={v}" for k, v in
                               sorted(added.items())) + " (gpu_growth_defaults; docs/gpu.md)")
         if self.pmi_fd is not None and not relay:

@@ -345,3 +345,15 @@ def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
     w.config = Config(gpu_growth_defaults=False)
     w._launch(relay=False)
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in w.agent.calls[-1][1]["env"]
+
+
+def test_only_rank_0_of_a_step_says_it_set_the_growth_defaults(make, said, monkeypatch):
+    import dataclasses
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    w = make({"launch": {"pid": 99}})
+    w.env = dataclasses.replace(w.env, rank=1)
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert not any("GPU memory on demand" in line for line in said)
