@@ -80,11 +80,12 @@ class FakeRank:
 
     def __init__(self, job: Job, name: str, fail: str | None = None, vanish: str | None = None,
                  block: str | None = None, slow: str | None = None, vanish_after: str | None = None,
-                 node: str | None = None, sized: dict | None = None) -> None:
+                 node: str | None = None, sized: dict | None = None, gpus: bool = False) -> None:
         self.name, self.fail, self.vanish = name, fail, vanish
         self.slow, self.vanish_after, self.sized = slow, vanish_after, sized or {}
         self.got: list[tuple[str, int]] = []
-        self.client = RankClient("127.0.0.1", job.port, job.token, name, node or "node-" + name, 0, self.handle)
+        self.client = RankClient("127.0.0.1", job.port, job.token, name, node or "node-" + name, 0, self.handle,
+                                 gpus=gpus)
         self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
         self.thread.start()
 
@@ -134,7 +135,7 @@ def test_one_rank_epoch_commits(job):
     assert res["epoch"] == 1 and res["ranks"] == 1 and res["bytes"] == 1000
     assert 0 <= res["cut_s"] <= res["commit_s"] <= res["total_s"]
     assert job.committer.calls == [(1, {"0.0": {"kind": "image", "node": "node-0.0"}}, "interval")]
-    assert r.got == [("size", 1), ("prepare", 1), ("capture", 1), ("resume", 1)]
+    assert r.got == [("prepare", 1), ("capture", 1), ("resume", 1)]      # no GPUs: no SIZE round trip
     assert job.epoch()["epoch"] == 2
     assert job.coord.history[-1]["status"] == "committed"
 
@@ -142,7 +143,7 @@ def test_one_rank_epoch_commits(job):
 def test_final_epoch_finishes_and_blocks_later_epochs(job):
     r = job.rank("0.0")
     assert job.epoch("walltime", final=True)["status"] == "committed"
-    assert r.commands() == ["size", "prepare", "capture", "finish"]
+    assert r.commands() == ["prepare", "capture", "finish"]
     later = job.epoch("interval")
     assert later["status"] == "skipped" and len(job.committer.calls) == 1
 
@@ -212,7 +213,7 @@ def test_committer_failure_aborts(tmp_path):
         r = j.rank("0.0")
         res = j.epoch()
         assert res["status"] == "aborted" and res["stage"] == "commit" and "disk full" in res["error"]
-        assert r.commands() == ["size", "prepare", "capture", "resume"]
+        assert r.commands() == ["prepare", "capture", "resume"]
         res = j.epoch("sigterm", final=True)
         assert res["status"] == "aborted" and res["stage"] == "commit"
         wait_for(lambda: ("abort", 2) in r.got)
@@ -472,7 +473,7 @@ def test_a_failed_prepare_whose_text_says_lock_is_not_retried(job, error):
     res = job.epoch()
     assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
     assert "lock" in res["error"]
-    assert ok.commands() == ["size", "prepare", "abort"]
+    assert ok.commands() == ["prepare", "abort"]
 
 
 def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):

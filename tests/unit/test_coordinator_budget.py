@@ -26,7 +26,7 @@ def job():
 def test_gpu_copies_that_do_not_fit_a_node_together_are_refused_before_any_lock(job):
     big = {"gpu_bytes": 100 * GIB, "gpu_processes": 1, "largest_process_bytes": 100 * GIB,
            "mem_available": 150 * GIB}
-    ranks = [job.rank(f"0.{i}", node="gpu1", sized=big) for i in range(2)]
+    ranks = [job.rank(f"0.{i}", node="gpu1", sized=big, gpus=True) for i in range(2)]
     res = job.epoch()
     assert res["status"] == "aborted" and res["stage"] == "size" and res["node"] == "gpu1", res
     assert res["rank"] == "0.0"
@@ -40,7 +40,7 @@ def test_gpu_copies_that_do_not_fit_a_node_together_are_refused_before_any_lock(
 
 
 def test_a_rank_refusing_in_size_aborts_with_its_reason_and_nothing_is_locked(job):
-    ok = job.rank("0.0")
+    ok = job.rank("0.0", gpus=True)
     job.rank("0.1", fail="size")
     res = job.epoch()
     assert (res["status"], res["stage"], res["rank"], res["node"]) == ("aborted", "size", "0.1", "node-0.1")
@@ -54,13 +54,24 @@ def test_phase_timeouts_follow_the_bytes_with_the_config_as_floor(job):
     The same slow PREPARE with no bytes reported times out at the floor."""
     job.coord.prepare_timeout_s = 0.3
     sized = {"gpu_bytes": 8 * 10**9, "gpu_processes": 1, "largest_process_bytes": 8 * 10**9}
-    r = job.rank("0.0", slow="prepare", sized=sized)
+    r = job.rank("0.0", slow="prepare", sized=sized, gpus=True)
     res = job.epoch()
     assert res["status"] == "committed", res
     assert res["timeouts"]["prepare_s"] == pytest.approx(2 * (0.5 + 4.0) + 10)
     r.sized = {}
     res = job.epoch()
     assert res["status"] == "aborted" and res["stage"] == "prepare" and "within 0.3s" in res["error"]
+
+
+def test_a_job_without_gpus_skips_size_and_one_gpu_rank_sizes_every_rank(job):
+    """SIZE is for GPU copies: a CPU-only job keeps its three phases (and their latency); one rank with GPUs
+    (its hello says so) makes every rank size, since they all dump to the same disks."""
+    cpu = job.rank("0.0")
+    assert job.epoch()["status"] == "committed" and "size" not in cpu.commands()
+    gpu = job.rank("1.0", gpus=True)
+    res = job.epoch()
+    assert res["status"] == "committed" and ("size", 2) in cpu.got and ("size", 2) in gpu.got, res
+    assert res["timeouts"] == {"prepare_s": 30.0, "capture_s": 600.0, "resume_s": 600.0}
 
 
 def test_a_failing_stage_inside_a_phase_is_named(job):

@@ -80,7 +80,7 @@ def test_epoch_runs_through_the_coordinator_process_and_commits_via_the_wrapper(
     result = wrapper.results.get(timeout=TIMEOUT)
     assert result["status"] == "committed" and result["epoch"] == 5
     assert wrapper.commits == [5]
-    assert [k for k, _ in commands] == ["size", "prepare", "capture", "resume"]
+    assert [k for k, _ in commands] == ["prepare", "capture", "resume"]
     assert wrapper.published == [port]
     client.close()
 

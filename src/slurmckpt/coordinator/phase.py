@@ -68,6 +68,7 @@ class RankConn:
     transport: asyncio.Transport
     sealer: Sealer
     waiting: tuple[int, str, str, PhaseReplies, int] | None = None   # (epoch, reply, command, barrier, index)
+    gpus: bool = False         # the task has GPUs (its hello): epochs of such a job start with SIZE
 
     def send(self, message: dict) -> None:
         self.transport.write(self.sealer.seal(message))

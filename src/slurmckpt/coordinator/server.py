@@ -7,8 +7,9 @@ State machine of one epoch (any failure, timeout or vanished rank -> ABORT, prev
               -> COMMITTING (job manifest renamed) -> IDLE
     final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
 
-SIZING refuses, before anything is locked, GPU copies that do not fit the host memory of ranks sharing a node
-or a memory cgroup, and sets this epoch's phase timeouts from the bytes (budget.py). Every abort names the
+SIZING (jobs with GPUs: a rank's hello says so) refuses, before anything is locked, GPU copies that do not
+fit the host memory of ranks sharing a node or a memory cgroup, and sets this epoch's phase timeouts from
+the bytes (budget.py). Every abort names the
 rank, node, phase and reason; a timeout names every rank that had not answered.
 
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
@@ -101,7 +102,7 @@ class Coordinator:
         tasks = validate.integer(msg.get("tasks", 1), "tasks", 1, validate.MAX_TASKS)
         rank = RankConn(msg["rank"], validate.hostname(msg.get("node", "unknown")),
                         validate.integer(msg.get("interval", 0), "interval", 0, validate.MAX_INTERVAL_S),
-                        conn.transport, conn.sealer)
+                        conn.transport, conn.sealer, gpus=validate.flag(msg.get("gpus", False), "gpus"))
         last = validate.integer(msg.get("last_epoch", 0), "last_epoch", 0, validate.MAX_EPOCH)
         self.expected[step] = max(self.expected.get(step, 1), tasks)
         if last >= self.next_epoch:   # a restarted coordinator never reuses an epoch a rank has seen
@@ -204,9 +205,7 @@ class Coordinator:
         timeouts = PhaseTimeouts.derive([], self.prepare_timeout_s, self.capture_timeout_s)
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
-            sized = await self._phase(parts, "size", "sized", epoch, self.prepare_timeout_s, final=final,
-                                      trigger=reason)
-            sizes = [RankSize.from_reply(p.name, p.node, reply) for p, reply in zip(parts, sized)]
+            sizes = await self._size(parts, epoch, final, reason)
             result.update(gpu_bytes=sum(r.gpu_bytes for r in sizes), image_bytes=sum(r.image_bytes for r in sizes))
             for size, why in refusals(sizes)[:1]:     # nothing is locked yet: refused up front
                 raise EpochFailed(size.rank, "size", f"capture refused before anything was locked: {why}",
@@ -250,6 +249,15 @@ class Coordinator:
                           bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
         self.history.append(result)
         return result
+
+    async def _size(self, parts: list[RankConn], epoch: int, final: bool, reason: str) -> list[RankSize]:
+        """Every rank's sizes, when any rank has GPUs (their copies and times are what SIZE is for); a job
+        without GPUs skips the round trip (the floors hold; the store checks its own space in PREPARE)."""
+        if not any(p.gpus for p in parts):
+            return []
+        sized = await self._phase(parts, "size", "sized", epoch, self.prepare_timeout_s, final=final,
+                                  trigger=reason)
+        return [RankSize.from_reply(p.name, p.node, reply) for p, reply in zip(parts, sized)]
 
     def _send(self, parts: list[RankConn], command: str, reply: str, epoch: int, collect: bool = False,
               **fields: object) -> PhaseReplies:
