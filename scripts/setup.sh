@@ -195,8 +195,9 @@ step_python() {
     || "${pip[@]}" install -q pytest prometheus-client 2> >(grep -v "is ignored" >&2) || die "pip install pytest prometheus-client failed"
   if [ -f "$REPO/pyproject.toml" ]; then
     # Non-editable: the installed copy is what Slurm runs. pip re-installs a local directory on every run;
-    # if the installed sources still differ from the tree, force it.
-    "${pip[@]}" install -q "$REPO" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) \
+    # if the installed sources still differ from the tree, force it. [gpu]: pynvml (pure Python; loads
+    # libnvidia-ml.so.1 only when a GPU is used), so the unit tests check our fake NVML against the real one.
+    "${pip[@]}" install -q "$REPO[gpu]" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) \
       || die "pip install $REPO failed"
     local site; site=$("$SLURMCKPT_VENV/bin/python" -c 'import slurmckpt, os; print(os.path.dirname(slurmckpt.__file__))')
     if ! py_tree_installed "$REPO/src/slurmckpt" "$site"; then

@@ -22,7 +22,8 @@ from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import pmi, procfs, watchdog
+from slurmckpt import ipc, pmi, procfs, watchdog
+from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
@@ -34,6 +35,8 @@ from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt import validate
 
 log = logging.getLogger("slurmckpt.agent")
+
+PHASE_OPS = ("size", "prepare", "capture", "resume")
 
 
 class Agent:
@@ -113,20 +116,25 @@ class Agent:
                 self.channel.send({"ok": True, **reply})
             except SlurmckptError as e:
                 log.error("%s failed: %s", message.get("op"), e)
-                self._reply_error(e)
+                self._reply_error(e, self._failed_stage(message))
             except Exception as e:  # the agent boundary: report, never die with the tree frozen
                 log.exception("%s crashed", message.get("op"))
-                self._reply_error(SlurmckptError(f"{type(e).__name__}: {e}"))
+                self._reply_error(SlurmckptError(f"{type(e).__name__}: {e}"), self._failed_stage(message))
             finally:
                 for fd in fds:
                     os.close(fd)
         self.shutdown()
 
-    def _reply_error(self, e: SlurmckptError) -> None:
+    def _reply_error(self, e: SlurmckptError, stage: str = "") -> None:
         try:
-            self.channel.send({"ok": False, "error": str(e), "error_type": type(e).__name__})
+            self.channel.send({"ok": False, "error": str(e), "error_type": type(e).__name__,
+                               **({"stage": stage} if stage else {})})
         except OSError:
             pass
+
+    def _failed_stage(self, message: dict) -> str:
+        """The pipeline stage that failed, for the epoch's phases (the coordinator's abort message names it)."""
+        return self.pipeline.failed_stage if message.get("op") in PHASE_OPS else ""
 
     def shutdown(self) -> None:
         """Wrapper gone. Whatever of the tree is left would escape Slurm's tracking (its subreaper died):
@@ -277,10 +285,36 @@ class Agent:
         self.reporter.capture_failed(**coordinator_verdict(m))
         return {}
 
-    def op_prepare(self, m: dict, fds: list[int]) -> dict:
+    def op_size(self, m: dict, fds: list[int]) -> dict:
+        self._epoch_began(m)
+        with self.reporter.recorded(_epoch(m), "size", self.pipeline):
+            reply = self.pipeline.size(_epoch(m))
+        self._size_limits()
+        return reply
+
+    def _size_limits(self) -> None:
+        """criu's timeout and the watchdog's frozen limit follow this epoch's bytes: root's own backstops,
+        from root's own measurement (the coordinator's phase timeouts, from every rank's, abort earlier). The
+        job's other trees on this node are taken to be as large: they dump to the same disk at once."""
+        fp = self.pipeline.footprint
+        if fp is None:
+            return
+        trees = 1 + len({name for name in ipc.job_trees(self.cgroup.other_trees(), self.ident.job).values()})
+        estimate = budget.Estimate.of([budget.RankSize(str(i), "this node", fp.host_bytes, fp.gpu_bytes,
+                                                       len(fp.gpu.held)) for i in range(trees)])
+        capture_s = max(self.config.capture_timeout_s, budget.SAFETY * (estimate.dump + estimate.seal))
+        self.pipeline.engine.timeout_s = capture_s
+        watchdog.set_limit(self.watchdog_fd, capture_s + 120)
+
+    def _epoch_began(self, m: dict) -> None:
+        """The first phase of an epoch (SIZE for GPU jobs, else PREPARE): recorded, and refused here, before
+        anything is frozen, if the site policy forbids it."""
         final = validate.flag(m["final"], "final") if "final" in m else None
         self.reporter.epoch_began(_epoch(m), final, validate.label(m.get("trigger", "unknown"), "trigger"))
         self._require_policy(_epoch(m), bool(final))
+
+    def op_prepare(self, m: dict, fds: list[int]) -> dict:
+        self._epoch_began(m)
         if self.events:
             self.events.preparing(_epoch(m))
         with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):

@@ -84,6 +84,9 @@ class Config:
                                  "the job down.")
     gpu_lock_timeout_ms: int = _key(500, "Timeout of one GPU lock round, in milliseconds.")
     gpu_lock_rounds: int = _key(8, "Lock rounds tried before a GPU job's epoch aborts.")
+    gpu_growth_defaults: bool = _key(True, "GPU tasks get XLA_PYTHON_CLIENT_PREALLOCATE=false and "
+                                     "TF_FORCE_GPU_ALLOW_GROWTH=true unless the job set a memory variable of that "
+                                     "framework itself (docs/gpu.md, \"Frameworks that preallocate\").")
     criu_extra_args: tuple[str, ...] = _key((), "Extra arguments for every criu dump and restore (a list or one "
                                             "string).")
     ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "
@@ -185,6 +188,14 @@ def parse_size(key: str, raw: object, source: str = "config") -> int:
 
 def _coerce(key: str, raw: object, typ: object, source: str) -> object:
     try:
+        if typ in ("bool", bool):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "yes", "on", "1"):
+                return True
+            if str(raw).lower() in ("false", "no", "off", "0"):
+                return False
+            raise ValueError("want true or false")
         if typ in ("int", int):
             value: object = int(raw)  # type: ignore[arg-type]
             if value < 0:  # type: ignore[operator]

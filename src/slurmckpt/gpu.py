@@ -1,20 +1,37 @@
 """The GPU step of a rank's pipeline, behind one small interface. GPU-less trees get NullGpu and never load
-libcuda; trees with CUDA processes get the CUDA driver stage (slurmckpt.cuda)."""
+libcuda or NVML; trees with CUDA processes get the CUDA driver stage (slurmckpt.cuda)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
+@dataclass(frozen=True)
+class GpuUse:
+    """What a tree holds on its GPUs, measured before anything is locked (the SIZE phase, footprint.py)."""
+    held: dict[int, dict[str, int]] = field(default_factory=dict)   # pid -> {GPU uuid: bytes}
+    notes: tuple[str, ...] = ()          # for the job's stderr: allocators holding far more than used
+
+    @property
+    def bytes(self) -> int:
+        return sum(sum(per_gpu.values()) for per_gpu in self.held.values())
+
+
 class GpuStage(Protocol):
+    def footprint(self, pids: list[int]) -> GpuUse: ...   # SIZE: bytes per process; refuses what cannot be
     def lock(self, pids: list[int]) -> None: ...          # PREPARE: lock every CUDA process (timeout)
     def unlock(self) -> None: ...                          # undo of lock
     def checkpoint(self) -> dict | None: ...               # CAPTURE: device memory -> host; record for rank.json
     def resume(self) -> None: ...                          # after a periodic capture: restore + unlock
+    def check_restore(self, record: dict | None) -> None: ...   # before criu restore: GPUs here fit the record
     def restore(self, record: dict | None, pids: list[int]) -> None: ...   # after criu restore
 
 
 class NullGpu:
     """No CUDA in the tree: every step is a no-op."""
+
+    def footprint(self, pids: list[int]) -> GpuUse:
+        return GpuUse()
 
     def lock(self, pids: list[int]) -> None:
         pass
@@ -28,7 +45,10 @@ class NullGpu:
     def resume(self) -> None:
         pass
 
+    def check_restore(self, record: dict | None) -> None:
+        self.restore(record, [])
+
     def restore(self, record: dict | None, pids: list[int]) -> None:
-        if record:
+        if record and record.get("processes"):
             from slurmckpt.errors import GpuError
             raise GpuError("checkpoint holds GPU state but this agent has no GPU stage")

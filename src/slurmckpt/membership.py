@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable
 
+from slurmckpt.agent import uses_gpus
 from slurmckpt.config import Config
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import new_token
@@ -76,7 +77,8 @@ class Membership:
     def _connect(self, found: dict, quiet: bool = False) -> RankClient | None:
         try:
             return RankClient(found["host"], found["port"], found["token"], self.env.rank_name, self.env.node,
-                              self.env.interval_s, self._command, self.env.tasks, self.last_epoch)
+                              self.env.interval_s, self._command, self.env.tasks, self.last_epoch,
+                              gpus=uses_gpus(dict(os.environ)))
         except (OSError, SlurmckptError, EOFError) as e:
             if not quiet:
                 self.say(f"cannot reach the job's coordinator ({e}): this task runs without checkpoints until "

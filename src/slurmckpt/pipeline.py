@@ -27,6 +27,7 @@ from typing import Callable
 from slurmckpt import asuser, crossnode, ghost, ipc, netlock, pmi, procfs, proctree
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
+from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
@@ -71,8 +72,26 @@ class RankPipeline:
     job_addresses: Callable[[], set[str]] = field(default=lambda: set())
     pmi_fd: int = -1           # this start's PMI socket to slurmstepd (srun --mpi=pmi2; pmi.py), else -1
     pmi_ino: int = 0
+    footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
+    def size(self, epoch: int) -> dict:
+        """SIZE, before anything is locked: what this rank's capture will take (host memory, GPU memory per
+        process, room in host memory and the store); refuses a capture that cannot fit, naming why."""
+        self._require_tree()
+        self.footprint = None
+        try:
+            measured = measure_footprint(self.cgroup.pids(), self.gpu, self.store.job_dir)
+            why = measured.refusals()
+            if why:
+                raise CaptureError("capture refused before anything was locked: " + "; ".join(why),
+                                   step=self.step, rank=self.rank)
+        except SlurmckptError:
+            self.failed_stage = "size"
+            raise
+        self.footprint = measured
+        return {**measured.reply(), "notes": list(measured.gpu.notes)}
+
     def prepare(self, epoch: int) -> dict:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
@@ -413,6 +432,7 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     """Restore this rank from `epoch` with the new task's stdio fds. Returns (root pid or None for a
     replayed batch step, rank manifest)."""
     manifest = p.store.verify_rank(epoch, p.step, p.rank)
+    p.gpu.check_restore(manifest.get("gpu"))     # before anything is touched: these GPUs take its GPU state
     rdir = p.store.rank_dir(epoch, p.step, p.rank)
     key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
     ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)

@@ -211,3 +211,15 @@ def fib_trie(pid: int | str = "self") -> str:
 def kernel_has(name: str) -> bool:
     """/proc/sys/kernel/<name> exists (e.g. ns_last_pid: checkpoint/restore support)."""
     return (_root / "sys" / "kernel" / name).exists()
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (its kB values times 1024; counters without a unit as they are)."""
+    out = {}
+    with open(_root / "meminfo") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            parts = value.split()
+            if parts and parts[0].isdigit():
+                out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out

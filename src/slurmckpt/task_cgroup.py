@@ -59,7 +59,7 @@ def _is_cgroup2(path: Path) -> bool:
         return False
 
 
-def _cgroup_mounts() -> dict[str, Path]:
+def cgroup_mounts() -> dict[str, Path]:
     """controllers (as /proc/PID/cgroup names them; "0::" for v2) -> mount point."""
     out: dict[str, Path] = {}
     for line in procfs.mountinfo():
@@ -80,7 +80,7 @@ def slurm_cgroups(pid: int, job: int) -> tuple[Path, ...]:
     task itself. The agent is forked before slurmstepd places the task in its step and task cgroups, so the
     tree must be put there explicitly (v1 moves no children)."""
     found = []
-    mounts = _cgroup_mounts()
+    mounts = cgroup_mounts()
     for _, controllers, path in procfs.cgroups(pid):
         if not _slurm_step_path(path, job):
             continue

@@ -3,7 +3,8 @@
 The freeze control is root's alone (the user could otherwise freeze its own tree and leave it so: Slurm
 cannot kill a frozen tree and drains the node). The watchdog stands in for the agent where the agent
 cannot act: it thaws the tree when the agent dies (kill -9, crash) and when the tree has been frozen
-longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds.
+longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds;
+the agent writes `limit SECONDS` lines there when an epoch's sizes call for a longer limit (set_limit).
 """
 from __future__ import annotations
 
@@ -33,13 +34,26 @@ def start(cgroup: TaskCgroup, max_frozen_s: float, poll_s: float = 1.0) -> int:
     return w
 
 
+def set_limit(agent_fd: int, max_frozen_s: float) -> None:
+    """How long the tree may stay frozen from now on (an epoch whose bytes take longer than the default)."""
+    os.write(agent_fd, f"limit {max_frozen_s:.0f}\n".encode())
+
+
 def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0) -> None:
     frozen_since: float | None = None
+    pending = b""
     while True:
         ready, _, _ = select.select([agent_fd], [], [], poll_s)
-        if ready and not os.read(agent_fd, 64):
-            _thaw(cgroup, "the agent is gone")
-            return
+        if ready:
+            data = os.read(agent_fd, 256)
+            if not data:
+                _thaw(cgroup, "the agent is gone")
+                return
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                word, _, value = line.decode(errors="replace").partition(" ")
+                if word == "limit" and value.isdigit():
+                    max_frozen_s = float(value)
         try:
             frozen = cgroup.state() != "THAWED"
         except OSError:

@@ -21,6 +21,7 @@ from slurmckpt.agent import uses_gpus
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks
+from slurmckpt.cuda.frameworks import growth_defaults
 from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
@@ -61,6 +62,8 @@ class Wrapper:
         self.pending: list[int] = []
         self.relays: list[threading.Thread] = []
         self.fresh_notice: str | None = None     # why a requeued batch step starts from the beginning
+        self.noted: set[str] = set()             # size notes already said (once per run, not per epoch)
+        self.capture_timeout_s = self.config.capture_timeout_s    # the coordinator's, for the current epoch
         # srun --mpi=pmi2: the task's socket to slurmstepd goes into the tree only through pmi.Handover
         self.pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
         if self.pmi_fd is not None:
@@ -236,6 +239,12 @@ class Wrapper:
             stdio = [0] + [self._relay(fd) for fd in (1, 2)]
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
         argv = self.argv
+        if uses_gpus(env) and self.config.gpu_growth_defaults:    # docs/gpu.md, "Frameworks that preallocate"
+            added = growth_defaults(env)
+            env.update(added)
+            if added and self.env.rank == 0:     # one line per step, not one per rank
+                say(self.env, "GPU memory on demand for checkpoints: set " + " ".join(f"{k}={v}" for k, v in
+                              sorted(added.items())) + " (gpu_growth_defaults; docs/gpu.md)")
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
             if not uses_gpus(env):     # in its own PID namespace: no shared memory with the node's ranks
@@ -339,9 +348,7 @@ class Wrapper:
             if final and reason in ("walltime", "manual-requeue"):
                 threading.Thread(target=self._requeue, daemon=True).start()
         elif result["status"] == "aborted":
-            where = f"rank {result.get('rank', '?')} on node {result.get('node', '?')}"
-            say(self.env, f"checkpoint epoch {result['epoch']} ({reason}) ABORTED at {result.get('stage')} "
-                          f"({where}): {result.get('error')}; the previous checkpoint stays the one restored")
+            say(self.env, abort_message(result, reason))
             threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()
 
     def _report_failure(self, result: dict, reason: str, final: bool) -> None:
@@ -369,10 +376,17 @@ class Wrapper:
             self.final_capture.set()
         elif kind == "abort":
             self.final_capture.clear()
+        if kind == "capture" and isinstance(message.get("timeout_s"), (int, float)):
+            self.capture_timeout_s = max(self.config.capture_timeout_s, float(message["timeout_s"]))
         args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
-        if kind == "prepare":       # what the agent records should its part fail (fresh_start.py)
+        if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py)
             args = {k: message[k] for k in ("final", "trigger") if k in message}
-        return {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
+        reply = {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
+        for note in reply.pop("notes", []):   # for the user, not the coordinator; once per run
+            if note not in self.noted:
+                self.noted.add(note)
+                say(self.env, f"note: {note}")
+        return reply
 
     def _on_rank_started(self, rank: str, action: str) -> None:
         if action in ("restore", "run"):
@@ -380,7 +394,7 @@ class Wrapper:
 
     def _await_final_commit(self) -> None:
         """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
-        deadline = time.monotonic() + self.config.capture_timeout_s + 60
+        deadline = time.monotonic() + self.capture_timeout_s + 60
         while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -419,6 +433,16 @@ class Wrapper:
         for t in self.relays:
             t.join(5)
         return status
+
+
+def abort_message(result: dict, reason: str) -> str:
+    """The job's line for an aborted epoch: rank, node, stage and reason, and whether undoing it completed."""
+    where = ", ".join(f"{what} {result[what]}" for what in ("rank", "node", "stage") if result.get(what))
+    text = (f"checkpoint epoch {result['epoch']} ({reason}) ABORTED ({where or 'no rank took part'}): "
+            f"{result.get('error') or 'no reason given'}")
+    if result.get("abort"):
+        text += f"; undoing it did not complete: {result['abort']}"
+    return text + "; the previous checkpoint stays the one restored"
 
 
 def task_argv(env: TaskEnv, args: list[str]) -> list[str]:

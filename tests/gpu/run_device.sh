@@ -3,6 +3,7 @@
 #   facts  - machine, driver, THP, disk, cgroup, criu check       probe - tests/gpu/probe_driver.py
 #   train  - tests/gpu/train_restore.py (proof a)                  bench:SIZES[:ORDER[:nocold]] - benchmarks/gpu_checkpoint.py
 #   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
+#   nvml[:GIB] - tests/gpu/nvml_probe.py: NVML inventory, NVML bytes vs the driver's host copy, rates, JAX notes
 # Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
 set -u
 cd "$(dirname "$0")/../.."
@@ -27,6 +28,8 @@ for phase in "$@"; do
     train) timeout 240 python3 tests/gpu/train_restore.py $W/train --cycles 2 2>&1 | tee -a "$log"
            cp $W/train/result.json "$OUT/train.json" 2>/dev/null ;;
     pidns) timeout 60 python3 tests/gpu/pidns_probe.py $W/pidns pid+proc 2>&1 | tee -a "$log" ;;
+    nvml) gib=${phase#nvml}; gib=${gib#:}
+          timeout 400 python3 tests/gpu/nvml_probe.py $W/nvml --gib "${gib:-8}" 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ${cold:-} == nocold ]] && extra=(--skip-cold)

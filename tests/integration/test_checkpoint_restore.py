@@ -114,7 +114,7 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
                  "python3 zdtm.py --steps 200 --sleep 0.2 --tag f --data data.txt --poison-at 90\n",
                  "--checkpoint-interval=10s")
     job.wait_output(r"committed \(interval\)")
-    job.wait_output(r"ABORTED at capture", timeout=120)
+    job.wait_output(r"ABORTED \(rank batch\.0, node [^,]+, stage dump\): ", timeout=120)
     assert job.wait_done() == "COMPLETED"
     assert job.app_lines() == ["preamble", *expected_lines("f", 200)]
     root = Path(Config.load().storage_root)

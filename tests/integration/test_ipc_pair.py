@@ -44,8 +44,8 @@ def test_ipc_that_separate_restores_cannot_bring_back_is_refused_and_the_job_run
     job = submit(USER, wd, "#!/bin/bash\n"
                  f"srun -n2 python3 ipc_pair.py --mech {mech} --steps 100 --sleep 0.2\n",
                  "-n2", "-N1", "--checkpoint-interval=10s")
-    job.wait_output(r"ABORTED at .*state shared outside this rank's process tree cannot be restored: .*" + named,
-                    timeout=120)
+    job.wait_output(r"ABORTED \(rank \d+\.\d, node [^,]+, stage check\): .*state shared outside this rank's process "
+                    r"tree cannot be restored: .*" + named, timeout=120)
     assert job.wait_done() == "COMPLETED"
     for rank in (0, 1):
         assert rank_lines(job, rank) == expected_lines(rank, 100)

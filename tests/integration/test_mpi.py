@@ -68,7 +68,7 @@ def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_
     ref = reference(wd, "150 0")
     job = submit(USER, wd, "#!/bin/bash\nmpirun.openmpi -np 2 ./mpi_ring 150 100\necho mpirun exit $?\n",
                  "-J", "mpi-orted", "-n2", *nodes, "--checkpoint-interval=10s")
-    job.wait_output(r"ABORTED at prepare .*" + why, timeout=120)
+    job.wait_output(r"ABORTED \(rank [\w.]+, node [^,]+, stage check\): .*" + why, timeout=120)
     assert job.wait_done(timeout=300) == "COMPLETED", job.text()[-3000:]
     steps, result = ring_lines(job)
     assert steps == list(range(1, 151)) and result == ref, (steps[-3:], result, ref)

@@ -80,7 +80,7 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
     a.store.ensure()
     a.instance, a.slurm_job = ME, JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {})
     a.store_note = claim(a.store, ME)
-    a.pipeline = SimpleNamespace(root_pid=None)
+    a.pipeline = SimpleNamespace(root_pid=None, failed_stage="")
     return a
 
 
@@ -192,3 +192,56 @@ def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
     with pytest.raises(ProtocolError, match="stdio"):
         a.op_restore({"epoch": 1}, [0, 1])
     assert a.cgroup.done == [] and not (tmp_path / "cg").exists()
+
+
+# ---- the SIZE phase --------------------------------------------------------------------------------------
+def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tuple[Agent, int]:
+    """An agent whose pipeline measures with `size` (a function of the epoch), whose tree has `others` more
+    trees of the job on the node, and whose watchdog pipe is read back by the test."""
+    from slurmckpt.config import Config
+    from slurmckpt.fresh_start import FailureReporter
+    from slurmckpt.identity import TreeName
+    a = make_agent(tmp_path, chan)
+    a.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
+    a.config = Config(capture_timeout_s=60.0)
+    a.pipeline = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None,
+                                 engine=SimpleNamespace(timeout_s=60.0))
+    a.reporter = FailureReporter(a.store, 43, "0.0", "n1", annotate=lambda job, text: "AdminComment",
+                                 background=False)
+    r, a.watchdog_fd = os.pipe()
+    return a, r
+
+
+def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_path):
+    """100 GB of GPU state and 4 GB of host memory, one more tree of the job on the node: criu's timeout and
+    the watchdog's frozen limit follow the node's disk rate, never below the configured floor."""
+    from slurmckpt.footprint import Footprint
+    from slurmckpt.gpu import GpuUse
+
+    def size(epoch):
+        a.pipeline.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)
+        return {"gpu_bytes": 100 * 10**9, "notes": []}
+    chan = FakeChannel(request("size", epoch=3, final=False, trigger="interval"))
+    a, r = sizing_agent(tmp_path, chan, size, others=1)
+    a.serve()
+    assert chan.sent[0]["ok"] and chan.sent[0]["gpu_bytes"] == 100 * 10**9
+    expect = 2 * (2 * 104 / 1.6 + 2 * 104 / 1.6)     # two trees' images through one disk, then read back
+    assert a.pipeline.engine.timeout_s == pytest.approx(expect)
+    assert os.read(r, 100) == f"limit {expect + 120:.0f}\n".encode()
+
+
+def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
+    from slurmckpt.errors import CaptureError
+    from slurmckpt.fresh_start import failures
+
+    def size(epoch):
+        a.pipeline.failed_stage = "size"
+        raise CaptureError("capture refused before anything was locked: the GPU checkpoint copies 9.0 GiB ...")
+    chan = FakeChannel(request("size", epoch=3, final=True, trigger="sigterm"))
+    a, r = sizing_agent(tmp_path, chan, size)
+    a.serve()
+    assert chan.sent[0]["ok"] is False and chan.sent[0]["stage"] == "size"
+    assert chan.sent[0]["error_type"] == "CaptureError"
+    (failure,) = failures(a.store)
+    assert (failure.epoch, failure.stage, failure.final, failure.trigger) == (3, "size", True, "sigterm")
+    assert a.pipeline.engine.timeout_s == 60.0        # nothing measured: the limits stay

@@ -157,6 +157,23 @@ def test_a_retryable_lock_error_keeps_its_type_across_the_channel(pair):
     assert e.value.retryable and "pid=7" in str(e.value) and e.value.context["op"] == "prepare"
 
 
+@pytest.mark.parametrize("stage, expect", [("gpu-checkpoint", "gpu-checkpoint"), ("", None), (7, None)])
+def test_the_failed_pipeline_stage_crosses_the_channel_as_context(pair, stage, expect):
+    """The coordinator's abort message names the stage a rank failed in: the agent's reply carries it, and
+    only a non-empty string counts."""
+    a, b = pair
+
+    def agent():
+        b.recv()
+        b.send({"ok": False, "error": "CUDA_ERROR_OUT_OF_MEMORY", "error_type": "GpuError", "stage": stage})
+    t = threading.Thread(target=agent)
+    t.start()
+    with pytest.raises(SlurmckptError) as e:
+        a.call("prepare", epoch=3)
+    t.join()
+    assert e.value.context.get("stage") == expect and type(e.value).__name__ == "GpuError"
+
+
 def test_call_closes_fds_a_reply_carries(pair):
     a, b = pair
     r, w = os.pipe()

@@ -40,6 +40,7 @@ def test_unknown_key_in_file_names_file_and_key(tmp_path):
     ("capture_timeout_s", "soon", "could not convert"),
     ("storage_root", 17, "must be a string"),
     ("criu_path", None, "must be a string"),
+    ("gpu_growth_defaults", "sometimes", "want true or false"),
 ])
 def test_bad_values_name_key_and_value(key, value, why):
     with pytest.raises(ConfigError) as e:
@@ -59,6 +60,8 @@ def test_values_are_coerced(tmp_path):
     assert c.storage_root == "/srv/ckpt"
     assert c.criu_extra_args == ("--shell-job", "-v4")
     assert Config.from_mapping({"criu_extra_args": "--a  --b"}).criu_extra_args == ("--a", "--b")
+    assert Config.from_mapping({"gpu_growth_defaults": "no"}).gpu_growth_defaults is False
+    assert Config.from_mapping({"gpu_growth_defaults": True}).gpu_growth_defaults is True
 
 
 def test_frozen():

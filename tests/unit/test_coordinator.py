@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from slurmckpt.coordinator import server
+from slurmckpt.coordinator import connection, phase
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import (MAX_LINE, VERSION, LineReader, Sealer, encode_prefix, new_token,
                                             parse_line)
@@ -79,11 +79,13 @@ class FakeRank:
     """A rank's handler: records the commands it got, fails or disconnects on request."""
 
     def __init__(self, job: Job, name: str, fail: str | None = None, vanish: str | None = None,
-                 block: str | None = None, slow: str | None = None, vanish_after: str | None = None) -> None:
+                 block: str | None = None, slow: str | None = None, vanish_after: str | None = None,
+                 node: str | None = None, sized: dict | None = None, gpus: bool = False) -> None:
         self.name, self.fail, self.vanish = name, fail, vanish
-        self.slow, self.vanish_after = slow, vanish_after
+        self.slow, self.vanish_after, self.sized = slow, vanish_after, sized or {}
         self.got: list[tuple[str, int]] = []
-        self.client = RankClient("127.0.0.1", job.port, job.token, name, "node-" + name, 0, self.handle)
+        self.client = RankClient("127.0.0.1", job.port, job.token, name, node or "node-" + name, 0, self.handle,
+                                 gpus=gpus)
         self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
         self.thread.start()
 
@@ -98,6 +100,8 @@ class FakeRank:
             time.sleep(0.5)
         if kind == self.vanish_after:          # reply first, then leave before the next phase
             threading.Timer(0.1, self.client.close).start()
+        if kind == "size":
+            return dict(self.sized)
         if kind == "capture":
             return {"kind": "image", "bytes": 1000 if (message or {}).get("final") else 0}
         if kind == "resume":
@@ -131,7 +135,7 @@ def test_one_rank_epoch_commits(job):
     assert res["epoch"] == 1 and res["ranks"] == 1 and res["bytes"] == 1000
     assert 0 <= res["cut_s"] <= res["commit_s"] <= res["total_s"]
     assert job.committer.calls == [(1, {"0.0": {"kind": "image", "node": "node-0.0"}}, "interval")]
-    assert r.got == [("prepare", 1), ("capture", 1), ("resume", 1)]
+    assert r.got == [("prepare", 1), ("capture", 1), ("resume", 1)]      # no GPUs: no SIZE round trip
     assert job.epoch()["epoch"] == 2
     assert job.coord.history[-1]["status"] == "committed"
 
@@ -218,7 +222,8 @@ def test_committer_failure_aborts(tmp_path):
         j.close()
 
 
-def test_silent_rank_times_out(job):
+def test_silent_rank_times_out_and_is_named_with_its_node_and_phase(job):
+    """A timeout names every rank that had not answered, its node and the phase; the others are aborted."""
     job.coord.prepare_timeout_s = 0.5
     ok = job.rank("0.0")
     hang = threading.Event()
@@ -229,7 +234,9 @@ def test_silent_rank_times_out(job):
     assert not fut.done() or fut.result()["status"] == "aborted"
     hang.set()
     res = fut.result(TIMEOUT)
-    assert res["status"] == "aborted" and res["stage"] == "timeout"
+    assert res["status"] == "aborted" and res["stage"] == "prepare", res
+    assert res["rank"] == "0.1" and res["node"] == "node-0.1"
+    assert "no answer to prepare within 0.5s from rank 0.1 (node node-0.1) (1 of 2 rank(s) answered)" == res["error"]
     assert "resume" not in ok.commands() and "capture" not in ok.commands()
     assert job.committer.calls == []
 
@@ -487,8 +494,8 @@ def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):
     assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
     assert job.ranks[0].commands().count("prepare") == 1
     with pytest.raises(ProtocolError, match="error_kind"):
-        server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
-    assert server._reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
+        phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
+    assert phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
 
 
 # ---- framing and sealing (protocol.LineReader / Sealer) ---------------------------------------------------
@@ -538,22 +545,22 @@ def test_sealer_rejects_bad_mac_replay_reorder_and_other_nonce():
 
 
 @pytest.mark.parametrize("data, why", [
-    (b"{not json}", "malformed"), (b'{"v":1,"type":"x"} trailing', "malformed"), (b'{"v":1,"type":"x"}{}', "malformed"),
-    (b"\xff\xfe", "malformed"), (b"[1,2]", "not an object"), (b'{"v":2,"type":"x"}', "version"),
-    (b'{"v":1}', "no type"), (b"", "malformed")])
+    (b"{not json}", "malformed"), (b'{"v":2,"type":"x"} trailing', "malformed"), (b'{"v":2,"type":"x"}{}', "malformed"),
+    (b"\xff\xfe", "malformed"), (b"[1,2]", "not an object"), (b'{"v":1,"type":"x"}', "version"),
+    (b'{"v":2}', "no type"), (b"", "malformed")])
 def test_parse_line_rejects(data, why):
     with pytest.raises(ProtocolError, match=why):
         parse_line(data)
 
 
 def test_parse_line_accepts_surrounding_whitespace_like_json_loads():
-    assert parse_line(b' {"v":1,"type":"x"}\n') == {"v": 1, "type": "x"}
+    assert parse_line(b' {"v":2,"type":"x"}\n') == {"v": 2, "type": "x"}
 
 
 def test_sealer_rejects_authentic_but_malformed_json():
     token = new_token()
     out, peer = Sealer(token, "a"), Sealer(token, "a")
-    data = b'{"type":"ready","v":1,"seq":1'                            # cut short, then sealed
+    data = b'{"type":"ready","v":2,"seq":1'                            # cut short, then sealed
     with pytest.raises(ProtocolError, match="malformed"):
         peer.open(out._mac(data) + b" " + data + b"\n")
 
@@ -636,7 +643,7 @@ def test_oversized_line_dribbled_in_is_refused_before_its_end(job):
 
 
 def test_silent_connection_is_dropped_after_hello_timeout(job, monkeypatch):
-    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(connection, "HELLO_TIMEOUT_S", 0.2)
     raw = Raw(job.port)
     t0 = time.monotonic()
     assert raw.closed_by_peer()

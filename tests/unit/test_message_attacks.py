@@ -15,7 +15,7 @@ import pytest
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
-from slurmckpt.coordinator import server
+from slurmckpt.coordinator import connection
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import VERSION, Sealer, new_token
 from slurmckpt.errors import ProtocolError, SlurmckptError
@@ -217,10 +217,12 @@ def test_a_bad_capture_reply_aborts_the_epoch_and_commits_nothing(job, reply):
             if not line:
                 return
             msg = opener.open(line)
-            if msg["type"] == "prepare":
+            if msg["type"] == "size":
+                raw.send(sealer.seal({"type": "sized", "epoch": msg["epoch"]}))
+            elif msg["type"] == "prepare":
                 raw.send(sealer.seal({"type": "ready", "epoch": msg["epoch"]}))
             elif msg["type"] == "capture":
-                raw.send(sealed_raw(sealer, b'{"type":"captured","epoch":%d,%s,"v":1,"seq":%d}'
+                raw.send(sealed_raw(sealer, b'{"type":"captured","epoch":%d,%s,"v":2,"seq":%d}'
                                     % (msg["epoch"], reply, sealer.sent + 1)))
             elif msg["type"] in ("abort", "resume", "finish"):
                 raw.send(sealer.seal({"type": "done", "epoch": msg["epoch"]}))
@@ -253,7 +255,7 @@ def test_bad_events_drop_the_sender_and_change_nothing(job, event):
 
 
 @pytest.mark.parametrize("garbage", [b"[" * 60_000 + b"\n", b"x" * 70_000 + b"\n", b"\x00\xff\n",
-                                     b'{"type":"hello","v":1,"seq":1,"interval":NaN}\n',
+                                     b'{"type":"hello","v":2,"seq":1,"interval":NaN}\n',
                                      b"%s {\"type\":\"hello\",\"rank\":\"0.0\",\"v\":1,\"seq\":1}\n" % (b"0" * 64)])
 def test_unauthenticated_garbage_and_forged_macs_are_refused(job, garbage):
     raw = Raw(job.port)
@@ -264,7 +266,7 @@ def test_unauthenticated_garbage_and_forged_macs_are_refused(job, garbage):
 
 
 def test_idle_connections_are_capped_and_timed_out(monkeypatch):
-    monkeypatch.setattr(server, "HELLO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connection, "HELLO_TIMEOUT_S", 1.0)
     j = Job(Committer(), max_pending=8)
     try:
         idle = [Raw(j.port) for _ in range(20)]
@@ -280,9 +282,9 @@ def test_idle_connections_are_capped_and_timed_out(monkeypatch):
 
 
 # ---- a rank's client against whatever answers on the coordinator's port -----------------------------------------
-@pytest.mark.parametrize("first", [b'{"v":1,"type":"challenge"}\n', b'{"v":1,"type":"challenge","nonce":7}\n',
-                                   b'{"v":1,"type":"challenge","nonce":"../../"}\n', b"[" * 60_000 + b"\n",
-                                   b'{"v":1,"type":"challenge","nonce":NaN}\n', b"\xff\n", b"x" * 70_000, b""])
+@pytest.mark.parametrize("first", [b'{"v":2,"type":"challenge"}\n', b'{"v":2,"type":"challenge","nonce":7}\n',
+                                   b'{"v":2,"type":"challenge","nonce":"../../"}\n', b"[" * 60_000 + b"\n",
+                                   b'{"v":2,"type":"challenge","nonce":NaN}\n', b"\xff\n", b"x" * 70_000, b""])
 def test_a_forged_challenge_is_a_protocol_error_for_the_rank_never_a_crash(first):
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

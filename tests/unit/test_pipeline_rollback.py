@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.errors import CaptureError, CriuError, GpuError
+from slurmckpt.gpu import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
@@ -67,12 +68,15 @@ def _running(pid: int) -> bool:
 class FakeGpu:
     journal: Journal
     fail: str = ""
+    use: GpuUse = field(default_factory=GpuUse)
 
     def _do(self, what: str):
         self.journal.events.append(what)
         if what == self.fail:
             raise GpuError(f"injected {what} failure")
 
+    def footprint(self, pids): return self.use
+    def check_restore(self, record): self._do("gpu-check-restore")
     def lock(self, pids): self._do("gpu-lock")
     def unlock(self): self._do("gpu-unlock")
     def checkpoint(self): self._do("gpu-checkpoint"); return {"processes": []}
@@ -222,3 +226,18 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     assert [q.wait(5) for q in restored] == [-9, -9], "the restored processes were left running"
     assert p.root_pid is None and p.cgroup.pids() == []
     assert j.events[-1] == "gpu-restore"
+
+
+def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Path) -> None:
+    """The SIZE phase measures the real tree (this process, the real /proc and MemAvailable) and refuses a GPU
+    copy no node could hold, naming it; nothing is locked or frozen, and the stage is recorded as size."""
+    p, j, _ = make(tmp_path)
+    p.gpu.use = GpuUse({os.getpid(): {"GPU-x": 1 << 50}})
+    with pytest.raises(CaptureError, match="capture refused before anything was locked: the GPU checkpoint copies "
+                                           "1048576.0 GiB of device memory"):
+        p.size(1)
+    assert p.failed_stage == "size" and j.events == [] and p.footprint is None
+    p.gpu.use = GpuUse()
+    reply = p.size(2)
+    assert reply["gpu_bytes"] == 0 and reply["host_bytes"] > 0 and reply["notes"] == []
+    assert p.footprint is not None and p.footprint.store_free > 0

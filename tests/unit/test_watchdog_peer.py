@@ -22,6 +22,13 @@ def _v1_cgroup(tmp_path: Path, state: str) -> TaskCgroup:
     return TaskCgroup(tmp_path, TreeName(1, "0", 0, 0))
 
 
+def _thawed_within(freezer: TaskCgroup, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while freezer.state() != "THAWED" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return freezer.state() == "THAWED"
+
+
 def test_watchdog_thaws_when_the_agent_is_gone(tmp_path: Path) -> None:
     freezer = _v1_cgroup(tmp_path, "FROZEN")
     r, w = os.pipe()
@@ -39,10 +46,22 @@ def test_watchdog_thaws_a_freeze_that_outlasts_any_capture(tmp_path: Path) -> No
     r, w = os.pipe()
     t = threading.Thread(target=watchdog.watch, args=(freezer, r, 0.3, 0.05), daemon=True)
     t.start()
-    deadline = time.monotonic() + 5
-    while freezer.state() != "THAWED" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert freezer.state() == "THAWED"
+    assert _thawed_within(freezer, 5)
+    os.close(w)
+    t.join(5)
+
+
+def test_the_agent_can_lengthen_the_frozen_limit_for_a_large_epoch(tmp_path: Path) -> None:
+    """A 0.3 s limit raised to an hour by the agent (an epoch with many GiB to dump) no longer thaws."""
+    freezer = _v1_cgroup(tmp_path, "FROZEN")
+    r, w = os.pipe()
+    watchdog.set_limit(w, 3600)
+    t = threading.Thread(target=watchdog.watch, args=(freezer, r, 0.3, 0.05), daemon=True)
+    t.start()
+    time.sleep(1.0)
+    assert freezer.state() == "FROZEN"
+    watchdog.set_limit(w, 0)                      # and back down: the freeze now outlasts it
+    assert _thawed_within(freezer, 5)
     os.close(w)
     t.join(5)
 

@@ -328,3 +328,61 @@ def test_a_disabled_task_becomes_its_plain_command_without_the_private_variables
     assert ran[0] == ("prctl", (wrapper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0))
     path, argv, env = ran[1]
     assert (path, argv) == ("app", ["app"]) and not any(k.startswith("SLURMCKPT_") for k in env)
+
+
+def test_size_notes_go_to_the_jobs_stderr_once_and_not_to_the_coordinator(make, said):
+    note = "pid 11 (JAX) holds 105.3 GiB ... Set XLA_PYTHON_CLIENT_PREALLOCATE=false for the job"
+    w = make({"size": {"ok": True, "gpu_bytes": 5, "notes": [note]}})
+    for epoch in (4, 5):
+        assert w._on_command("size", epoch, {"final": False, "trigger": "interval"}) == {"gpu_bytes": 5}
+    assert said == [f"note: {note}"]
+    assert w.agent.calls[0] == ("size", {"epoch": 4, "final": False, "trigger": "interval", "nfds": 0})
+
+
+def test_the_coordinators_capture_timeout_bounds_the_wait_for_a_final_commit(make):
+    w = make({"capture": {"kind": "image"}})
+    w._on_command("capture", 4, {"final": True, "timeout_s": 1800.0})
+    assert w.capture_timeout_s == 1800.0
+    w._on_command("capture", 5, {"final": True, "timeout_s": 1.0})        # never below the configured floor
+    assert w.capture_timeout_s == w.config.capture_timeout_s
+
+
+@pytest.mark.parametrize("env, added", [
+    ({"CUDA_VISIBLE_DEVICES": "0"}, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}),
+    ({"CUDA_VISIBLE_DEVICES": "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, {"TF_FORCE_GPU_ALLOW_GROWTH": "true"}),
+    ({}, {}),                                                       # no GPU: the environment is left alone
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, {})])
+def test_gpu_tasks_start_with_memory_on_demand_unless_the_job_chose(make, said, monkeypatch, env, added):
+    for name in ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                 "XLA_PYTHON_CLIENT_ALLOCATOR", "TF_FORCE_GPU_ALLOW_GROWTH", "TF_GPU_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    launched = w.agent.calls[-1][1]["env"]
+    assert {k: launched[k] for k in added} == added
+    assert not ({"XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH"} - set(added)) & set(launched)
+    assert env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == launched.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert bool(added) == any("GPU memory on demand" in line for line in said)
+
+
+def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    w = make({"launch": {"pid": 99}})
+    w.config = Config(gpu_growth_defaults=False)
+    w._launch(relay=False)
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in w.agent.calls[-1][1]["env"]
+
+
+def test_only_rank_0_of_a_step_says_it_set_the_growth_defaults(make, said, monkeypatch):
+    import dataclasses
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    w = make({"launch": {"pid": 99}})
+    w.env = dataclasses.replace(w.env, rank=1)
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert not any("GPU memory on demand" in line for line in said)

@@ -131,6 +131,9 @@ def check_node(r: Report, cfg: Config) -> None:
                                                               "node_exporter's --collector.textfile.directory there)"))
     agents = running_agents()
     r.add(True, "agents running here", ", ".join(f"{a['task']} (pid {a['pid']})" for a in agents) or "none")
+    from slurmckpt.cuda.inventory import doctor_checks
+    for ok, what, detail in doctor_checks():        # GPU nodes only (docs/gpu.md)
+        r.add(ok, what, detail)
 
 
 def running_agents() -> list[dict]:

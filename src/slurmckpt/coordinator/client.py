@@ -14,19 +14,21 @@ log = logging.getLogger("slurmckpt.coordinator.client")
 
 # command -> reply type when it succeeded
 HANDSHAKE_S = 15
-REPLIES = {"prepare": "ready", "capture": "captured", "resume": "done", "finish": "done", "abort": "done"}
+REPLIES = {"size": "sized", "prepare": "ready", "capture": "captured", "resume": "done", "finish": "done",
+           "abort": "done"}
 
 
 class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
-                 handler: Callable[[str, int, dict], dict], tasks: int = 1, last_epoch: int = 0) -> None:
+                 handler: Callable[[str, int, dict], dict], tasks: int = 1, last_epoch: int = 0,
+                 gpus: bool = False) -> None:
         self.rank, self.handler = rank, handler
         self.sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
         # The whole handshake is bounded, not each read: a peer dribbling a byte at a time cannot hold us.
         cutoff = threading.Timer(HANDSHAKE_S, self._cut)
         cutoff.start()
         try:
-            self._handshake(token, rank, node, interval, tasks, last_epoch)
+            self._handshake(token, rank, node, interval, tasks, last_epoch, gpus)
         except BaseException:        # whatever answered there (a squatter on a dead coordinator's port)
             self.sock.close()
             raise
@@ -34,7 +36,8 @@ class RankClient:
             cutoff.cancel()
         self.closed = threading.Event()
 
-    def _handshake(self, token: str, rank: str, node: str, interval: int, tasks: int, last_epoch: int) -> None:
+    def _handshake(self, token: str, rank: str, node: str, interval: int, tasks: int, last_epoch: int,
+                   gpus: bool) -> None:
         self.file = self.sock.makefile("rb")
         nonce = open_challenge(self.file.readline(MAX_LINE + 1))
         self.sealer = Sealer(token, nonce)
@@ -43,7 +46,7 @@ class RankClient:
         self._acks = threading.Condition()
         self._acked: set[int] = set()
         self.send({"type": "hello", "rank": rank, "node": node, "interval": interval, "tasks": tasks,
-                   "last_epoch": last_epoch})
+                   "last_epoch": last_epoch, "gpus": gpus})
         welcome = self._read()
         if welcome.get("type") != "welcome":
             raise ProtocolError("coordinator refused the hello")
@@ -86,8 +89,9 @@ class RankClient:
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})
                 except Exception as e:  # reported to the coordinator, which aborts the epoch
                     log.error("%s of epoch %d failed: %s", kind, epoch, e)
-                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": kind, "error": str(e),
-                               "error_kind": error_kind(e)})
+                    stage = getattr(e, "context", {}).get("stage") or kind    # the pipeline stage, if known
+                    self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": str(stage)[:64],
+                               "error": str(e), "error_kind": error_kind(e)})
         except (EOFError, OSError, ProtocolError) as e:
             log.info("coordinator connection lost: %s", e)
         finally:

@@ -12,12 +12,12 @@ import secrets
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError, is_retryable
 
-VERSION = 1
+VERSION = 2         # 2: the SIZE phase (size -> sized) before PREPARE
 MAX_LINE = 64 * 1024
 
 # Message types. Coordinator -> rank: commands; rank -> coordinator: replies and events.
-COMMANDS = {"prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
-EVENTS = {"hello", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
+COMMANDS = {"size", "prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
+EVENTS = {"hello", "sized", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
 
 # What a `failed` reply says of its error, as a kind and never as text: "retryable" (errors.LockContended, a
 # GPU lock that timed out on work in flight: the coordinator tries the lock round again) or "fatal".

@@ -2,9 +2,15 @@
 
 State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
 
-    periodic: IDLE -> PREPARING (all READY: GPUs checkpointed, trees frozen) -> CAPTURING (all dumped)
-              -> RESUMING (all thawed and sealed) -> COMMITTING (job manifest renamed) -> IDLE
-    final:    IDLE -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+    periodic: IDLE -> SIZING (all SIZED: bytes measured, nothing locked) -> PREPARING (all READY: GPUs
+              checkpointed, trees frozen) -> CAPTURING (all dumped) -> RESUMING (all thawed and sealed)
+              -> COMMITTING (job manifest renamed) -> IDLE
+    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+
+SIZING (jobs with GPUs: a rank's hello says so) refuses, before anything is locked, GPU copies that do not
+fit the host memory of ranks sharing a node or a memory cgroup, and sets this epoch's phase timeouts from
+the bytes (budget.py). Every abort names the
+rank, node, phase and reason; a timeout names every rank that had not answered.
 
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
 """
@@ -17,8 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from slurmckpt.coordinator.protocol import (ERROR_KINDS, LineReader, Sealer, challenge, encode_prefix,
-                                            parse_line)
+from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
+from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
+from slurmckpt.coordinator.phase import EpochFailed, PhaseReplies, RankConn, check_reply, rank_list
+from slurmckpt.coordinator.protocol import encode_prefix
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
 
@@ -26,232 +34,6 @@ log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
-
-
-class EpochFailed(Exception):
-    """`error_kind` (protocol.ERROR_KINDS): "retryable" only for a rank's failed PREPARE that said so."""
-
-    def __init__(self, rank: str, stage: str, error: str, node: str = "?", error_kind: str = "fatal") -> None:
-        super().__init__(f"rank {rank} (node {node}) failed in {stage}: {error}")
-        self.rank, self.stage, self.error, self.node = rank, stage, error, node
-        self.error_kind = error_kind
-
-
-class _Barrier:
-    """The replies of one phase: a single future, resolved when the last rank has answered or the first one
-    failed. One future and one wake-up per phase instead of one per rank (asyncio.gather)."""
-
-    __slots__ = ("future", "replies", "left")
-
-    def __init__(self, n: int) -> None:
-        self.future = asyncio.get_running_loop().create_future()
-        self.replies: list[dict | None] = [None] * n
-        self.left = n
-        if n == 0:
-            self.future.set_result(self.replies)
-
-    def arrive(self, index: int, msg: dict) -> None:
-        self.replies[index] = msg
-        self.left -= 1
-        if self.left == 0:
-            self.future.set_result(self.replies)
-
-    def fail(self, error: EpochFailed) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-
-
-@dataclass
-class RankConn:
-    name: str
-    node: str
-    interval: int
-    transport: asyncio.Transport
-    sealer: Sealer
-    waiting: tuple[int, str, str, _Barrier, int] | None = None   # (epoch, reply, command, barrier, index)
-
-    def send(self, message: dict) -> None:
-        self.transport.write(self.sealer.seal(message))
-
-    def send_prefix(self, prefix: bytes) -> None:
-        """Send a message encoded once for all ranks (protocol.encode_prefix); only seq and MAC are ours."""
-        self.transport.write(self.sealer.seal_prefix(prefix))
-
-    def expect(self, epoch: int, reply: str, command: str, barrier: _Barrier, index: int) -> None:
-        self.waiting = (epoch, reply, command, barrier, index)
-
-    def deliver(self, msg: dict) -> None:
-        """A reply to the current phase counts towards its barrier; anything stale is ignored."""
-        if self.waiting is None:
-            return
-        epoch, reply, command, barrier, index = self.waiting
-        if barrier.future.done() or msg.get("epoch") != epoch:
-            return
-        if msg["type"] == "failed" and msg.get("phase") == command:
-            kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
-            barrier.fail(EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
-                                     self.node, kind))
-        elif msg["type"] == reply:
-            barrier.arrive(index, msg)
-        else:
-            return
-        self.waiting = None
-
-    def vanish(self) -> None:
-        if self.waiting:
-            self.waiting[3].fail(EpochFailed(self.name, self.waiting[2], "rank disconnected", self.node))
-        self.waiting = None
-
-
-HELLO_TIMEOUT_S = 5         # a connection that has not authenticated by then is closed
-MAX_PENDING = 1024          # unauthenticated connections at once; a new one beyond that evicts the oldest
-LINGER_S = 2                # a refused peer gets this long to see our EOF before the socket is closed
-READ_SIZE = 256 * 1024
-
-
-def _reply(msg: dict) -> dict:
-    """A rank's answer to a command, checked before it counts: epoch, and what a capture reports."""
-    validate.epoch(msg.get("epoch"))
-    if msg["type"] == "captured" and msg.get("kind", "image") not in ("image", "replay"):
-        raise ProtocolError(f"bad kind {msg.get('kind')!r}: not image or replay")
-    if "bytes" in msg:
-        validate.integer(msg["bytes"], "bytes", 0, 2**62)
-    if msg["type"] == "failed":
-        for name in ("phase", "stage", "error"):
-            validate.text(msg.get(name, ""), name)
-        if msg.get("error_kind", "fatal") not in ERROR_KINDS:
-            raise ProtocolError(f"bad error_kind {msg.get('error_kind')!r}: not one of {', '.join(ERROR_KINDS)}")
-    return msg
-
-
-class _Connection(asyncio.BufferedProtocol):
-    """One TCP connection, driven by the event loop's callbacks: what a read brings is cut into lines,
-    authenticated and handled right in buffer_updated. No stream, task or coroutine wake-up per connection
-    or per line: at 1000+ ranks those were most of the coordinator's CPU."""
-
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
-        self.lines = LineReader()
-        self.transport: asyncio.Transport | None = None
-        self.peer: object = None
-        self.sealer: Sealer | None = None
-        self.rank: RankConn | None = None
-        self.held: list[bytes] | None = None     # not None while an awaited handler runs: later lines wait
-        self.eof = False
-        self.closing = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.peer = transport.get_extra_info("peername")
-        hello = challenge()
-        self.sealer = Sealer(self.coord.token, parse_line(hello)["nonce"])
-        self.coord._conns.add(self)
-        self.coord._admit(self)
-        transport.write(hello)
-        self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        # One buffer for all connections: recv_into() a preallocated buffer instead of recv(256 KiB), which
-        # allocates per read; safe to share because buffer_updated consumes it before the next read.
-        return self.coord._rbuf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.closing:             # refused: what it still sends is read and dropped
-            return
-        try:
-            lines = self.lines.feed(self.coord._rbuf[:nbytes])
-        except ProtocolError as e:
-            self._refuse(e)
-            return
-        self._process(lines)
-
-    def eof_received(self) -> bool:
-        if self.closing:
-            return False
-        if self.lines.tail:          # a last line without its newline still counts, as with readline()
-            tail, self.lines.tail = self.lines.tail, b""
-            self._process([tail])
-        self.eof = True
-        return self.held is not None      # half-open until the held lines are handled
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.coord._conns.discard(self)
-        self.coord._pending.pop(self, None)
-        self._drop()
-
-    def _process(self, lines: list[bytes]) -> None:
-        for i, line in enumerate(lines):
-            if self.closing:
-                return
-            if self.held is not None:
-                self.held.extend(lines[i:])
-                return
-            try:
-                msg = self.sealer.open(line)
-                if self.rank is None:
-                    self.rank = self.coord._hello(self, msg)
-                    self.timer.cancel()
-                    self.coord._pending.pop(self, None)
-                else:
-                    pending = self.coord._dispatch(self.rank, msg)
-                    if pending is not None:
-                        self._hold(pending)
-            except (ProtocolError, ValueError) as e:
-                self._refuse(e)
-            except Exception:    # a callback's bug: this connection goes, the coordinator stays
-                log.exception("connection from %s dropped", self.peer)
-                self._close()
-
-    def _hold(self, pending: Awaitable[None]) -> None:
-        """This rank's later messages wait until `pending` is done (in order, as a read loop would)."""
-        self.held = []
-        self.transport.pause_reading()        # what is held stays bounded by one read
-        task = asyncio.get_running_loop().create_task(self._release(pending))
-        self.coord._tasks.add(task)
-        task.add_done_callback(self.coord._tasks.discard)
-
-    async def _release(self, pending: Awaitable[None]) -> None:
-        try:
-            await pending
-        except Exception:
-            log.exception("connection from %s dropped", self.peer)
-            self._close()
-            return
-        held, self.held = self.held, None
-        self._process(held)
-        if self.held is None and not self.closing:
-            if self.eof:
-                self.transport.close()
-            else:
-                self.transport.resume_reading()
-
-    def _refuse(self, reason: object) -> None:
-        if not self.closing:
-            log.warning("connection from %s refused: %s", self.peer, reason)
-            self._close()
-
-    def _close(self) -> None:
-        """Drop the connection. Lingering: send EOF and read (and discard) until the peer's EOF or LINGER_S,
-        since closing with unread input (the rest of an oversized line) would reset the connection instead."""
-        self.closing = True
-        self.timer.cancel()
-        self._drop()          # now, not at connection_lost: an epoch must not wait for a dropped rank
-        if self.transport.is_closing():
-            return
-        self.transport.resume_reading()
-        self.transport.write_eof()
-        self.timer = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
-
-    def _drop(self) -> None:
-        """Deregister this connection's rank (if it is still the registered one)."""
-        rank = self.rank
-        if rank is not None and self.coord.ranks.get(rank.name) is rank:
-            del self.coord.ranks[rank.name]
-            rank.vanish()
-            log.info("rank %s left", rank.name)
 
 
 @dataclass
@@ -278,8 +60,8 @@ class Coordinator:
         self._wanted: set[bool] = set()       # finality of the epochs queued or running
         self._final_tried = -FINAL_QUIET_S      # when the last final epoch ended (committed or not)
         self._server: asyncio.base_events.Server | None = None
-        self._conns: set[_Connection] = set()
-        self._pending: dict[_Connection, None] = {}     # not yet authenticated, oldest first
+        self._conns: set[Connection] = set()
+        self._pending: dict[Connection, None] = {}     # not yet authenticated, oldest first
         self._tasks: set[asyncio.Task] = set()
         self._rbuf = memoryview(bytearray(READ_SIZE))
 
@@ -287,7 +69,7 @@ class Coordinator:
         """Listen on `host`: the job's own address (loopback for a one-node job), never every interface."""
         # backlog: a whole job's ranks connect at once (job start, coordinator restart)
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Connection(self), host, port, backlog=4096)
+            lambda: Connection(self), host, port, backlog=4096)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -297,7 +79,7 @@ class Coordinator:
             conn.transport.close()
 
     # ---- connections -----------------------------------------------------------------------------------
-    def _admit(self, conn: _Connection) -> None:
+    def _admit(self, conn: Connection) -> None:
         """Anyone on the node can connect: at most max_pending connections wait for their hello (each for
         HELLO_TIMEOUT_S); beyond that the oldest waiting one goes (a rank says hello within a round trip)."""
         self._pending[conn] = None
@@ -312,7 +94,7 @@ class Coordinator:
             if oldest.transport is not None:
                 oldest.transport.abort()
 
-    def _hello(self, conn: _Connection, msg: dict) -> RankConn:
+    def _hello(self, conn: Connection, msg: dict) -> RankConn:
         """A connection's first authenticated message must be its rank's hello."""
         if msg["type"] != "hello":
             raise ProtocolError("expected hello")
@@ -320,7 +102,7 @@ class Coordinator:
         tasks = validate.integer(msg.get("tasks", 1), "tasks", 1, validate.MAX_TASKS)
         rank = RankConn(msg["rank"], validate.hostname(msg.get("node", "unknown")),
                         validate.integer(msg.get("interval", 0), "interval", 0, validate.MAX_INTERVAL_S),
-                        conn.transport, conn.sealer)
+                        conn.transport, conn.sealer, gpus=validate.flag(msg.get("gpus", False), "gpus"))
         last = validate.integer(msg.get("last_epoch", 0), "last_epoch", 0, validate.MAX_EPOCH)
         self.expected[step] = max(self.expected.get(step, 1), tasks)
         if last >= self.next_epoch:   # a restarted coordinator never reuses an epoch a rank has seen
@@ -337,8 +119,8 @@ class Coordinator:
         """Handle one message of a registered rank. Returns an awaitable when handling must wait for a
         callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
-        if kind in ("ready", "captured", "failed", "done"):
-            rank.deliver(_reply(msg))
+        if kind in ("sized", "ready", "captured", "failed", "done"):
+            rank.deliver(check_reply(msg))
         elif kind == "exited":
             self.completed[rank.name] = {"kind": "completed", "node": rank.node,
                                          "exit_code": validate.integer(msg.get("exit_code", 0), "exit_code",
@@ -419,74 +201,125 @@ class Coordinator:
                           error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
             self.history.append(result)
             return result
-        resumed, sealed = False, None
+        resumed, sealed, phase = False, None, "size"
+        timeouts = PhaseTimeouts.derive([], self.prepare_timeout_s, self.capture_timeout_s)
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
-            await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s, final=final,
-                              trigger=reason)
+            sizes = await self._size(parts, epoch, final, reason)
+            result.update(gpu_bytes=sum(r.gpu_bytes for r in sizes), image_bytes=sum(r.image_bytes for r in sizes))
+            for size, why in refusals(sizes)[:1]:     # nothing is locked yet: refused up front
+                raise EpochFailed(size.rank, "size", f"capture refused before anything was locked: {why}",
+                                  size.node)
+            timeouts = PhaseTimeouts.derive(sizes, self.prepare_timeout_s, self.capture_timeout_s)
+            result["timeouts"] = timeouts.as_dict()
+            phase = "prepare"
+            await self._phase(parts, "prepare", "ready", epoch, timeouts.prepare, final=final, trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
-            captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
-                                         final=final)
+            phase = "capture"
+            captured = await self._phase(parts, "capture", "captured", epoch, timeouts.capture, final=final,
+                                         timeout_s=timeouts.capture)
             result["frozen_s"] = time.monotonic() - t0
             if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
-                resumed = True
-                sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
+                resumed, phase = True, "resume"
+                sealed = await self._phase(parts, "resume", "done", epoch, timeouts.resume)
             records = {**self.completed}
             for p, reply in zip(parts, captured):
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
             await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
         except EpochFailed as e:
             log.error("epoch %d aborted: %s", epoch, e)
-            if not resumed:
-                await self._abort(parts, epoch)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
                           error_kind=e.error_kind)
-        except asyncio.TimeoutError:
             if not resumed:
-                await self._abort(parts, epoch)
-            result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
+                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         except Exception as e:  # committer failure
             log.exception("epoch %d commit failed", epoch)
+            result.update(status="aborted", stage="commit", error=f"the commit failed: {e}")
             if not resumed:
-                await self._abort(parts, epoch)
-            result.update(status="aborted", stage="commit", error=str(e))
+                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         else:
             result["commit_s"] = time.monotonic() - t0
             if final:
                 self.finished = True
                 try:
                     await self._phase(parts, "finish", "done", epoch, 60)
-                except (EpochFailed, asyncio.TimeoutError) as e:
+                except EpochFailed as e:
                     log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
             result.update(status="committed", total_s=time.monotonic() - t0,
                           bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
         self.history.append(result)
         return result
 
-    async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
-                     timeout: float, **fields: object) -> list[dict]:
-        for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
-            if self.ranks.get(p.name) is not p:
-                raise EpochFailed(p.name, command, "rank disconnected", p.node)
-        barrier = _Barrier(len(parts))
+    async def _size(self, parts: list[RankConn], epoch: int, final: bool, reason: str) -> list[RankSize]:
+        """Every rank's sizes, when any rank has GPUs (their copies and times are what SIZE is for); a job
+        without GPUs skips the round trip (the floors hold; the store checks its own space in PREPARE)."""
+        if not any(p.gpus for p in parts):
+            return []
+        sized = await self._phase(parts, "size", "sized", epoch, self.prepare_timeout_s, final=final,
+                                  trigger=reason)
+        return [RankSize.from_reply(p.name, p.node, reply) for p, reply in zip(parts, sized)]
+
+    def _send(self, parts: list[RankConn], command: str, reply: str, epoch: int, collect: bool = False,
+              **fields: object) -> PhaseReplies:
+        barrier = PhaseReplies(len(parts), collect)
         for index, p in enumerate(parts):       # armed before any reply can come
             p.expect(epoch, reply, command, barrier, index)
         prefix = encode_prefix({"type": command, "epoch": epoch, **fields})   # one JSON encoding for all
         for p in parts:
             p.send_prefix(prefix)
+        return barrier
+
+    @staticmethod
+    def _disarm(parts: list[RankConn], barrier: PhaseReplies) -> None:
+        for p in parts:
+            if p.waiting and p.waiting[3] is barrier:
+                p.waiting = None
+
+    async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
+                     timeout: float, **fields: object) -> list[dict]:
+        """Every rank's reply, or EpochFailed: the first rank that failed or left, or (timeout) every rank
+        that had not answered, by name and node."""
+        for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
+            if self.ranks.get(p.name) is not p:
+                raise EpochFailed(p.name, command, "rank disconnected", p.node)
+        barrier = self._send(parts, command, reply, epoch, **fields)
         try:
             return await asyncio.wait_for(barrier.future, timeout)
+        except asyncio.TimeoutError:
+            silent = barrier.silent(parts)
+            raise EpochFailed(silent[0].name, command, f"no answer to {command} within {timeout:.1f}s from "
+                              f"{rank_list(silent)} ({len(parts) - len(silent)} of {len(parts)} rank(s) answered)",
+                              silent[0].node) from None
         finally:
-            for p in parts:
-                if p.waiting and p.waiting[3] is barrier:
-                    p.waiting = None
+            self._disarm(parts, barrier)
 
-    async def _abort(self, parts: list[RankConn], epoch: int) -> None:
+    async def _abort(self, parts: list[RankConn], epoch: int, timeout: float) -> list[str]:
+        """Every rank undoes its part of the epoch (thaw, GPU restore and unlock). Returns, for each rank that
+        did not confirm, who it is and why: disconnected, failed to undo, or silent within `timeout`."""
         live = [p for p in parts if self.ranks.get(p.name) is p]
+        problems = [f"rank {p.name} (node {p.node}) is disconnected (its agent's watchdog thaws a tree left "
+                    "frozen)" for p in parts if p not in live]
+        barrier = self._send(live, "abort", "done", epoch, collect=True)
         try:
-            await self._phase(live, "abort", "done", epoch, 30)
-        except (EpochFailed, asyncio.TimeoutError) as e:
-            log.warning("abort of epoch %d incomplete: %s", epoch, e)
+            await asyncio.wait_for(asyncio.shield(barrier.future), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._disarm(live, barrier)
+        for p, answer in zip(live, barrier.replies):
+            if answer is None:
+                problems.append(f"rank {p.name} (node {p.node}) did not confirm within {timeout:.1f}s (still busy "
+                                "with the phase, or stuck; its agent's watchdog thaws a tree frozen too long)")
+            elif isinstance(answer, EpochFailed):
+                problems.append(f"rank {p.name} (node {p.node}) could not undo its part: {answer.error}")
+        if problems:
+            log.warning("abort of epoch %d incomplete: %s", epoch, "; ".join(problems))
+        return problems
+
+    @staticmethod
+    def _note_abort(result: dict, problems: list[str]) -> None:
+        if problems:
+            result["abort"] = "; ".join(problems)
 
     def missing_ranks(self) -> list[str]:
         present = set(self.ranks) | set(self.completed)

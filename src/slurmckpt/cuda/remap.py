@@ -3,14 +3,18 @@
 The job sees its GPUs in CUDA_VISIBLE_DEVICES order (Slurm sets it per step); the process's own CUDA ordinal k
 is the k-th entry there. A requeued job may get other GPUs (other UUIDs, other order): the k-th GPU recorded at
 capture is paired with the k-th GPU visible now, and the driver is given the full old->new list (it wants
-every checkpointed GPU listed). Restore onto GPUs of another chip, another count or less memory is refused.
+every checkpointed GPU listed). Restore onto GPUs of another chip, another count or less memory is refused,
+and (NVML's view, `check_free`) onto a GPU in MIG mode, one that prohibits compute, or one with less memory
+free than the checkpoint held on its counterpart.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from slurmckpt.cuda.driver import GpuInfo, GpuPair
+from slurmckpt.cuda.inventory import Inventory
 from slurmckpt.errors import GpuError
+from slurmckpt.footprint import gib
 
 
 class GpuRemapError(GpuError):
@@ -81,3 +85,27 @@ def build_pairs(captured: Sequence[GpuInfo], visible: Sequence[GpuInfo]) -> list
 
 def is_identity(pairs: Sequence[GpuPair]) -> bool:
     return all(old == new for old, new in pairs)
+
+
+def check_free(captured: Sequence[GpuInfo], now: Sequence[GpuInfo], inventory: Inventory,
+               device_bytes: Mapping[str, int], context: Mapping[str, Any] | None = None) -> None:
+    """GpuRemapError naming every GPU of `now` (paired by position with `captured`) that NVML shows cannot
+    take what the checkpoint held on its counterpart (`device_bytes`: captured uuid -> bytes)."""
+    problems = []
+    for pos, (old, new) in enumerate(zip(captured, now)):
+        gpu = inventory.gpu(new.uuid)
+        if gpu is None:
+            problems.append(f"GPU {pos} ({new.uuid}) is not known to NVML")
+            continue
+        if gpu.mig_enabled:
+            problems.append(f"GPU {pos} ({new.uuid}) is in MIG mode")
+        if gpu.compute_mode == "PROHIBITED":
+            problems.append(f"GPU {pos} ({new.uuid}) prohibits compute (compute mode PROHIBITED)")
+        held = int(device_bytes.get(old.uuid, 0))
+        if held > gpu.memory_free:
+            problems.append(f"GPU {pos} ({new.uuid}) has {gib(gpu.memory_free)} free ({gib(gpu.memory_used)} in "
+                            f"use by other processes), the checkpoint holds {gib(held)} on it: "
+                            f"{gib(held - gpu.memory_free)} short")
+    if problems:
+        raise GpuRemapError("GPUs of this allocation cannot take the checkpoint's GPU state: " + "; ".join(problems),
+                            **dict(context or {}))

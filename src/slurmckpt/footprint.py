@@ -1,0 +1,103 @@
+"""What one rank's capture will take, measured in the epoch's SIZE phase before anything is locked or frozen,
+and the refusal of a capture that cannot fit (docs/gpu.md, "Large GPU memory").
+
+    host_bytes   the tree's memory CRIU writes: anonymous and shared pages, resident or swapped
+    gpu_bytes    device memory of each CUDA process (NVML); the GPU checkpoint copies it into that process's
+                 host memory, and CRIU then writes it with the rest
+    image_bytes  host_bytes + gpu_bytes: what the rank's images take
+
+The GPU copy must fit in the node's MemAvailable and in the room the tightest memory cgroup above the CUDA
+processes leaves (host_memory.py): past either, the OOM killer ends the job inside its capture. The images
+must fit in the store's file system. Each refusal names what does not fit and by how much; the coordinator
+then checks the sums of ranks that share a node or a cgroup (coordinator/budget.py) and derives the phase
+timeouts from the bytes. The sizes reach the coordinator in the `sized` reply (`Footprint.reply`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmckpt import host_memory, procfs
+from slurmckpt.gpu import GpuStage, GpuUse
+from slurmckpt.host_memory import Headroom
+
+MEMORY_FIELDS = ("RssAnon", "RssShmem", "VmSwap")     # /proc/PID/status, kB
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    host_bytes: int
+    gpu: GpuUse
+    mem_available: int
+    headroom: Headroom | None      # tightest memory cgroup above the CUDA processes; None: no limit
+    store_free: int | None         # bytes free where the images go; None: not known
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.gpu.bytes
+
+    @property
+    def image_bytes(self) -> int:
+        return self.host_bytes + self.gpu_bytes
+
+    def refusals(self) -> list[str]:
+        """What does not fit, each naming the resource, the need and the shortfall."""
+        out, gpu = [], self.gpu_bytes
+        procs = f"{len(self.gpu.held)} CUDA process(es)"
+        if gpu > self.mem_available:
+            out.append(f"the GPU checkpoint copies {gib(gpu)} of device memory ({procs}) into host memory, but the "
+                       f"node has {gib(self.mem_available)} available (MemAvailable): {gib(gpu - self.mem_available)} "
+                       "short")
+        if self.headroom is not None and gpu > self.headroom.bytes:
+            out.append(f"the GPU checkpoint copies {gib(gpu)} of device memory ({procs}) into the job's host memory, "
+                       f"but its memory cgroup {self.headroom.cgroup} (limit {gib(self.headroom.limit)}) has room for "
+                       f"{gib(self.headroom.bytes)}: {gib(gpu - self.headroom.bytes)} short; ask Slurm for more "
+                       "memory (--mem) or hold less GPU memory")
+        if self.store_free is not None and self.image_bytes > self.store_free:
+            out.append(f"the images take about {gib(self.image_bytes)} (host {gib(self.host_bytes)} + GPU {gib(gpu)}), "
+                       f"but the image store has {gib(self.store_free)} free: "
+                       f"{gib(self.image_bytes - self.store_free)} short")
+        return out
+
+    def reply(self) -> dict:
+        """The rank's `sized` reply (validated by coordinator/budget.RankSize.from_reply)."""
+        largest = max((sum(g.values()) for g in self.gpu.held.values()), default=0)
+        out = {"host_bytes": self.host_bytes, "gpu_bytes": self.gpu_bytes, "gpu_processes": len(self.gpu.held),
+               "largest_process_bytes": largest, "mem_available": self.mem_available}
+        if self.headroom is not None:
+            out.update(cgroup=self.headroom.cgroup[:512], cgroup_headroom=self.headroom.bytes)
+        return out
+
+
+def measure(pids: list[int], gpu: GpuStage, store_dir: Path | None) -> Footprint:
+    """Measure the tree `pids` (its GPU side through `gpu`, which refuses MIG/MPS in NVML's view)."""
+    use = gpu.footprint(pids)
+    headroom = host_memory.cgroup_headroom(next(iter(use.held))) if use.held else None
+    return Footprint(tree_memory(pids), use, host_memory.node_available(), headroom,
+                     store_free(store_dir) if store_dir is not None else None)
+
+
+def tree_memory(pids: list[int]) -> int:
+    """Anonymous and shared-memory pages of each process, resident or swapped: what CRIU would write, at
+    most (a page shared by several processes counts once per process). A process gone meanwhile counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            status = procfs.status(pid)
+        except OSError:
+            continue
+        total += sum(int(status[f][0]) * 1024 for f in MEMORY_FIELDS if status.get(f, [""])[0].isdigit())
+    return total
+
+
+def store_free(path: Path) -> int:
+    """Bytes free for the images where `path` lives (f_bavail: root's reserved blocks are not counted on, so
+    the store never fills to its last block). The image store's own reservation, with quotas and concurrent
+    ranks, supersedes this where it exists (docs/gpu.md)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
