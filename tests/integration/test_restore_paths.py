@@ -109,7 +109,8 @@ def finish(job: Job, root_thing: Path) -> None:
     job.wait_output(r"pathhold fresh start", timeout=60)
     assert job.wait_done(timeout=60) == "COMPLETED"
     text = job.text()
-    assert "starting the task from the beginning" in text, text[-3000:]
+    assert re.search(r"starting from the beginning \(restart 1\): restore of checkpoint epoch \d+ failed", text), \
+        text[-3000:]
     assert str(root_thing) not in "\n".join(job.app_lines()), "the workload saw root's path"
 
 
