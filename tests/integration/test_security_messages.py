@@ -219,7 +219,7 @@ def test_another_user_cannot_join_drive_or_crash_a_jobs_coordinator() -> None:
 # ---- the CLI -----------------------------------------------------------------------------------------------
 def test_cli_resolves_array_tasks_and_refuses_bad_ids_and_other_users_jobs() -> None:
     wd = workdir("ckptuser1", "cli-array")
-    array = submit("ckptuser1", wd, "#!/bin/bash\nsleep 120\n", "--array=0-3")
+    array = submit("ckptuser1", wd, "#!/bin/bash\nsleep 600\n", "--array=0-3")
     own = submit("ckptuser1", wd, "#!/bin/bash\nsleep 120\n", "--checkpoint-interval=1h")
     try:
         task_id = index = None
