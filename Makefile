@@ -3,9 +3,12 @@
 #   make demo              setup, then scripts/demo.sh
 #   make test              setup with 3 nodes (one slurmd per network namespace), then the linter, the
 #                          shim's C unit tests (make -C spank test, then shim-matrix), the unit and integration
-#                          tests (single-node ones run on node1..3, multi-node ones need 3), and the
-#                          docker-slurm test (tests/docker: the container cluster built, a job moved between
-#                          its nodes)
+#                          tests (single-node ones run on node1..3, multi-node ones need 3), with the
+#                          Slurm 24.11 subset (test-2411) and the docker-slurm test (tests/docker) running beside
+#                          the host cluster's suite (scripts/test-suites.sh)
+#   make test-2411         a subset of the integration tests against Slurm 24.11: a Debian 13 root (cached in
+#                          /var/cache/slurmckpt/roots/trixie) with its own namespaces and daemons
+#                          (scripts/slurm-suite.sh; which tests and why: docs/slurm-versions.md); part of make test
 #   make shim-matrix       the shim built and its C unit tests run against Debian trixie's (24.11) and sid's
 #                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
 #   make install           on a cluster node: the venv in /opt/slurmckpt/venv with the package, the plugins and the
@@ -24,8 +27,19 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
+.PHONY: setup demo test test-2411 lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
 SHIM_SUITES ?= trixie sid
+# What runs on Slurm 24.11 (docs/slurm-versions.md says why these): about 7 minutes of tests.
+IT := tests/integration
+TESTS_2411 ?= $(IT)/test_launch_form.py \
+  $(IT)/test_checkpoint_restore.py::test_requeue_twice_resumes_mid_run_with_exact_output \
+  $(IT)/test_checkpoint_restore.py::test_srun_step_ranks_restore_and_exit_codes_reach_sacct \
+  $(IT)/test_checkpoint_restore.py::test_bad_interval_values_are_rejected_at_submission \
+  '$(IT)/test_signals.py::test_requeue_sigterm_never_reaches_a_program_that_handles_it[proctrack/cgroup]' \
+  $(IT)/test_slurm_view.py::test_slurm_tracks_accounts_and_limits_a_checkpointed_job_before_and_after_restore \
+  $(IT)/test_fresh_start_reasons.py::test_a_job_requeued_before_any_commit_says_no_checkpoint_committed_yet \
+  $(IT)/test_security_launch.py::test_loader_variables_from_sbatch_export_never_reach_a_privileged_process \
+  $(IT)/test_mpi.py::test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run
 
 setup:
 	NODES=$(NODES) bash scripts/setup.sh
@@ -38,7 +52,10 @@ test: setup
 	$(MAKE) lint
 	$(MAKE) -C spank test
 	$(MAKE) shim-matrix
-	$(PYTHON) -m pytest -v --durations=25 $(PYTEST_ARGS) tests/unit tests/integration tests/docker
+	PYTHON=$(PYTHON) PYTEST_ARGS="$(PYTEST_ARGS)" TESTS_2411="$(TESTS_2411)" bash scripts/test-suites.sh
+
+test-2411:
+	bash scripts/slurm-suite.sh trixie -- --durations=10 $(TESTS_2411)
 
 lint:
 	$(PYFLAKES) src tests

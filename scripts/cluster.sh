@@ -325,7 +325,8 @@ cmd_status() {
   local rc=0 d pf
   printf '%-22s %s\n' munged "$(munge_ok && echo running || { rc=1; echo STOPPED; })"
   printf '%-22s %s\n' mariadbd "$(mysql_ok && echo running || { rc=1; echo STOPPED; })"
-  printf '%-22s %s\n' "glusterfs $GLUSTER_VOLUME" "$(brick_online && mountpoint -q "$(storage_root)" && echo "online, mounted at $(storage_root)" || { rc=1; echo DOWN; })"
+  [ "$(store_fs)" = local ] || \
+    printf '%-22s %s\n' "glusterfs $GLUSTER_VOLUME" "$(brick_online && mountpoint -q "$(storage_root)" && echo "online, mounted at $(storage_root)" || { rc=1; echo DOWN; })"
   for d in slurmdbd slurmctld; do
     pf=$RUN_DIR/$d.pid
     printf '%-22s %s\n' "$d" "$( [ -n "$(pid_of "$pf" "$d")" ] && echo "running (pid $(pid_of "$pf" "$d"))" || { rc=1; echo STOPPED; })"

@@ -32,8 +32,13 @@ start_glusterd() {
     gluster_cli volume list
 }
 
+# SLURMCKPT_STORE_FS=local keeps the store a plain local directory (a one-node cluster in a test root of
+# another Slurm version, scripts/slurm-suite.sh); default glusterfs.
+store_fs() { echo "${SLURMCKPT_STORE_FS:-glusterfs}"; }
+
 start_storage() { # glusterd, the volume, and the host's mount at storage_root
   local root; root=$(storage_root)
+  if [ "$(store_fs)" = local ]; then install -d -m 0700 "$root"; return 0; fi
   start_glusterd
   if ! gluster_cli volume info "$GLUSTER_VOLUME" >/dev/null 2>&1; then
     log "creating GlusterFS volume $GLUSTER_VOLUME (brick $NET_HOST_IP:$GLUSTER_BRICK)"
@@ -63,6 +68,7 @@ storage_source() { echo "$NET_HOST_IP:/$GLUSTER_VOLUME"; }   # what each node mo
 
 stop_storage() {
   local root; root=$(storage_root)
+  [ "$(store_fs)" != local ] || return 0
   if mountpoint -q "$root"; then umount -l "$root" || true; fi
   if [ -n "$(pid_of "$GLUSTER_PID" glusterd)" ]; then
     gluster_cli volume stop "$GLUSTER_VOLUME" >/dev/null 2>&1 || true

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The test suites of `make test`, after set-up, the linter and the shim's C tests: the unit tests, then the host
+# cluster's integration suite (Slurm 22.05, 3 nodes) in the foreground while, beside it, the Slurm 24.11 subset
+# (scripts/slurm-suite.sh in a Debian 13 root: its own namespaces, daemons and ports) and then the
+# docker-slurm test (its own containers and network) run. All three mostly wait on Slurm (requeue delays,
+# checkpoint intervals), so on CI's 2 cores they share the machine at little cost and the whole run stays well
+# inside CI's time limit. Each background suite's whole log is printed at the end; the exit status is
+# non-zero if any suite failed.
+#   env: PYTHON (the venv's), PYTEST_ARGS, TESTS_2411 (what runs on 24.11), SLURMCKPT_SKIP_BESIDE=1 (only the
+#        unit and host suites, for a developer's quick run)
+set -uo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+PYTHON=${PYTHON:-/opt/slurmckpt/venv/bin/python}
+LOGS=$REPO/build/suites
+mkdir -p "$LOGS"
+rm -f "$LOGS"/*.log "$LOGS"/*.rc
+
+"$PYTHON" -m pytest -q ${PYTEST_ARGS:-} tests/unit || { echo "unit tests failed" >&2; exit 1; }
+
+beside() {   # the suites that run next to the host cluster's, each into its own log
+  local t0=$SECONDS
+  # shellcheck disable=SC2086  # TESTS_2411 is a list of pytest node ids
+  bash scripts/slurm-suite.sh trixie -- --durations=10 ${TESTS_2411:-tests/integration} >"$LOGS/slurm-24.11.log" 2>&1
+  echo "$? $((SECONDS - t0))" >"$LOGS/slurm-24.11.rc"
+  t0=$SECONDS
+  "$PYTHON" -m pytest -v tests/docker >"$LOGS/docker-slurm.log" 2>&1
+  echo "$? $((SECONDS - t0))" >"$LOGS/docker-slurm.rc"
+}
+
+pid=""
+if [ "${SLURMCKPT_SKIP_BESIDE:-0}" != 1 ]; then
+  beside &
+  pid=$!
+  echo "== Slurm 24.11 suite and docker-slurm test running beside the host suite (logs: $LOGS)"
+fi
+t0=$SECONDS
+"$PYTHON" -m pytest -v --durations=25 ${PYTEST_ARGS:-} tests/integration
+rc=$?
+echo "== host cluster's integration suite (Slurm $(sinfo -V | awk '{print $2}')): exit $rc in $((SECONDS - t0)) s"
+
+if [ -n "$pid" ]; then
+  wait "$pid"
+  for suite in slurm-24.11 docker-slurm; do
+    read -r src secs <"$LOGS/$suite.rc" 2>/dev/null || { src=1; secs=?; }
+    echo "================================ $suite (exit $src in $secs s) ================================"
+    cat "$LOGS/$suite.log"
+    [ "$src" = 0 ] || rc=1
+  done
+fi
+exit "$rc"
