@@ -29,7 +29,7 @@ start_glusterd() {
       || { tail_log "$LOG_DIR/glusterd.log"; die "glusterd failed to start"; }
   fi
   wait_for 30 "glusterd to answer (gluster volume list)" "$LOG_DIR/glusterd.log" "$GLUSTER_PID:glusterd" \
-    gluster_cli volume list
+    gluster --mode=script volume list
 }
 
 # SLURMCKPT_STORE_FS=local keeps the store a plain local directory (a one-node cluster in a test root of
@@ -53,7 +53,7 @@ start_storage() { # glusterd, the volume, and the host's mount at storage_root
     || gluster_cli volume start "$GLUSTER_VOLUME" force >/dev/null \
     || die "gluster volume start $GLUSTER_VOLUME failed"
   wait_for 30 "the brick of $GLUSTER_VOLUME to come online" "$LOG_DIR/glusterd.log" "$GLUSTER_PID:glusterd" \
-    brick_online
+    "${BRICK_ONLINE[@]}"
   install -d -m 0700 "$root"
   if ! mountpoint -q "$root"; then
     log "mounting $NET_HOST_IP:/$GLUSTER_VOLUME at $root (glusterfs over FUSE)"
@@ -63,6 +63,8 @@ start_storage() { # glusterd, the volume, and the host's mount at storage_root
 }
 
 brick_online() { gluster_cli volume status "$GLUSTER_VOLUME" detail 2>/dev/null | grep -q '^Online *: *Y'; }
+# (wait_for runs its command under `timeout`, which runs programs, not shell functions)
+BRICK_ONLINE=(sh -c "gluster --mode=script volume status $GLUSTER_VOLUME detail 2>/dev/null | grep -q '^Online *: *Y'")
 
 storage_source() { echo "$NET_HOST_IP:/$GLUSTER_VOLUME"; }   # what each node mounts at storage_root
 
@@ -89,5 +91,5 @@ cmd_storage_down() {
 cmd_storage_up() {
   log "storage-up: starting the brick of $GLUSTER_VOLUME again"
   gluster_cli volume start "$GLUSTER_VOLUME" force >/dev/null || die "gluster volume start failed"
-  wait_for 30 "the brick of $GLUSTER_VOLUME to come online" "$LOG_DIR/glusterd.log" "$GLUSTER_PID:glusterd" brick_online
+  wait_for 30 "the brick of $GLUSTER_VOLUME to come online" "$LOG_DIR/glusterd.log" "$GLUSTER_PID:glusterd" "${BRICK_ONLINE[@]}"
 }
