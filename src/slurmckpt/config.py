@@ -55,11 +55,39 @@ class Config:
     # Most bytes of deleted-but-open files one rank's images may hold (criu's --ghost-limit is sized from
     # the tree, ghost.py); a size: bytes or a number with KiB/MiB/GiB.
     ghost_limit_max: int = field(default=256 << 20, metadata={"size": True})
+    # Image store and staging (docs/storage.md). Sizes: bytes or a number with KiB/MiB/GiB; 0 = off.
+    staging_dir: str = "/var/lib/slurmckpt/staging"    # node-local, root-only: captures dump here first
+    staging_max: int = field(default=0, metadata={"size": True})     # all of a node's staging at once
+    compression: str = "zstd"            # zstd or off
+    compression_level: int = 1           # zstd level 1..19 (1: fastest)
+    compression_threads: int = 2         # zstd worker threads of one rank's persist
+    persist_nice: int = 10               # nice of a periodic capture's persist (runs beside the job)
+    persist_io_class: str = "best-effort"    # its I/O class: best-effort (lowest level) or idle
+    persist_timeout_s: float = 1800.0    # a rank's persist (compress + copy to the store) within this
+    quota_job: int = field(default=0, metadata={"size": True})       # one job's images in the store
+    quota_user: int = field(default=0, metadata={"size": True})      # one user's images, all jobs
+    keep_finished: bool = False          # keep a finished job's images (debugging); `slurmckpt gc` skips them
     # Read by proctrack/slurmckpt in each slurmstepd (spank/proctrack_slurmckpt.c), not by Python.
     proctrack_delegate: str = "proctrack/cgroup"
     # Fault injection for tests (like CRIU's CRIU_FAULT): "STAGE:SECONDS" makes every rank's pipeline pause
     # that long after STAGE (e.g. "freeze:8" inside PREPARE, "dump:8" inside CAPTURE). Admin file only.
     debug_stall_after: str = ""
+
+    def __post_init__(self) -> None:
+        from slurmckpt.compression import from_settings
+        from slurmckpt.persist import IOPRIO_CLASSES
+        from_settings(self.compression, self.compression_level, self.compression_threads)
+        if not 0 <= self.persist_nice <= 19:
+            raise ConfigError(f"key 'persist_nice': bad value {self.persist_nice!r}: want 0..19")
+        if self.persist_io_class not in IOPRIO_CLASSES:
+            raise ConfigError(f"key 'persist_io_class': bad value {self.persist_io_class!r}: want "
+                              f"{' or '.join(IOPRIO_CLASSES)}")
+        if not os.path.isabs(self.staging_dir):
+            raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
+
+    def codec(self):
+        from slurmckpt.compression import from_settings
+        return from_settings(self.compression, self.compression_level, self.compression_threads)
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:
@@ -118,6 +146,14 @@ def parse_size(key: str, raw: object, source: str = "config") -> int:
 
 def _coerce(key: str, raw: object, typ: object, source: str) -> object:
     try:
+        if typ in ("bool", bool):
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("true", "yes", "on", "1"):
+                return True
+            if str(raw).lower() in ("false", "no", "off", "0"):
+                return False
+            raise ValueError("want true or false")
         if typ in ("int", int):
             value: object = int(raw)  # type: ignore[arg-type]
             if value < 0:  # type: ignore[operator]
