@@ -2,10 +2,13 @@
 
 State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
 
-    periodic: IDLE -> PREPARING (all READY: GPUs checkpointed, trees frozen) -> CAPTURING (all dumped)
-              -> RESUMING (all thawed and sealed) -> COMMITTING (job manifest renamed) -> IDLE
-    final:    IDLE -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+    periodic: IDLE -> PREPARING (all READY: GPUs checkpointed, trees frozen) -> CAPTURING (all dumped to
+              staging) -> RESUMING (all thawed, then persisted to the store) -> COMMITTING (job manifest
+              renamed) -> IDLE
+    final:    IDLE -> PREPARING -> CAPTURING (dumped and persisted) -> COMMITTING -> FINISHING (trees killed)
 
+Epoch numbers come from `allocate` (the hosting agent: unique across the job's steps and coordinators).
+A failure after the thaw still sends ABORT: ranks drop their persisted images of the uncommitted epoch.
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
+Allocator = Callable[[int], int]          # at least this number -> the epoch to run (storage.allocate_epoch)
 
 
 class EpochFailed(Exception):
@@ -272,6 +276,8 @@ class Coordinator:
     withdrawn: str = ""                  # set when a rank could not restore: no epoch may commit
     finished: bool = False
     max_pending: int = MAX_PENDING
+    allocate: Allocator | None = None        # None: numbers counted here (one coordinator per job store)
+    persist_timeout_s: float = 1800.0        # added to the phases that persist (resume; a final capture)
 
     def __post_init__(self) -> None:
         self._epoch_lock = asyncio.Lock()
@@ -405,50 +411,59 @@ class Coordinator:
                                        if result["status"] == "committed" else None)
             return result
 
-    async def _attempt(self, reason: str, final: bool) -> dict:
+    async def _new_epoch(self) -> int:
         epoch = self.next_epoch
-        self.next_epoch += 1
+        if self.allocate is not None:
+            epoch = await asyncio.get_running_loop().run_in_executor(None, self.allocate, self.next_epoch)
+        self.next_epoch = max(self.next_epoch, epoch + 1)
+        return epoch
+
+    async def _attempt(self, reason: str, final: bool) -> dict:
         parts = list(self.ranks.values())
-        result = {"epoch": epoch, "reason": reason, "final": final, "ranks": len(parts)}
+        result = {"epoch": self.next_epoch, "reason": reason, "final": final, "ranks": len(parts)}
         t0 = time.monotonic()
         if not parts:
             return {**result, "status": "aborted", "error": "no rank registered"}
+        try:
+            epoch = result["epoch"] = await self._new_epoch()
+        except Exception as e:  # the store could not give a number: nothing was frozen
+            log.error("no epoch number: %s", e)
+            result.update(status="aborted", stage="allocate", error=f"no epoch number from the image store: {e}")
+            self.history.append(result)
+            return result
         missing = self.missing_ranks()
         if missing:   # never a partial set: a step that lost a rank cannot be captured consistently
             result.update(status="aborted", stage="membership",
                           error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
             self.history.append(result)
             return result
-        resumed, sealed = False, None
+        sealed = None
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
             await self._phase(parts, "prepare", "ready", epoch, self.prepare_timeout_s, final=final,
                               trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
-            captured = await self._phase(parts, "capture", "captured", epoch, self.capture_timeout_s,
-                                         final=final)
+            persist_s = self.capture_timeout_s + self.persist_timeout_s
+            captured = await self._phase(parts, "capture", "captured", epoch,
+                                         persist_s if final else self.capture_timeout_s, final=final)
             result["frozen_s"] = time.monotonic() - t0
-            if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
-                resumed = True
-                sealed = await self._phase(parts, "resume", "done", epoch, self.capture_timeout_s)
+            if not final:   # every rank dumped: thaw now, persist (compress, copy to the store) after, commit
+                sealed = await self._phase(parts, "resume", "done", epoch, persist_s)
             records = {**self.completed}
             for p, reply in zip(parts, captured):
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
             await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
         except EpochFailed as e:
             log.error("epoch %d aborted: %s", epoch, e)
-            if not resumed:
-                await self._abort(parts, epoch)
+            await self._abort(parts, epoch)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
                           error_kind=e.error_kind)
         except asyncio.TimeoutError:
-            if not resumed:
-                await self._abort(parts, epoch)
+            await self._abort(parts, epoch)
             result.update(status="aborted", stage="timeout", error="a rank did not answer in time")
         except Exception as e:  # committer failure
             log.exception("epoch %d commit failed", epoch)
-            if not resumed:
-                await self._abort(parts, epoch)
+            await self._abort(parts, epoch)
             result.update(status="aborted", stage="commit", error=str(e))
         else:
             result["commit_s"] = time.monotonic() - t0
