@@ -208,8 +208,10 @@ def inspect(job: JobRef, epoch: int | None) -> None:
         step, _, rank = name.rpartition(".")
         m = store.read_rank_manifest(chosen["epoch"], step, int(rank))
         total = sum(f["size"] for f in m["files"].values())
+        raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
         click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
-                   f"process(es), {total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {shown(m.get('uid'))}")
+                   f"process(es), {total / 2**20:.1f} MiB stored ({raw / 2**20:.1f} MiB raw) in "
+                   f"{len(m['files'])} file(s), uid {shown(m.get('uid'))}")
         if m.get("argv"):
             click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
         for o in m.get("outputs", []):
@@ -219,6 +221,41 @@ def inspect(job: JobRef, epoch: int | None) -> None:
         if m.get("gpu"):
             click.echo(f"    gpu: {json.dumps(m['gpu'])}")
         click.echo(f"    timings: {json.dumps(m.get('timings', {}))}")
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per removal, in a list.")
+def gc(dry_run: bool, as_json: bool) -> None:
+    """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
+    again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
+    keeps them), uncommitted epochs whose coordinator can no longer commit them, and this node's staging
+    areas whose agent is gone. Safe to run from cron on every node (docs/storage.md)."""
+    from slurmckpt import reclaim
+    from slurmckpt.staging import Staging
+    from slurmckpt.storage import list_jobs
+    if os.geteuid() != 0:
+        raise click.ClickException("gc runs as root (the image store is root's)")
+    config = Config.load()
+    root = _store_root(config)
+    slurm = CliSlurm()
+    try:
+        cluster = slurm.cluster_name() or "cluster"
+    except SlurmError as e:
+        raise click.ClickException(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed")
+    jobs = [job for c, job in list_jobs(root) if c == cluster]
+    states = slurm.job_states(jobs) if jobs else {}
+    removals = reclaim.collect_all(root, cluster, states, Staging(Path(config.staging_dir), config.staging_max),
+                                   config.keep_finished, dry_run)
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in removals], indent=1))
+        return
+    freed = [r for r in removals if r.kind != "kept"]
+    for r in removals:
+        verb = "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")
+        click.echo(f"{verb:<12} {r.bytes / 2**30:8.2f} GiB  {shown(r.path)}  ({r.kind}: {shown(r.why)})")
+    click.echo(f"{len(freed)} item(s), {sum(r.bytes for r in freed) / 2**30:.2f} GiB "
+               f"{'would be freed (dry run)' if dry_run else 'freed'}")
 
 
 @cli.command()
