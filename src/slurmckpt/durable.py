@@ -107,6 +107,16 @@ _held: dict[str, _Held] = {}
 _held_guard = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """A forked child holds none of its parent's fcntl locks (they are the parent process's)."""
+    global _held_guard
+    _held.clear()
+    _held_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 @contextmanager
 def posix_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S, what: str = "store lock") -> Iterator[None]:
     """Exclusive lock on `path` (created 0600 if missing, never through a symlink) across processes and

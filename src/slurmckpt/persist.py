@@ -41,13 +41,13 @@ class Priority:
     def apply(self) -> None:
         """To the calling thread (Linux: nice and ioprio are per thread, and threads it starts inherit them)."""
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, self.nice)
         nr = _IOPRIO_SET.get(platform.machine())
         if nr is not None:
             value = (IOPRIO_CLASSES[self.io_class] << 13) | (7 if self.io_class == "best-effort" else 0)
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.syscall(nr, 1, tid, value) != 0:          # IOPRIO_WHO_PROCESS
                 log.warning("ioprio_set: %s", os.strerror(ctypes.get_errno()))
+        os.setpriority(os.PRIO_PROCESS, tid, self.nice)
 
 
 def bounded(priority: Priority | None, fn: Callable[[], T]) -> T:

@@ -63,8 +63,14 @@ class Staging:
         self.ensure()
         if area.exists():
             self.remove(area, wait=True)
-        area.parent.mkdir(mode=0o700, exist_ok=True)
-        area.mkdir(mode=0o700)
+        for attempt in range(5):       # another rank's cleanup may remove the (empty) job directory meanwhile
+            try:
+                area.parent.mkdir(mode=0o700, exist_ok=True)
+                area.mkdir(mode=0o700)
+                break
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
         (area / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
         if reserve:
             (area / RESERVE).write_text(str(int(reserve)))

@@ -35,7 +35,7 @@ FORMAT_VERSION = 1
 RANK_MANIFEST = "rank.json"
 JOB_MANIFEST = "manifest.json"
 PREVIOUS = JOB_MANIFEST + ".prev"
-COUNTER = "epoch-counter"       # the highest epoch number ever allocated for the job
+COUNTER = "allocated-epoch"     # the highest epoch number ever allocated for the job
 LEASE = ".lease"                # in an epoch directory: who allocated it, until when it may still commit
 RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
 TRASH = ".trash-"
@@ -193,8 +193,12 @@ class JobStore:
                     break
                 except FileExistsError:
                     epoch += 1
-            atomic_write_json(self.epoch_dir(epoch) / LEASE, {"owner": owner, "expires_at": time.time() + lease_s})
-            self.raise_counter(epoch)
+            try:
+                atomic_write_json(self.epoch_dir(epoch) / LEASE, {"owner": owner, "expires_at": time.time() + lease_s})
+                self.raise_counter(epoch)
+            except StorageError:
+                shutil.rmtree(self.epoch_dir(epoch), ignore_errors=True)     # nothing used the number yet
+                raise
             return epoch
 
     def raise_counter(self, epoch: int) -> None:
