@@ -233,3 +233,26 @@ def test_a_failed_periodic_persist_leaves_the_epoch_uncommitted_and_staging_clea
     store.empty_trash()
     assert not store.epoch_dir(2).exists() and [e["epoch"] for e in store.committed()] == [1]
     assert settled(staging) == []
+
+
+def test_stored_files_are_standard_zstd_with_raw_frames_where_compressing_saves_little():
+    """Frames of FRAME bytes each: compressible ones zstd-compressed, incompressible ones as zstd raw blocks;
+    any zstd decoder reads the whole file (the index frames are skippable), ours in order on many threads."""
+    import io
+
+    import zstandard
+    chunk = compression.FRAME
+    data = bytes(chunk) + os.urandom(chunk) + b"log line %d\n" * (chunk // 12) + os.urandom(123)
+    class Memory(io.BytesIO):
+        def digest(self):
+            return ""
+    sink = Memory()
+    Zstd(1, 2).encode(io.BytesIO(data), sink, len(data))
+    stored = sink.getvalue()
+    assert chunk + 123 < len(stored) < len(data) // 2 + 4096      # the random frames are stored raw
+    standard = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True).read()
+    assert standard == data
+    back = Memory()
+    Zstd().decode(io.BytesIO(stored), back)
+    assert back.getvalue() == data
+    assert compression.raw_frame(b"abc")[4] == 0xE0
