@@ -121,6 +121,9 @@ def unpacked(p: Any, epoch: int) -> Iterator[tuple[Path, dict]]:
         if need > free:
             raise RestoreError(f"the staging area ({p.policy.staging.root}) has {space.gib(free)} free; unpacking "
                                f"epoch {epoch} needs {space.gib(need)}", step=p.step, rank=p.rank)
-        yield where, materialize(p.store, epoch, p.step, p.rank, where)
+        start = time.monotonic()
+        manifest = materialize(p.store, epoch, p.step, p.rank, where)
+        p.timings["unpack"] = round(time.monotonic() - start, 4)
+        yield where, manifest
     finally:
         p.policy.staging.remove(where)
