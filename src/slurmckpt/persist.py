@@ -4,8 +4,8 @@
 copy), hashing the stored bytes as they are written, fsyncs every file and the directories, and writes
 rank.json last. A periodic capture runs it after the thaw in a thread of bounded priority (nice, I/O
 class; zstd's worker threads inherit both) so the running job keeps the CPU and the disk.
-`materialize` verifies a stored rank while it unpacks it into staging; raw files verified on the node that
-wrote them are linked, not copied.
+`materialize` verifies a stored rank while it unpacks it into staging; raw files are verified in place and
+linked, not copied.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 
 from slurmckpt.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
 from slurmckpt.errors import RestoreError, StorageError
-from slurmckpt.storage import RANK_MANIFEST, JobStore, identity, rank_name
+from slurmckpt.storage import RANK_MANIFEST, JobStore, file_checksum, identity, rank_name
 
 log = logging.getLogger("slurmckpt.persist")
 
@@ -132,8 +132,8 @@ def _drop_cache(fd: int) -> None:
 
 def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -> dict:
     """The rank's images, verified, as plain files in `dest` (staging) for CRIU. Compressed files are
-    unpacked while their stored bytes are hashed; raw files unchanged since this node sealed them are
-    linked in place, any other raw file is copied while hashed. Raises StorageError naming the first bad
+    unpacked while their stored bytes are hashed; raw files are hashed in place (not at all when unchanged
+    since this node sealed them) and linked. Raises StorageError naming the first bad
     file, RestoreError when staging has no room."""
     manifest = store.read_rank_manifest(epoch, step, rank)
     same_node = manifest.get("sealed_on") == socket.gethostname()
@@ -149,8 +149,13 @@ def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -
             raise StorageError(f"image file {name}: {e}", **who) from e
         except FileNotFoundError:
             raise StorageError(f"image file {name} missing", **who) from None
-        if codec is PLAIN and same_node and want.get("identity") == identity(st):
-            os.symlink(path, dest / name)        # root-only store and staging: nothing a user can swap
+        if codec is PLAIN:
+            # Raw files are checked where they are and linked (root-only store and staging: nothing a user
+            # can swap); on the node that sealed it an unchanged inode is not even re-read.
+            if not (same_node and want.get("identity") == identity(st)) and \
+                    (st.st_size != want["size"] or file_checksum(path) != want["xxh3"]):
+                raise StorageError(f"image file {name} corrupt (size/checksum mismatch)", **who)
+            os.symlink(path, dest / name)
             continue
         try:
             _unpack(path, dest / name, codec, want, name, who)

@@ -256,3 +256,24 @@ def test_stored_files_are_standard_zstd_with_raw_frames_where_compressing_saves_
     Zstd().decode(io.BytesIO(stored), back)
     assert back.getvalue() == data
     assert compression.raw_frame(b"abc")[4] == 0xE0
+
+
+def test_raw_files_are_linked_after_an_in_place_check_and_a_damaged_one_is_refused(store, tmp_path, monkeypatch):
+    """On another node (or after the file changed) a raw file is hashed where it is, then linked, not
+    copied; a corrupt one is refused before anything is linked."""
+    files = {"pages-1.img": os.urandom(1 << 20)}
+    persist_rank(store, 1, "0", 0, staged(tmp_path, files), {}, Zstd(1, 1))
+    monkeypatch.setattr(persist.socket, "gethostname", lambda: "another-node")
+    back = tmp_path / "back"
+    back.mkdir()
+    materialize(store, 1, "0", 0, back)
+    assert (back / "pages-1.img").is_symlink() and (back / "pages-1.img").read_bytes() == files["pages-1.img"]
+    path = store.rank_dir(1, "0", 0) / "pages-1.img"
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff")
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(StorageError, match="pages-1.img corrupt"):
+        materialize(store, 1, "0", 0, again)
+    assert list(again.iterdir()) == []
