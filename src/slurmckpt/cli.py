@@ -352,6 +352,14 @@ def doctor() -> None:
         report(store.stat().st_uid == 0 and mode & 0o077 == 0, "image store", f"{store} mode {mode:o}")
     else:
         report(False, "image store", f"{store} missing")
+    staging = Path(config.staging_dir)
+    if staging.is_symlink() or staging.exists():
+        st = staging.lstat()
+        free = shutil.disk_usage(staging).free if staging.is_dir() else 0
+        report(staging.is_dir() and not staging.is_symlink() and st.st_uid == 0 and st.st_mode & 0o077 == 0,
+               "staging", f"{staging} mode {st.st_mode & 0o777:o}, {free / 2**30:.1f} GiB free")
+    else:
+        report(True, "staging", f"{staging} (made root-only by the first capture)")
     if failures:
         raise click.ClickException(f"{failures} check(s) failed")
 
