@@ -13,7 +13,9 @@ the same kind of process, paired and alternating (A B B A ...), after an untimed
              the persist (zstd, checksums, fsync, rank.json) runs after the thaw at nice 10 and is timed apart;
              restore = restore_rank (unpack from the store into staging, verified, then criu restore).
 
-Store and staging are on the same local disk (--work); page cache stays warm for both restores.
+Store and staging are on the same local disk (--work) unless --staging says otherwise. Before each restore
+the images of both ways are evicted from the page cache (fadvise DONTNEED after a sync): a requeued job is
+restored from images no longer cached, often on another node (--warm keeps them cached).
 
     python benchmarks/criu_freeze_restore.py [-n 5] [--mib 1024] [--data mixed] [--out FILE]
 """
@@ -133,6 +135,18 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.endswith(".log"))
 
 
+def evict(path: Path) -> None:
+    """Drop the files' pages from the page cache (clean pages only: sync first)."""
+    os.sync()
+    for p in path.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def workload(args, ready: Path) -> list[str]:
     code = WORKLOAD.format(nbytes=args.mib << 20, mixed=args.data == "mixed", ready=str(ready))
     return ["/usr/bin/python3", "-c", code]
@@ -175,6 +189,8 @@ def run_raw(cfg: Config, creds: Credentials, args, rep: int) -> dict:
 
     pidfile = args.work / f"{tag}.pid"
     pidfile.unlink(missing_ok=True)
+    if not args.warm:
+        evict(images)
     t = time.monotonic()
     p = subprocess.run([cfg.criu_path, "restore", "-D", str(images), "-o", "restore.log", "-v2", "-d",
                         "--pidfile", str(pidfile), *COMMON], capture_output=True, text=True)
@@ -221,9 +237,24 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     wrapper = subprocess.Popen(["sleep", "infinity"], stdin=devnull, stdout=devnull, stderr=devnull)
     pipe = RankPipeline(store, "0", 0, freezer, CriuDriver(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
                         PipelineGpu(cfg.gpu_lock_timeout_ms), creds, wrapper_pid=wrapper.pid, policy=policy)
+    try:
+        return _capture_and_restore(args, rep, tag, ready, store, freezer, pipe, devnull, cfg)
+    finally:                                     # also when a run fails: nothing of it stays behind
+        if pipe.root_pid:
+            kill_tree(pipe.root_pid)
+        wrapper.kill()
+        wrapper.wait()
+        os.close(devnull)
+        freezer.remove()
+        ready.unlink(missing_ok=True)
+        shutil.rmtree(store.job_dir, ignore_errors=True)
+        shutil.rmtree(Path(cfg.run_dir) / f"bench.{tag}", ignore_errors=True)
+
+
+def _capture_and_restore(args, rep, tag, ready, store, freezer, pipe, devnull, cfg) -> dict:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    pipe.root_pid = spawn_tree(workload(args, ready), env, "/tmp", [devnull] * 3, creds, cfg.init_path, freezer,
-                               init_home(cfg.run_dir, f"bench.{tag}", creds))
+    pipe.root_pid = spawn_tree(workload(args, ready), env, "/tmp", [devnull] * 3, pipe.creds, cfg.init_path, freezer,
+                               init_home(cfg.run_dir, f"bench.{tag}", pipe.creds))
     wait_ready(ready)
     os.sync()
 
@@ -245,19 +276,16 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     kill_tree(pipe.root_pid)
     pipe.root_pid = None
     os.sync()
+    if not args.warm:
+        evict(store.job_dir)
     t = time.monotonic()
     new_root, manifest = restore_rank(pipe, epoch, [devnull] * 3)
     restore = time.monotonic() - t
+    timings["unpack"] = pipe.timings.get("unpack", 0.0)
     assert new_root is not None and manifest["kind"] == "image"
     assert_running(new_root, args.mib << 20)
     kill_tree(new_root)
-    wrapper.kill()
-    wrapper.wait()
-    os.close(devnull)
-    freezer.remove()
-    ready.unlink(missing_ok=True)
-    shutil.rmtree(store.job_dir, ignore_errors=True)
-    shutil.rmtree(Path(cfg.run_dir) / f"bench.{tag}", ignore_errors=True)
+    pipe.root_pid = None
     return {"way": "slurmckpt", "rep": rep, "stall_s": stall, "persist_s": persist, "restore_s": restore,
             "raw_bytes": raw, "stored_bytes": stored, "timings": timings}
 
@@ -279,7 +307,8 @@ def report(rows: list[dict], args, cfg: Config) -> str:
       f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM; criu "
       f"{'.'.join(map(str, CriuDriver(cfg.criu_path).version()))}; store {args.work}, staging {args.staging}; "
       f"compression zstd level {cfg.compression_level}, {cfg.compression_threads} threads, persist nice "
-      f"{cfg.persist_nice}; {time.strftime('%Y-%m-%d %H:%M:%S')}; load at start {args.load}")
+      f"{cfg.persist_nice}; restores {'warm' if args.warm else 'cold (images evicted from the page cache)'}; "
+      f"{time.strftime('%Y-%m-%d %H:%M:%S')}; load at start {args.load}")
     w("")
     w(f"{'rep':>3} {'way':<10} {'stall s':>8} {'restore s':>10} {'persist s':>10} {'sync s':>7} {'raw MiB':>8} "
       f"{'stored MiB':>10}")
@@ -304,7 +333,7 @@ def report(rows: list[dict], args, cfg: Config) -> str:
     w("")
     w("slurmckpt stages (median s): " + ", ".join(
         f"{k} {statistics.median(r['timings'].get(k, 0.0) for r in ours):.3f}"
-        for k in ("check", "space", "freeze", "criu_dump", "snapshot-output", "persist")))
+        for k in ("check", "space", "freeze", "criu_dump", "snapshot-output", "persist", "unpack")))
     return "\n".join(out) + "\n"
 
 
@@ -316,6 +345,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
     ap.add_argument("--user", default="ckptuser1")
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/slurmckpt-bench"))
+    ap.add_argument("--warm", action="store_true", help="restore from cached images (no eviction)")
     ap.add_argument("--staging", type=Path, default=None, help="default: WORK/staging (same disk as the store)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -325,7 +355,7 @@ def main() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise SystemExit("cannot become a child subreaper")
-    cfg = Config.load()
+    cfg = Config()        # defaults: the installed layout (docs/contracts.md), not this host's admin file
     args.load = open("/proc/loadavg").read().split()[0]
     creds = creds_of(args.user)
     shutil.rmtree(args.work, ignore_errors=True)
