@@ -89,8 +89,8 @@ class Plain:
 @dataclass(frozen=True)
 class Zstd:
     """Independent zstd frames of FRAME raw bytes each, compressed by `threads` workers and unpacked by as
-    many as the node has CPUs. A frame that saves less than 1 - KEEP is written as zstd raw blocks (read
-    back at memcpy speed). Before each frame a skippable frame (which `zstd -d` ignores) gives its stored
+    many as the node has CPUs (at most 16). A frame that saves less than 1 - KEEP is written as zstd raw
+    blocks (read back at memcpy speed). Before each frame a skippable frame (which `zstd -d` ignores) gives its stored
     and raw size, so frames can be handed to workers without parsing them."""
     level: int = 1
     threads: int = 2
@@ -125,7 +125,7 @@ class Zstd:
             if len(out) != raw:
                 raise ValueError(f"a frame unpacks to {len(out)} bytes, its index says {raw}")
             return out
-        _in_order(os.cpu_count() or 1, _frames(src), unpack, sink.write)
+        _in_order(min(os.cpu_count() or 1, MAX_UNPACKERS), _frames(src), unpack, sink.write)
 
     def compressible(self, sample: bytes) -> bool:
         """Whether compressing is worth its CPU: random pages (encrypted data, noise) are stored raw."""
@@ -137,6 +137,7 @@ class Zstd:
 
 FRAME = 8 << 20                  # raw bytes per independent frame
 KEEP = 0.8                       # a frame stays compressed only if it saves 20 %
+MAX_UNPACKERS = 16               # threads unpacking one file (each holds two frames in flight)
 _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE = 0x184D2A5E          # RFC 8878: a skippable frame, ignored by every zstd decoder
 _INDEX = struct.Struct("<4sQQ")  # b"SCK1", stored bytes of the next frame, raw bytes it unpacks to
