@@ -29,6 +29,8 @@ from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline, restore_rank
 from slurmckpt.policy import JobPolicy
+from slurmckpt.rank_images import StorePolicy
+from slurmckpt import reclaim
 from slurmckpt.slurm.control import JobRecord, other_node_addresses, this_node
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt.task_cgroup import TaskCgroup
@@ -57,6 +59,7 @@ class Agent:
         self.wrapper_pid = peer.pid
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
+        self.store_policy = StorePolicy.from_config(config)   # staging, compression, quotas (rank_images.py)
         # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
         self.slurm_job = slurm_job
         self.instance = None if slurm_job is None else JobInstance(
@@ -72,7 +75,9 @@ class Agent:
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
                                      None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
-                                     peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max)
+                                     peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max,
+                                     policy=self.store_policy)
+        self._collect_garbage()
         self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
                                         socket.gethostname(), annotate=events.note if events else _no_note,
                                         on_recorded=events.capture_failed if events else None)
@@ -84,6 +89,14 @@ class Agent:
             nodes = sorted(self.slurm_job.gpus) if self.slurm_job else []
             self._node_addresses = other_node_addresses(nodes, socket.gethostname()) if len(nodes) > 1 else set()
         return self._node_addresses
+
+    def _collect_garbage(self) -> None:
+        """This job's dead epochs and this node's orphaned staging areas (reclaim.py): never fatal."""
+        try:
+            for r in reclaim.collect_job(self.store) + reclaim.collect_staging(self.store_policy.staging):
+                log.info("reclaimed %s (%d bytes): %s", r.path, r.bytes, r.why)
+        except (OSError, SlurmckptError) as e:
+            log.warning("garbage collection at start failed: %s", e)
 
     def _task_credentials(self) -> Credentials:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
@@ -363,6 +376,15 @@ class Agent:
         if self.events:
             self.events.committed(_epoch(m), reason, ranks, final=self.reporter.epoch[1] is True)
         return {}
+
+    def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
+        """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
+        and coordinators (storage.allocate_epoch). Its lease covers every phase the epoch may still take."""
+        c = self.config
+        lease = c.prepare_timeout_s + c.capture_timeout_s + c.persist_timeout_s + 120
+        at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
+        epoch = self.store.allocate_epoch(at_least, lease, f"{socket.gethostname()}:{self._task_name}")
+        return {"epoch": validate.epoch(epoch)}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:
         why_not = self._not_restorable()

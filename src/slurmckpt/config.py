@@ -94,6 +94,25 @@ class Config:
     proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
                                    "process tracking plugin, which slurmckpt delegates to (read by every new "
                                    "slurmstepd).")
+    # Image store and staging (docs/storage.md). Sizes: bytes or a number with KiB/MiB/GiB; 0 = off.
+    staging_dir: str = _key("/var/lib/slurmckpt/staging", "Node-local, root-only directory captures dump into "
+                            "before their images are compressed into the store (local disk or tmpfs).")
+    staging_max: int = _key(0, "Most bytes all of a node's staging areas may hold at once; 0 = no cap beyond the "
+                            "file system's free space.", size=True)
+    compression: str = _key("zstd", "How images are stored: zstd (independent frames, raw where zstd saves "
+                            "little) or off. The policy may set it per partition or QOS.", choices=("zstd", "off"))
+    compression_level: int = _key(1, "zstd level, 1 (fastest) to 19.")
+    compression_threads: int = _key(2, "zstd worker threads of one rank's persist.")
+    persist_nice: int = _key(10, "nice of a periodic capture's persist, which runs beside the job.")
+    persist_io_class: str = _key("best-effort", "I/O class of a periodic capture's persist: best-effort (lowest "
+                                 "level) or idle.", choices=("best-effort", "idle"))
+    persist_timeout_s: float = _key(1800.0, "Seconds within which a rank's persist (compress and copy to the "
+                                    "store) must finish, else the epoch aborts.")
+    quota_job: int = _key(0, "Most bytes one job's images may take in the store; 0 = off.", size=True)
+    quota_user: int = _key(0, "Most bytes one user's images, all jobs, may take in the store; 0 = off.", size=True)
+    keep_finished: bool = _key(False, "Keep a finished job's images (debugging): `slurmckpt gc` leaves them.")
+    store_wait_s: float = _key(120.0, "How long an agent waits for an image store that does not answer (a shared "
+                               "file system's server down) before it gives up on it.")
     debug_stall_after: str = _key("", "Tests only: STAGE:SECONDS pauses every rank that long after STAGE.")
     log_target: str = _key("file", "Where agents log: file (one file per task in log_dir, rotated by size, old "
                            "tasks' files removed) or syslog (syslog_address; journald reads /dev/log).",
@@ -112,6 +131,22 @@ class Config:
                                   "AdminComment, Comment or none.", choices=("AdminComment", "Comment", "none"))
     policy: Policy = _key(factory=Policy, doc="Site policy per partition and QOS: see POLICY.", policy=True)
     source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        from slurmckpt.compression import from_settings
+        from slurmckpt.persist import IOPRIO_CLASSES
+        from_settings(self.compression, self.compression_level, self.compression_threads)
+        if not 0 <= self.persist_nice <= 19:
+            raise ConfigError(f"key 'persist_nice': bad value {self.persist_nice!r}: want 0..19")
+        if self.persist_io_class not in IOPRIO_CLASSES:
+            raise ConfigError(f"key 'persist_io_class': bad value {self.persist_io_class!r}: want "
+                              f"{' or '.join(IOPRIO_CLASSES)}")
+        if not os.path.isabs(self.staging_dir):
+            raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
+
+    def codec(self):
+        from slurmckpt.compression import from_settings
+        return from_settings(self.compression, self.compression_level, self.compression_threads)
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:

@@ -17,7 +17,6 @@ this very run (same SubmitTime) bound it; anything else is moved aside then.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterator
 
 from slurmckpt.errors import StorageError
-from slurmckpt.storage import JOB_MANIFEST, FORMAT_VERSION, JobStore, atomic_write_json
+from slurmckpt.storage import JOB_MANIFEST, FORMAT_VERSION, JobStore
 
 
 @dataclass(frozen=True)
@@ -62,14 +61,9 @@ def mismatch(bound: object, me: JobInstance) -> str | None:
 
 @contextmanager
 def store_lock(store: JobStore) -> Iterator[None]:
-    """One claim at a time per job (ranks of a job start together; flock also holds on NFSv4)."""
-    path = store.root / store.cluster / f".lock-{store.job}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """One claim at a time per job (ranks of a job start together): the job's POSIX lock (storage.py)."""
+    with store.lock():
         yield
-    finally:
-        os.close(fd)
 
 
 def _has_content(store: JobStore) -> bool:
@@ -109,7 +103,7 @@ def _write_binding(store: JobStore, me: JobInstance, manifest: dict, moved: list
     fresh = {"version": FORMAT_VERSION, "job": store.job, "cluster": store.cluster, "epochs": [],
              **manifest, "instance": me.binding()}
     fresh["moved_aside"] = [*manifest.get("moved_aside", []), *moved]
-    atomic_write_json(store.job_dir / JOB_MANIFEST, fresh)
+    store.write_manifest(fresh)
 
 
 def moved_aside_notes(store: JobStore) -> list[str]:

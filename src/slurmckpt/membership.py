@@ -66,8 +66,10 @@ class Membership:
         settings = {"token": token, "bind": address, "next_epoch": plan["next_epoch"],
                     "completed": dict(plan.get("completed", {})),
                     "prepare_timeout_s": self.config.prepare_timeout_s,
-                    "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds}
+                    "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds,
+                    "persist_timeout_s": self.config.persist_timeout_s}
         host.commit = lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
+        host.allocate = lambda at_least: int(self.call("allocate_epoch", at_least=at_least)["epoch"])
         host.publish = lambda port: self.call("publish_coordinator", scope=scope, host=address, port=port,
                                               token=token)
         host.say = self.say

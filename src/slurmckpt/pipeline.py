@@ -1,14 +1,17 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
-    PREPARE   refuse unrestorable state (TCP to other hosts, IPC with other ranks, ipc.py) -> lock its GPUs
-              -> GPU checkpoint -> freeze the tree (cgroup freezer)  ... barrier: all READY ...
-    CAPTURE   record fds/files -> criu dump (tree stays frozen) -> output snapshot -> seal
-    then      COMMIT (coordinator's agent, atomic manifest rename)  -> RESUME (thaw) | FINISH (kill)
+    PREPARE   refuse unrestorable state (TCP to other hosts, IPC with other ranks, ipc.py) -> reserve room
+              in the store and staging (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree
+              (cgroup freezer)  ... barrier: all READY ...
+    CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
+              -> (final only) persist: compress staging into the store, rank.json
+    then      RESUME (thaw, then persist at bounded priority) -> COMMIT (coordinator's agent, atomic manifest
+              rename) | final: COMMIT -> FINISH (kill)
     or        ABORT at any point -> undo what was done, in reverse: previous commit stays the restorable one.
 
 GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
-process (measured on the H200). Restore is the same list read backwards: verify (images, and files mapped
-shared with other ranks) -> output snapshot -> truncate written files -> criu restore (into the freezer
+process (measured on the H200). Restore is the same list read backwards: unpack the images into staging,
+verified (and files mapped shared with other ranks) -> output snapshot -> truncate written files -> criu restore (into the freezer
 cgroup; loopback TCP to other ranks held until both ends are back) -> GPU restore + unlock.
 """
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import time
@@ -24,13 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, crossnode, ghost, ipc, netlock, pmi, procfs, proctree
+from slurmckpt import asuser, crossnode, ghost, ipc, netlock, pmi, procfs, proctree, rank_images
 from slurmckpt.criu import CheckpointEngine, InheritedFd
 from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
+from slurmckpt.rank_images import StorePolicy
 from slurmckpt.storage import JobStore
 from slurmckpt.task_cgroup import TaskCgroup
 
@@ -42,6 +45,7 @@ class Stage:
     name: str
     run: Callable[["RankPipeline", int], None]
     undo: Callable[["RankPipeline", int], None] | None = None
+    discards: bool = False      # its undo drops the epoch's images: skipped when a thaw keeps them
 
 
 @dataclass
@@ -73,6 +77,11 @@ class RankPipeline:
     pmi_fd: int = -1           # this start's PMI socket to slurmstepd (srun --mpi=pmi2; pmi.py), else -1
     pmi_ino: int = 0
     footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
+    policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank_images.py)
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            self.policy = StorePolicy.beside(self.store)
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
     def size(self, epoch: int) -> dict:
@@ -101,8 +110,8 @@ class RankPipeline:
         return {"timings": self.timings}
 
     def capture(self, epoch: int, final: bool = True) -> dict:
-        """A final capture is sealed while frozen (the tree dies next). A periodic one is sealed in resume(),
-        after the thaw: checksumming GiBs of images must not stretch the freeze."""
+        """A final capture persists to the store while frozen (the tree dies next). A periodic one persists
+        in resume(), after the thaw: compressing and copying GiBs must not stretch the freeze."""
         if not self.done or self.done[-1] is not PREPARE_STAGES[-1]:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
         self.final = final
@@ -110,19 +119,22 @@ class RankPipeline:
         return {"kind": self.record["kind"], "bytes": self.record.get("bytes", 0), "timings": self.timings}
 
     def resume(self, epoch: int) -> dict:
-        """After a periodic capture of every rank: the tree runs on, then its images are sealed (COMMIT
-        needs every rank's seal). A seal failure leaves the epoch uncommitted; the tree keeps running."""
-        sealed = self.done and self.done[-1] is CAPTURE_STAGES[-1]
+        """After a periodic capture of every rank: the tree runs on, then its staged images are persisted
+        to the store at bounded priority (COMMIT needs every rank's). A persist failure leaves the epoch
+        uncommitted and staging clean; the tree keeps running."""
+        persisted = self.done and self.done[-1] is CAPTURE_STAGES[-1]
         dumped = any(stage is CAPTURE_STAGES[1] for stage in self.done)
         self._rollback(epoch, keep_images=True)
-        if dumped and not sealed:
-            start = time.monotonic()
-            _seal(self, epoch)
-            self.timings["seal"] = round(time.monotonic() - start, 4)
-        return {"bytes": self.record.get("bytes", 0)}
+        if dumped and not persisted:
+            rank_images.persist(self, epoch, background=True)
+        return {"bytes": self.record.get("bytes", 0), "raw_bytes": self.record.get("raw_bytes", 0)}
 
     def abort(self, epoch: int) -> None:
+        """Undo this epoch; after the thaw (its persist done, the epoch failed elsewhere) its images go."""
+        resumed = not self.done
         self._rollback(epoch, keep_images=False)
+        if resumed:
+            rank_images.discard(self, epoch)
 
     def finish(self, epoch: int) -> None:
         """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further).
@@ -159,7 +171,7 @@ class RankPipeline:
     def _rollback(self, epoch: int, keep_images: bool) -> None:
         errors = []
         for stage in reversed(self.done):
-            if stage.undo is None or (keep_images and stage.undo is _discard_images):
+            if stage.undo is None or (keep_images and stage.discards):
                 continue
             try:
                 stage.undo(self, epoch)
@@ -283,9 +295,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "pmi": [] if replay else _pmi_socket(p, pids),
         **({} if replay else _tcp_leaving_the_node(p, pids)),
     }
-    rdir = p.store.rank_dir(epoch, p.step, p.rank)
-    rdir.mkdir(parents=True, mode=0o700, exist_ok=True)
-    os.chmod(rdir.parent, 0o700)
+    rank_images.staged(p, epoch)
 
 
 def _tcp_leaving_the_node(p: RankPipeline, pids: list[int]) -> dict:
@@ -334,7 +344,7 @@ def _gpu_restore_after_capture(p: RankPipeline, epoch: int) -> None:
 
 def _dump(p: RankPipeline, epoch: int) -> None:
     if p.record["kind"] == "image":
-        rdir = p.store.rank_dir(epoch, p.step, p.rank)
+        rdir = rank_images.area(p, epoch)
         # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
@@ -345,7 +355,7 @@ def _dump(p: RankPipeline, epoch: int) -> None:
 
 
 def _discard_images(p: RankPipeline, epoch: int) -> None:
-    p.store.discard_epoch_rank(epoch, p.step, p.rank)
+    rank_images.discard(p, epoch)
 
 
 def _snapshot_output(p: RankPipeline, epoch: int) -> None:
@@ -353,7 +363,7 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
     their size at the freeze: Slurm truncates the output file on requeue (without --open-mode=append) and
     restore rewrites it to exactly this content, so the job's output holds everything exactly once.
     The wrapper is the user's: its fds are read as the user (asuser.py), never through /proc as root."""
-    rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    rdir = rank_images.area(p, epoch)
     if p.replay:
         _wait_output_settled(p.wrapper_pid)
     outputs, seen = [], {}
@@ -408,32 +418,37 @@ def _copy_prefix(src: int, dst: Path, size: int, name: str) -> None:
             remaining -= len(block)
 
 
-def _seal(p: RankPipeline, epoch: int) -> None:
-    manifest = p.store.write_rank_manifest(epoch, p.step, p.rank, {**p.record, "timings": dict(p.timings)})
-    p.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
+def _persist_final(p: RankPipeline, epoch: int) -> None:
+    rank_images.persist(p, epoch, background=False)      # the tree is gone: full speed
 
 
 PREPARE_STAGES = (
     Stage("check", _check_restorable),
+    Stage("space", rank_images.reserve, undo=rank_images.release, discards=True),
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
     Stage("freeze", _freeze, undo=_thaw),
 )
 CAPTURE_STAGES = (
-    Stage("record", _record, undo=_discard_images),
+    Stage("record", _record, undo=_discard_images, discards=True),
     Stage("dump", _dump),           # a replayed batch step is not dumped (see _record)
     Stage("snapshot-output", _snapshot_output),
-    Stage("seal", _seal),
+    Stage("persist", _persist_final),     # periodic captures persist in resume(), after the thaw
 )
 
 
 # ---- restore ------------------------------------------------------------------------------------------
 def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:
     """Restore this rank from `epoch` with the new task's stdio fds. Returns (root pid or None for a
-    replayed batch step, rank manifest)."""
-    manifest = p.store.verify_rank(epoch, p.step, p.rank)
-    p.gpu.check_restore(manifest.get("gpu"))     # before anything is touched: these GPUs take its GPU state
-    rdir = p.store.rank_dir(epoch, p.step, p.rank)
+    replayed batch step, rank manifest). The target GPUs are checked first (before anything is unpacked or
+    touched); the images are unpacked into staging, verified as they are, and the staging area goes once
+    criu has read them."""
+    p.gpu.check_restore(p.store.read_rank_manifest(epoch, p.step, p.rank).get("gpu"))
+    with rank_images.unpacked(p, epoch) as (rdir, manifest):
+        return _restore_from(p, epoch, rdir, manifest, stdio)
+
+
+def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
     key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
     ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
     _rewrite_outputs(manifest, rdir, stdio)
@@ -457,9 +472,6 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
             raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
                                "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
         inherit.append(InheritedFd(entry["key"], p.pmi_fd))     # the new step's, in the old one's place
-    work = Path(p.store.job_dir) / f".restore-{p.step}.{p.rank}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(mode=0o700)
     if manifest.get("pmi"):
         pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
     held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
@@ -472,13 +484,11 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
     try:
         hold.before_restore()
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
-            pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=work / "pid",
+            pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
     except BaseException:
         hold.release()
         raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     hold.after_restore()
     try:
         p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed

@@ -1,45 +1,44 @@
-"""Image store: <root>/<cluster>/<job>/epoch-NNNNNN/<step>.<rank>/ plus the job manifest.
+"""Image store: <root>/<cluster>/<job>/epoch-NNNNNN/<step>.<rank>/ plus the job manifest (docs/storage.md).
 
-A rank's directory holds CRIU images, snapshots and `rank.json` (sizes + xxh3 checksums of every file).
-An epoch becomes visible to restore only when the coordinator's agent rewrites the job manifest
-(`manifest.json`) by atomic rename after EVERY rank of the epoch reported success. Restore reads only epochs
-listed there, and verifies the checksums before handing images to CRIU.
+A rank's directory holds its stored images (compressed or raw), output snapshots and `rank.json` (per file:
+codec, stored size and xxh3 of the stored bytes, raw size). An epoch becomes visible to restore only when the
+coordinator's agent rewrites the job manifest (`manifest.json`) by atomic rename after EVERY rank of the epoch
+persisted. Every read-modify-write of the manifest (commit, reject, prune, epoch allocation) runs under the
+job's POSIX lock; the manifest it replaces is kept as `manifest.json.prev` and read when the newest is
+unreadable. Restore reads only epochs listed there, and verifies the checksums before CRIU sees a byte.
 """
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
-import socket
 import shutil
+import socket
+import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from slurmckpt import validate
+from slurmckpt.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
 from slurmckpt.errors import StorageError
+
+__all__ = ["JobStore", "atomic_write_json", "file_checksum", "list_jobs", "rank_name"]
+
+log = logging.getLogger("slurmckpt.storage")
 
 FORMAT_VERSION = 1
 RANK_MANIFEST = "rank.json"
 JOB_MANIFEST = "manifest.json"
-
-
-def atomic_write_json(path: Path, data: object, mode: int = 0o600) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, json.dumps(data, indent=1, sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+PREVIOUS = JOB_MANIFEST + ".prev"
+COUNTER = "allocated-epoch"     # the highest epoch number ever allocated for the job
+LEASE = ".lease"                # in an epoch directory: who allocated it, until when it may still commit
+RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
+TRASH = ".trash-"
 
 
 def file_checksum(path: Path) -> str:
@@ -52,13 +51,42 @@ def file_checksum(path: Path) -> str:
     return h.hexdigest()
 
 
-def _identity(st: os.stat_result) -> list[int]:
+def identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def rank_name(step: str, rank: int) -> str:
     """Checked (validate.py) before it names a directory: a rank name is a path component."""
     return f"{validate.step(step)}.{validate.rank_index(rank)}"
+
+
+def epoch_of(name: str) -> int | None:
+    return int(name[6:]) if name.startswith("epoch-") and name[6:].isdigit() else None
+
+
+def tree_bytes(path: Path) -> int:
+    """Apparent size of every file under `path` (what was written; 0 if it is gone)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _parse_manifest(raw: bytes, path: Path) -> dict:
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise StorageError(f"job manifest unreadable: {e}", path=str(path)) from e
+    if not isinstance(data, dict) or not isinstance(data.get("epochs"), list):
+        raise StorageError("job manifest unreadable: no list of epochs", path=str(path))
+    if data.get("version") != FORMAT_VERSION:
+        raise StorageError(f"job manifest has format version {data.get('version')}, "
+                           f"this slurmckpt reads {FORMAT_VERSION}", path=str(path))
+    return data
 
 
 @dataclass(frozen=True)
@@ -82,19 +110,42 @@ class JobStore:
             d.mkdir(mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
 
-    # ---- manifests -------------------------------------------------------------------------------------
+    def lock(self) -> AbstractContextManager[None]:
+        """The job's lock, beside (not in) the job directory: instance.claim renames that directory."""
+        return posix_lock(self.root / self.cluster / f".lock-{self.job}", what=f"lock of job {self.job}'s store")
+
+    # ---- the job manifest --------------------------------------------------------------------------------
     def read_manifest(self) -> dict:
+        return self._load()[0]
+
+    def _load(self) -> tuple[dict, bytes | None]:
+        """(manifest, its bytes if manifest.json itself was good). An unreadable newest manifest falls back
+        to the previous one; only if both are unreadable is the store's history lost."""
         path = self.job_dir / JOB_MANIFEST
-        if not path.exists():
-            return {"version": FORMAT_VERSION, "job": self.job, "cluster": self.cluster, "epochs": []}
+        error: StorageError | None = None
         try:
-            data = json.loads(path.read_text())
-        except ValueError as e:
-            raise StorageError(f"job manifest unreadable: {e}", path=str(path)) from e
-        if data.get("version") != FORMAT_VERSION:
-            raise StorageError(f"job manifest has format version {data.get('version')}, "
-                               f"this slurmckpt reads {FORMAT_VERSION}", path=str(path))
-        return data
+            raw = path.read_bytes()
+            return _parse_manifest(raw, path), raw
+        except FileNotFoundError:
+            pass
+        except StorageError as e:
+            error = e
+        try:
+            previous = _parse_manifest((self.job_dir / PREVIOUS).read_bytes(), self.job_dir / PREVIOUS)
+        except (FileNotFoundError, StorageError):
+            if error is not None:
+                raise error
+            return {"version": FORMAT_VERSION, "job": self.job, "cluster": self.cluster, "epochs": []}, None
+        log.warning("job %d: %s; using the previous manifest", self.job, error or "manifest.json missing")
+        return previous, None
+
+    def write_manifest(self, manifest: dict) -> None:
+        """Replace the job manifest (caller holds self.lock()). The current one, if good, becomes the
+        previous one first, so a manifest damaged later still leaves the commit before it."""
+        _, current = self._load()
+        if current is not None:
+            atomic_write_bytes(self.job_dir / PREVIOUS, current)
+        atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
 
     def committed(self) -> list[dict]:
         """Committed epochs, newest first."""
@@ -104,109 +155,210 @@ class JobStore:
         """Take a committed epoch out of restore (one rank could not restore it, so no rank may: the job
         must restart from one cut). Its images stay on disk until pruned; the reason is kept. Returns
         whether the epoch was still committed."""
-        manifest = self.read_manifest()
-        kept = [e for e in manifest["epochs"] if e["epoch"] != epoch]
-        if len(kept) == len(manifest["epochs"]):
-            return False
-        manifest["epochs"] = kept
-        manifest.setdefault("rejected", []).append({"epoch": epoch, "reason": reason, "at": time.time()})
-        atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
-        return True
+        with self.lock():
+            manifest = self.read_manifest()
+            kept = [e for e in manifest["epochs"] if e["epoch"] != epoch]
+            if len(kept) == len(manifest["epochs"]):
+                return False
+            manifest["epochs"] = kept
+            manifest.setdefault("rejected", []).append({"epoch": epoch, "reason": reason, "at": time.time()})
+            self.write_manifest(manifest)
+            return True
+
+    # ---- epoch numbers -----------------------------------------------------------------------------------
+    def _counter(self) -> int:
+        try:
+            return int((self.job_dir / COUNTER).read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
 
     def next_epoch(self) -> int:
-        seen = [e["epoch"] for e in self.read_manifest()["epochs"]]
+        """A hint (no lock): above every epoch committed, rejected, allocated or left on disk."""
+        manifest = self.read_manifest()
+        seen = [e["epoch"] for e in manifest["epochs"]] + [r["epoch"] for r in manifest.get("rejected", [])]
         if self.job_dir.exists():
-            seen += [int(p.name.split("-")[1]) for p in self.job_dir.glob("epoch-*") if p.name[6:].isdigit()]
-        return max(seen, default=0) + 1
+            seen += [n for p in self.job_dir.iterdir() if (n := epoch_of(p.name)) is not None]
+        return max([*seen, self._counter()], default=0) + 1
+
+    def allocate_epoch(self, at_least: int, lease_s: float, owner: str) -> int:
+        """A new epoch number for this job, unique across its steps, coordinators and nodes: under the job
+        lock, above every number seen, its directory made (with a lease: until when it may still commit;
+        reclaim.py removes it after that if uncommitted) and the counter advanced."""
+        self.ensure()
+        with self.lock():
+            epoch = max(self.next_epoch(), at_least)
+            while True:
+                try:
+                    self.epoch_dir(epoch).mkdir(mode=0o700)
+                    break
+                except FileExistsError:
+                    epoch += 1
+            try:
+                atomic_write_json(self.epoch_dir(epoch) / LEASE, {"owner": owner, "expires_at": time.time() + lease_s})
+                self.raise_counter(epoch)
+            except StorageError:
+                shutil.rmtree(self.epoch_dir(epoch), ignore_errors=True)     # nothing used the number yet
+                raise
+            return epoch
+
+    def raise_counter(self, epoch: int) -> None:
+        """No number up to `epoch` is handed out again (caller holds self.lock())."""
+        if epoch > self._counter():
+            atomic_write_bytes(self.job_dir / COUNTER, str(epoch).encode())
+
+    # ---- rank manifests ----------------------------------------------------------------------------------
+    def seal_rank(self, epoch: int, step: str, rank: int, files: dict[str, dict], meta: dict) -> dict:
+        """Write rank.json (last: its presence means the rank's images are complete and durable)."""
+        rdir = self.rank_dir(epoch, step, rank)
+        manifest = {**meta, "version": FORMAT_VERSION, "job": self.job, "step": step, "rank": rank,
+                    "epoch": epoch, "files": files, "written_at": time.time(), "sealed_on": socket.gethostname()}
+        fsync_dir(rdir)
+        atomic_write_json(rdir / RANK_MANIFEST, manifest)
+        fsync_dir(rdir.parent)
+        return manifest
 
     def write_rank_manifest(self, epoch: int, step: str, rank: int, meta: dict) -> dict:
-        """Checksum every file of the rank's directory and write rank.json (last, so its presence = complete)."""
+        """Seal files already in the rank's directory as stored raw (no staging: tools and tests)."""
         rdir = self.rank_dir(epoch, step, rank)
         files = {}
         for p in sorted(rdir.iterdir()):
             if p.is_file() and p.name != RANK_MANIFEST and not p.name.endswith(".log"):
                 st = p.stat()
-                files[p.name] = {"size": st.st_size, "xxh3": file_checksum(p), "identity": _identity(st)}
-        manifest = {"version": FORMAT_VERSION, "job": self.job, "step": step, "rank": rank, "epoch": epoch,
-                    "files": files, "written_at": time.time(), "sealed_on": socket.gethostname(), **meta}
-        atomic_write_json(rdir / RANK_MANIFEST, manifest)
-        return manifest
+                files[p.name] = {"size": st.st_size, "raw_size": st.st_size, "codec": "none",
+                                 "xxh3": file_checksum(p), "identity": identity(st)}
+        return self.seal_rank(epoch, step, rank, files, meta)
 
     def read_rank_manifest(self, epoch: int, step: str, rank: int) -> dict:
         path = self.rank_dir(epoch, step, rank) / RANK_MANIFEST
         try:
-            return json.loads(path.read_text())
+            manifest = json.loads(path.read_text())
         except FileNotFoundError as e:
             raise StorageError("rank image incomplete (no rank.json)", epoch=epoch, rank=rank_name(step, rank)) from e
         except ValueError as e:
             raise StorageError(f"rank.json unreadable: {e}", epoch=epoch, rank=rank_name(step, rank)) from e
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise StorageError("rank.json unreadable: no list of files", epoch=epoch, rank=rank_name(step, rank))
+        return manifest
+
+    def stored_path(self, epoch: int, step: str, rank: int, name: str, entry: dict) -> Path:
+        stored = entry.get("stored", name)
+        if "/" in stored or stored.startswith("."):
+            raise StorageError(f"rank.json names a bad file {stored!r}", epoch=epoch, rank=rank_name(step, rank))
+        return self.rank_dir(epoch, step, rank) / stored
 
     def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> dict:
-        """Sizes and checksums of every file; raises StorageError naming the first bad file. On the node that
-        sealed it, a file whose inode, size, mtime and ctime are unchanged is not re-hashed (nothing wrote it
-        since: only root can, and any write moves ctime); elsewhere (shared storage) every byte is hashed."""
+        """Sizes and checksums of every stored file; raises StorageError naming the first bad file. On the node
+        that sealed it, a file whose inode, size, mtime and ctime are unchanged is not re-hashed (nothing wrote
+        it since: only root can, and any write moves ctime); elsewhere (shared storage) every byte is hashed."""
         manifest = self.read_rank_manifest(epoch, step, rank)
-        rdir = self.rank_dir(epoch, step, rank)
         same_node = manifest.get("sealed_on") == socket.gethostname() and not full
         for name, want in manifest["files"].items():
-            path = rdir / name
-            if not path.exists():
-                raise StorageError(f"image file {name} missing", epoch=epoch, rank=rank_name(step, rank))
-            st = path.stat()
-            if same_node and want.get("identity") == _identity(st):
+            path = self.stored_path(epoch, step, rank, name, want)
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                raise StorageError(f"image file {name} missing", epoch=epoch, rank=rank_name(step, rank)) from None
+            if same_node and want.get("identity") == identity(st):
                 continue
             if st.st_size != want["size"] or file_checksum(path) != want["xxh3"]:
                 raise StorageError(f"image file {name} corrupt (size/checksum mismatch)",
                                    epoch=epoch, rank=rank_name(step, rank))
         return manifest
 
-    def commit(self, epoch: int, ranks: dict[str, dict], reason: str, keep: int) -> dict:
-        """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record:
-        kind image|replay need a complete rank.json; kind completed records a finished task's exit code."""
-        for name, record in ranks.items():
-            step, rank = validate.rank_name(name)
-            if record.get("kind") in ("image", "replay"):
-                self.read_rank_manifest(epoch, step, rank)
-        manifest = self.read_manifest()
-        manifest["epochs"] = [e for e in manifest["epochs"] if e["epoch"] != epoch]
-        manifest["epochs"].append({"epoch": epoch, "reason": reason, "committed_at": time.time(), "ranks": ranks})
-        manifest["epochs"].sort(key=lambda e: e["epoch"])
-        dropped = manifest["epochs"][:-keep] if keep else []
-        manifest["epochs"] = manifest["epochs"][-keep:] if keep else manifest["epochs"]
-        atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
-        for old in dropped:       # only after the new manifest is durable; deleted off the critical path
-            trash = self.job_dir / f".trash-{self.epoch_dir(old['epoch']).name}"
+    def _require_complete(self, epoch: int, name: str) -> None:
+        step, rank = validate.rank_name(name)
+        manifest = self.read_rank_manifest(epoch, step, rank)
+        for fname, want in manifest["files"].items():
+            path = self.stored_path(epoch, step, rank, fname, want)
             try:
-                os.rename(self.epoch_dir(old["epoch"]), trash)
-            except OSError:
-                pass
-        return manifest
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise StorageError(f"image file {fname} missing", epoch=epoch, rank=name) from None
+            if size != want["size"]:
+                raise StorageError(f"image file {fname} has {size} bytes, rank.json says {want['size']}",
+                                   epoch=epoch, rank=name)
 
-    def empty_trash(self) -> None:
-        for p in self.job_dir.glob(".trash-*"):
-            shutil.rmtree(p, ignore_errors=True)
+    # ---- commit --------------------------------------------------------------------------------------------
+    def commit(self, epoch: int, ranks: dict[str, dict], reason: str, keep: int) -> dict:
+        """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record: kind
+        image|replay need a complete rank.json and every stored file at its size; kind completed records a
+        finished task's exit code. Committing an epoch again adds ranks to it (never drops another's)."""
+        with self.lock():
+            for name, record in ranks.items():
+                if record.get("kind") in ("image", "replay"):
+                    self._require_complete(epoch, name)
+            manifest = self.read_manifest()
+            if any(r["epoch"] == epoch for r in manifest.get("rejected", [])):
+                raise StorageError("epoch was withdrawn; it is never committed again", epoch=epoch)
+            old = next((e for e in manifest["epochs"] if e["epoch"] == epoch), None)
+            entry = {"epoch": epoch, "reason": reason, "committed_at": time.time(),
+                     "ranks": {**(old["ranks"] if old else {}), **ranks}}
+            epochs = sorted([e for e in manifest["epochs"] if e["epoch"] != epoch] + [entry],
+                            key=lambda e: e["epoch"])
+            manifest["epochs"], dropped = _keep_newest(epochs, keep)
+            self.write_manifest(manifest)
+            for name in (LEASE, *(p.name for p in self.epoch_dir(epoch).glob(RESERVE + "*"))):
+                _unlink(self.epoch_dir(epoch) / name)
+            for gone in dropped:       # only after the new manifest is durable; deleted off the critical path
+                self.to_trash(self.epoch_dir(gone["epoch"]))
+            return manifest
 
-    def discard_epoch_rank(self, epoch: int, step: str, rank: int) -> None:
-        """An aborted epoch's partial images; never touches a committed epoch."""
-        if any(e["epoch"] == epoch for e in self.read_manifest()["epochs"]):
-            return
-        shutil.rmtree(self.rank_dir(epoch, step, rank), ignore_errors=True)
+    def to_trash(self, path: Path) -> None:
+        """Rename away now (atomic: no reader sees half of it), delete later (empty_trash)."""
         try:
-            self.epoch_dir(epoch).rmdir()
+            os.rename(path, self.job_dir / f"{TRASH}{path.name}-{time.time_ns()}")
         except OSError:
             pass
 
-    def remove_uncommitted(self) -> None:
-        committed = {e["epoch"] for e in self.read_manifest()["epochs"]}
-        for p in self.job_dir.glob("epoch-*"):
-            if p.name[6:].isdigit() and int(p.name[6:]) not in committed:
-                shutil.rmtree(p, ignore_errors=True)
+    def empty_trash(self) -> None:
+        for p in self.job_dir.glob(TRASH + "*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def discard_epoch_rank(self, epoch: int, step: str, rank: int) -> None:
+        """An aborted epoch's images of one rank; never touches a committed epoch. The epoch's directory
+        goes with its last rank."""
+        with self.lock():
+            if any(e["epoch"] == epoch for e in self.read_manifest()["epochs"]):
+                return
+            if self.rank_dir(epoch, step, rank).exists():
+                self.to_trash(self.rank_dir(epoch, step, rank))
+            _unlink(self.epoch_dir(epoch) / f"{RESERVE}{rank_name(step, rank)}")
+            try:
+                if not any(not p.name.startswith(".") for p in self.epoch_dir(epoch).iterdir()):
+                    self.to_trash(self.epoch_dir(epoch))
+            except FileNotFoundError:
+                pass
+        self.empty_trash_later()
+
+    def empty_trash_later(self) -> None:
+        """Deleting GiBs takes a while: never on the path of a freeze or a commit."""
+        threading.Thread(target=self.empty_trash, name="empty-trash", daemon=True).start()
+
+
+def _keep_newest(epochs: list[dict], keep: int) -> tuple[list[dict], list[dict]]:
+    """Keep, for every rank, the `keep` newest epochs that hold it (0: keep all). Steps with coordinators of
+    their own commit epochs that hold only their ranks: one step's commits never prune another's."""
+    if not keep:
+        return epochs, []
+    wanted: set[int] = set()
+    for name in {n for e in epochs for n in e["ranks"]}:
+        holding = [e["epoch"] for e in epochs if name in e["ranks"]]
+        wanted.update(holding[-keep:])
+    wanted.update(e["epoch"] for e in epochs[-keep:] if not e["ranks"])    # epochs that hold no rank
+    return [e for e in epochs if e["epoch"] in wanted], [e for e in epochs if e["epoch"] not in wanted]
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def list_jobs(root: Path) -> list[tuple[str, int]]:
     out = []
     if root.exists():
         for cdir in sorted(root.iterdir()):
-            if cdir.is_dir():
+            if cdir.is_dir() and not cdir.name.startswith("."):
                 out += [(cdir.name, int(j.name)) for j in sorted(cdir.iterdir()) if j.name.isdigit()]
     return out

@@ -179,7 +179,7 @@ def test_rank_that_cannot_restore_withdraws_the_epoch_for_every_rank() -> None:
     run("scontrol", "requeuehold", str(job.id))           # final capture, then held: time to damage it
     job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
     newest, epoch_dir = newest_committed(job.id)
-    pages = sorted((epoch_dir / "0.1").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    pages = sorted((epoch_dir / "0.1").glob("pages-*.img*"), key=lambda p: p.stat().st_size)  # .zst or raw
     assert pages, f"no page images in {epoch_dir / '0.1'}"
     with open(pages[-1], "r+b") as f:
         first = f.read(1)

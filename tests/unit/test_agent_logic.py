@@ -245,3 +245,19 @@ def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     (failure,) = failures(a.store)
     assert (failure.epoch, failure.stage, failure.final, failure.trigger) == (3, "size", True, "sigterm")
     assert a.pipeline.engine.timeout_s == 60.0        # nothing measured: the limits stay
+
+
+def test_epoch_numbers_for_the_coordinator_are_unique_and_leased(tmp_path):
+    """allocate_epoch: above every number the store has seen and at least what the coordinator asks; its
+    directory carries a lease covering every phase the epoch may still take; a bad request is refused."""
+    from slurmckpt.config import Config
+    a = make_agent(tmp_path, FakeChannel(request("allocate_epoch", at_least=1), request("allocate_epoch", at_least=1),
+                                         request("allocate_epoch", at_least=40),
+                                         request("allocate_epoch", at_least="7; rm -rf /")))
+    a.config = Config.from_mapping({"prepare_timeout_s": 10, "capture_timeout_s": 20, "persist_timeout_s": 30})
+    a.serve()
+    assert [m.get("epoch") for m in a.channel.sent[:3]] == [1, 2, 40]
+    assert a.channel.sent[3]["ok"] is False and a.channel.sent[3]["error_type"] == "ProtocolError"
+    lease = json.loads((a.store.epoch_dir(40) / ".lease").read_text())
+    import time
+    assert 10 + 20 + 30 < lease["expires_at"] - time.time() <= 10 + 20 + 30 + 120

@@ -206,14 +206,16 @@ def test_rank_leaving_between_phases_fails_the_next_phase_at_once(job):
 
 
 def test_committer_failure_aborts(tmp_path):
-    """Periodic: the trees were already thawed before COMMIT, so they just run on uncommitted. Final: the
-    trees are still frozen and get ABORT (thawed, not killed)."""
+    """Periodic: the trees were already thawed before COMMIT, so they run on uncommitted, and ABORT after
+    the resume makes each rank drop its persisted images of the epoch. Final: the trees are still frozen
+    and get ABORT (thawed, not killed)."""
     j = Job(Committer(fail=OSError("disk full")))
     try:
         r = j.rank("0.0")
         res = j.epoch()
         assert res["status"] == "aborted" and res["stage"] == "commit" and "disk full" in res["error"]
-        assert r.commands() == ["prepare", "capture", "resume"]
+        wait_for(lambda: ("abort", 1) in r.got)
+        assert r.commands() == ["prepare", "capture", "resume", "abort"]
         res = j.epoch("sigterm", final=True)
         assert res["status"] == "aborted" and res["stage"] == "commit"
         wait_for(lambda: ("abort", 2) in r.got)

@@ -22,8 +22,10 @@ TIMEOUT = 20
 class Wrapper:
     """Stands in for the hosting wrapper: records what the supervisor reports."""
 
-    def __init__(self, fail_commit: str | None = None) -> None:
+    def __init__(self, fail_commit: str | None = None, fail_allocate: str | None = None) -> None:
         self.commits: list[int] = []
+        self.allocated: list[int] = []
+        self.fail_allocate = fail_allocate
         self.published: list[int] = []
         self.results: queue.Queue = queue.Queue()
         self.said: list[str] = []
@@ -34,8 +36,15 @@ class Wrapper:
             raise OSError(self.fail_commit)
         self.commits.append(epoch)
 
+    def allocate(self, at_least: int) -> int:
+        """Like the store: above every number handed out, and at least what the coordinator asks."""
+        if self.fail_allocate:
+            raise OSError(self.fail_allocate)
+        self.allocated.append(max([at_least, *(n + 1 for n in self.allocated)]))
+        return self.allocated[-1]
+
     def callbacks(self) -> HostCallbacks:
-        return HostCallbacks(commit=self.commit, publish=self.published.append, started=lambda r, a: None,
+        return HostCallbacks(commit=self.commit, allocate=self.allocate, publish=self.published.append, started=lambda r, a: None,
                              result=lambda result, reason, final: self.results.put(result),
                              say=self.said.append)
 
@@ -93,6 +102,29 @@ def test_failed_commit_through_the_link_aborts_the_epoch():
         sup.trigger("manual", False)
         result = wrapper.results.get(timeout=TIMEOUT)
         assert result["status"] == "aborted" and result["stage"] == "commit" and "disk full" in result["error"]
+    finally:
+        shut(sup)
+
+
+def test_epoch_numbers_come_from_the_hosting_agent_and_a_refusal_freezes_nothing():
+    """The coordinator asks its wrapper's agent for each epoch number (unique across the job's steps and
+    coordinators: storage.allocate_epoch); when the store cannot give one, no rank gets any command."""
+    wrapper = Wrapper()
+    wrapper.allocated = [41]                        # another step's coordinator already ran epoch 41
+    sup, token, port = supervised(wrapper, 1)
+    try:
+        commands: list = []
+        rank(port, token, commands)
+        sup.trigger("manual", False)
+        result = wrapper.results.get(timeout=TIMEOUT)
+        assert result["status"] == "committed" and result["epoch"] == 42 and wrapper.commits == [42]
+        assert {e for _, e in commands} == {42}
+        wrapper.fail_allocate = "store unreachable"
+        commands.clear()
+        sup.trigger("manual", False)
+        result = wrapper.results.get(timeout=TIMEOUT)
+        assert result["status"] == "aborted" and result["stage"] == "allocate"
+        assert "store unreachable" in result["error"] and commands == []
     finally:
         shut(sup)
 

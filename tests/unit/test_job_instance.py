@@ -144,7 +144,7 @@ def test_a_store_copied_in_during_a_run_keeps_the_epoch_being_committed(tmp_path
     claim(store, _me(uid=1002))                # the old job's store, copied over the new job's
     _foreign_epoch(store, 1)
     store.rank_dir(2, "batch", 0).mkdir(parents=True)     # the new job's own images of epoch 2
-    (store.rank_dir(2, "batch", 0) / "rank.json").write_text("{}")
+    store.write_rank_manifest(2, "batch", 0, {"kind": "image"})
     note = claim(store, _me(restarts=0), keep_epoch=2)
     assert note and "uid 1002" in note
     assert (store.rank_dir(2, "batch", 0) / "rank.json").exists() and not store.epoch_dir(1).exists()

@@ -12,6 +12,10 @@ from slurmckpt.gpu import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
+from slurmckpt.compression import Zstd
+from slurmckpt.persist import Priority
+from slurmckpt.rank_images import StorePolicy
+from slurmckpt.staging import Staging
 from slurmckpt.storage import JobStore
 
 
@@ -104,21 +108,23 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
     store = JobStore(tmp_path, "c", 7)
     store.ensure()
     creds = Credentials(os.getuid(), os.getgid(), (), ())
+    policy = StorePolicy(Staging(tmp_path / "staging"), Zstd(1, 1), Priority())
     p = RankPipeline(store, "batch", 0, FakeCgroup(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
-                     wrapper_pid=os.getpid(), root_pid=os.getpid(), ghost_limit_max=ghost_cap)
+                     wrapper_pid=os.getpid(), root_pid=os.getpid(), ghost_limit_max=ghost_cap, policy=policy)
     return p, j, store
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
-    assert [s.name for s in PREPARE_STAGES] == ["check", "gpu-lock", "gpu-checkpoint", "freeze"]
-    assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "seal"]
+    assert [s.name for s in PREPARE_STAGES] == ["check", "space", "gpu-lock", "gpu-checkpoint", "freeze"]
+    assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "persist"]
 
 
 def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:
     p, j, store = make(tmp_path)
     p.prepare(1)
     out = p.capture(1)
-    assert out["kind"] == "image" and out["bytes"] >= 100
+    assert out["kind"] == "image" and 0 < out["bytes"] < 100        # 100 bytes of "x", compressed
+    assert store.read_rank_manifest(1, "batch", 0)["files"]["pages-1.img"]["raw_size"] == 100
     p.resume(1)
     assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "dump", "thaw", "gpu-resume", "gpu-unlock"]
     assert store.verify_rank(1, "batch", 0)["kind"] == "image"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 
-from slurmckpt import storage
+from slurmckpt import reclaim, storage
 from slurmckpt.errors import StorageError
 from slurmckpt.storage import JOB_MANIFEST, RANK_MANIFEST, JobStore, list_jobs
 
@@ -94,7 +95,7 @@ def test_job_manifest_replaced_atomically(store, monkeypatch):
     def boom(fd):
         raise OSError(5, "EIO")
     monkeypatch.setattr(storage.os, "fsync", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageError, match="writing manifest.json"):
         store.commit(2, {"0.0": {"kind": "image"}}, "interval", keep=2)
     monkeypatch.undo()
     assert (store.job_dir / JOB_MANIFEST).read_bytes() == before
@@ -178,7 +179,7 @@ def test_discard_never_touches_a_committed_epoch(store):
     store.commit(1, {"0.0": {"kind": "image"}}, "interval", keep=2)
     store.discard_epoch_rank(1, "0", 0)
     store.verify_rank(1, "0", 0)
-    store.remove_uncommitted()
+    reclaim.collect_job(store, now=time.time() + 10 * reclaim.GRACE_S, wait=True)
     store.verify_rank(1, "0", 0)
 
 
@@ -192,12 +193,25 @@ def test_discard_removes_uncommitted_rank_and_empty_epoch(store):
     assert not store.epoch_dir(2).exists()
 
 
-def test_remove_uncommitted(store):
+def test_uncommitted_epochs_are_collected_once_their_lease_runs_out(store):
+    """An allocated epoch stays while its coordinator may still commit it (its lease), then goes; an epoch
+    without a lease goes once untouched for GRACE_S; committed epochs never."""
     capture(store, 1)
     store.commit(1, {"0.0": {"kind": "image"}}, "interval", keep=2)
-    capture(store, 2)
-    store.remove_uncommitted()
-    assert store.epoch_dir(1).exists() and not store.epoch_dir(2).exists()
+    leased = store.allocate_epoch(1, lease_s=600, owner="test")
+    capture(store, leased)
+    capture(store, 7)                                   # no lease: an older writer's leftover
+    now = time.time()
+    assert reclaim.collect_job(store, now=now, wait=True) == []
+    gone = reclaim.collect_job(store, now=now + 601, wait=True)
+    assert [(r.kind, r.path) for r in gone] == [("uncommitted-epoch", str(store.epoch_dir(leased)))]
+    assert "lease ran out" in gone[0].why and gone[0].bytes > 5000
+    gone = reclaim.collect_job(store, now=now + reclaim.GRACE_S + 60, wait=True)
+    assert [r.path for r in gone] == [str(store.epoch_dir(7))]
+    assert store.epoch_dir(1).exists() and not store.epoch_dir(leased).exists() and not store.epoch_dir(7).exists()
+    assert not any(p.name.startswith(".trash-") for p in store.job_dir.iterdir())
+    store.verify_rank(1, "0", 0)
+    assert store.next_epoch() == 8
 
 
 def test_next_epoch_skips_uncommitted_directories(store):

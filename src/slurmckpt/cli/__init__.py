@@ -16,7 +16,7 @@ from slurmckpt.cli.output import CliError
 from slurmckpt.errors import SlurmckptError
 
 # name -> "module:attribute"; each imported only when it runs (a fast `slurmckpt policy check` for
-# cli_filter.lua, a fast `status`). The image store's garbage collection goes in here as `gc`.
+# cli_filter.lua, a fast `status`).
 COMMANDS = {
     "status": "slurmckpt.cli.status:status",
     "checkpoint": "slurmckpt.cli.jobs:checkpoint",
@@ -26,6 +26,7 @@ COMMANDS = {
     "inspect": "slurmckpt.cli.images:inspect",
     "policy": "slurmckpt.cli.policy:policy",
     "doctor": "slurmckpt.cli.doctor:doctor",
+    "gc": "slurmckpt.cli.gc:gc",
 }
 
 

@@ -116,6 +116,13 @@ def check_node(r: Report, cfg: Config) -> None:
     r.add(v1 or Path("/sys/fs/cgroup/cgroup.controllers").exists(), "cgroup freezer", "v1" if v1 else "v2")
     ok, detail = _private_dir(cfg.storage_root, 0o700)
     r.add(ok, "image store", detail)
+    staging = Path(cfg.staging_dir)
+    if staging.is_symlink() or staging.exists():
+        ok, detail = _private_dir(cfg.staging_dir, 0o700)
+        free = shutil.disk_usage(staging).free if ok else 0
+        r.add(ok, "staging", f"{detail}, {free / 2**30:.1f} GiB free")
+    else:
+        r.add(True, "staging", f"{staging} (made root-only by the first capture)")
     ok, detail = _private_dir(cfg.summary_dir, 0o755)
     r.add(ok if os.path.exists(cfg.summary_dir) else None, "job summaries",
           detail if os.path.exists(cfg.summary_dir) else f"{cfg.summary_dir} missing (agents create it)")

@@ -83,8 +83,10 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
             click.echo(f"  {shown(name)}: completed before the capture, exit code {shown(m['exit_code'])}")
             continue
         total = sum(f["size"] for f in m["files"].values())
+        raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
         click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
-                   f"process(es), {total / 2**20:.1f} MiB in {len(m['files'])} file(s), uid {shown(m.get('uid'))}")
+                   f"process(es), {total / 2**20:.1f} MiB stored ({raw / 2**20:.1f} MiB raw) in "
+                   f"{len(m['files'])} file(s), uid {shown(m.get('uid'))}")
         if m.get("argv"):
             click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
         for o in m.get("outputs", []):

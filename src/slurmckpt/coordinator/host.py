@@ -6,7 +6,9 @@ on, never reusing an epoch number (each rank names its last epoch in its hello).
 agent can commit, so commits travel back over the link: a private socketpair carrying JSON lines.
 
     wrapper -> host: {"op": "start", settings...}  {"op": "epoch", "reason", "final"}  {"op": "committed", "id"}
+                     {"op": "allocated", "id", "epoch" | "error"}
     host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason"}
+                     {"op": "allocate", "id", "at_least"}
                      {"op": "started", "rank", "action"}  {"op": "result", "result", "reason", "final"}
 
 Periodic epochs are started here (the interval timer: the shortest interval any rank asked for, counted
@@ -52,7 +54,8 @@ class Host:
             start["token"], self._commit, int(start["next_epoch"]), dict(start.get("completed", {})),
             float(start["prepare_timeout_s"]), float(start["capture_timeout_s"]),
             on_started=self._started, on_trigger=self.epoch, lock_rounds=int(start.get("lock_rounds", 8)),
-            max_pending=max_pending())
+            max_pending=max_pending(), allocate=self._allocate,
+            persist_timeout_s=float(start.get("persist_timeout_s", 1800.0)))
         # the job's own address only (loopback for a one-node job): never every interface of the node
         port = await self.coordinator.start(str(start.get("bind", "127.0.0.1")))
         self.send({"op": "listening", "port": port})
@@ -62,10 +65,10 @@ class Host:
                 msg = json.loads(line)
                 if msg["op"] == "epoch":
                     self.epoch(str(msg["reason"]), bool(msg["final"]))
-                elif msg["op"] == "committed":
+                elif msg["op"] in ("committed", "allocated"):
                     future = self.commits.pop(int(msg["id"]), None)
                     if future and not future.done():
-                        future.set_result(msg.get("error"))
+                        future.set_result(msg)
         finally:                   # the wrapper is gone: so is the job's step; nothing to coordinate
             watcher.cancel()
             await self.coordinator.stop()
@@ -82,17 +85,24 @@ class Host:
             self.send({"op": "result", "result": result, "reason": reason, "final": final})
         asyncio.ensure_future(run())
 
-    def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
+    def _ask(self, message: dict) -> dict:
         """Runs in an executor thread (the coordinator's contract): a round trip to the wrapper's agent."""
-        async def ask() -> str | None:
+        async def ask() -> dict:
             ident = next(self.ids)
             future = self.loop.create_future()
             self.commits[ident] = future
-            self.send({"op": "commit", "id": ident, "epoch": epoch, "ranks": ranks, "reason": reason})
+            self.send({**message, "id": ident})
             return await future
-        error = asyncio.run_coroutine_threadsafe(ask(), self.loop).result()
-        if error:
-            raise RuntimeError(error)
+        reply = asyncio.run_coroutine_threadsafe(ask(), self.loop).result()
+        if reply.get("error"):
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
+        self._ask({"op": "commit", "epoch": epoch, "ranks": ranks, "reason": reason})
+
+    def _allocate(self, at_least: int) -> int:
+        return int(self._ask({"op": "allocate", "at_least": at_least})["epoch"])
 
     async def _started(self, rank: str, action: str) -> None:
         self.send({"op": "started", "rank": rank, "action": action})

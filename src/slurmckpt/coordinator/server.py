@@ -3,15 +3,19 @@
 State machine of one epoch (any failure, timeout or vanished rank -> ABORT, previous commit stays):
 
     periodic: IDLE -> SIZING (all SIZED: bytes measured, nothing locked) -> PREPARING (all READY: GPUs
-              checkpointed, trees frozen) -> CAPTURING (all dumped) -> RESUMING (all thawed and sealed)
-              -> COMMITTING (job manifest renamed) -> IDLE
-    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and sealed) -> COMMITTING -> FINISHING (trees killed)
+              checkpointed, trees frozen) -> CAPTURING (all dumped to staging) -> RESUMING (all thawed, then
+              persisted to the store) -> COMMITTING (job manifest renamed) -> IDLE
+    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and persisted) -> COMMITTING -> FINISHING
+              (trees killed)
 
 SIZING (jobs with GPUs: a rank's hello says so) refuses, before anything is locked, GPU copies that do not
 fit the host memory of ranks sharing a node or a memory cgroup, and sets this epoch's phase timeouts from
-the bytes (budget.py). Every abort names the
-rank, node, phase and reason; a timeout names every rank that had not answered.
+the bytes (budget.py); the phases that persist get persist_timeout_s on top. Every abort names the rank,
+node, phase and reason; a timeout names every rank that had not answered. An abort goes to every rank also
+after the thaw, so that ranks drop the images they persisted of an epoch that will not commit.
 
+Epoch numbers come from `allocate` (the hosting agent: unique across the job's steps and coordinators).
+A failure after the thaw still sends ABORT: ranks drop their persisted images of the uncommitted epoch.
 The coordinator's own death never kills the job: ranks treat a lost connection as "no coordinator" and run on.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
 Committer = Callable[[int, dict, str], None]
+Allocator = Callable[[int], int]          # at least this number -> the epoch to run (storage.allocate_epoch)
 
 
 @dataclass
@@ -54,6 +59,8 @@ class Coordinator:
     withdrawn: str = ""                  # set when a rank could not restore: no epoch may commit
     finished: bool = False
     max_pending: int = MAX_PENDING
+    allocate: Allocator | None = None        # None: numbers counted here (one coordinator per job store)
+    persist_timeout_s: float = 1800.0        # added to the phases that persist (resume; a final capture)
 
     def __post_init__(self) -> None:
         self._epoch_lock = asyncio.Lock()
@@ -187,21 +194,33 @@ class Coordinator:
                                        if result["status"] == "committed" else None)
             return result
 
-    async def _attempt(self, reason: str, final: bool) -> dict:
+    async def _new_epoch(self) -> int:
         epoch = self.next_epoch
-        self.next_epoch += 1
+        if self.allocate is not None:
+            epoch = await asyncio.get_running_loop().run_in_executor(None, self.allocate, self.next_epoch)
+        self.next_epoch = max(self.next_epoch, epoch + 1)
+        return epoch
+
+    async def _attempt(self, reason: str, final: bool) -> dict:
         parts = list(self.ranks.values())
-        result = {"epoch": epoch, "reason": reason, "final": final, "ranks": len(parts)}
+        result = {"epoch": self.next_epoch, "reason": reason, "final": final, "ranks": len(parts)}
         t0 = time.monotonic()
         if not parts:
             return {**result, "status": "aborted", "error": "no rank registered"}
+        try:
+            epoch = result["epoch"] = await self._new_epoch()
+        except Exception as e:  # the store could not give a number: nothing was frozen
+            log.error("no epoch number: %s", e)
+            result.update(status="aborted", stage="allocate", error=f"no epoch number from the image store: {e}")
+            self.history.append(result)
+            return result
         missing = self.missing_ranks()
         if missing:   # never a partial set: a step that lost a rank cannot be captured consistently
             result.update(status="aborted", stage="membership",
                           error=f"rank(s) {', '.join(missing)} not connected; nothing was frozen")
             self.history.append(result)
             return result
-        resumed, sealed, phase = False, None, "size"
+        sealed, phase = None, "size"
         timeouts = PhaseTimeouts.derive([], self.prepare_timeout_s, self.capture_timeout_s)
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
@@ -216,12 +235,13 @@ class Coordinator:
             await self._phase(parts, "prepare", "ready", epoch, timeouts.prepare, final=final, trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
             phase = "capture"
-            captured = await self._phase(parts, "capture", "captured", epoch, timeouts.capture, final=final,
-                                         timeout_s=timeouts.capture)
+            capture_s = timeouts.capture + (self.persist_timeout_s if final else 0)
+            captured = await self._phase(parts, "capture", "captured", epoch, capture_s, final=final,
+                                         timeout_s=capture_s)
             result["frozen_s"] = time.monotonic() - t0
-            if not final:   # every rank dumped: thaw now, seal (checksum) after, then commit
-                resumed, phase = True, "resume"
-                sealed = await self._phase(parts, "resume", "done", epoch, timeouts.resume)
+            if not final:   # every rank dumped: thaw now, persist (compress, copy to the store) after, commit
+                phase = "resume"
+                sealed = await self._phase(parts, "resume", "done", epoch, timeouts.resume + self.persist_timeout_s)
             records = {**self.completed}
             for p, reply in zip(parts, captured):
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
@@ -230,13 +250,11 @@ class Coordinator:
             log.error("epoch %d aborted: %s", epoch, e)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
                           error_kind=e.error_kind)
-            if not resumed:
-                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
+            self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         except Exception as e:  # committer failure
             log.exception("epoch %d commit failed", epoch)
             result.update(status="aborted", stage="commit", error=f"the commit failed: {e}")
-            if not resumed:
-                self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
+            self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
         else:
             result["commit_s"] = time.monotonic() - t0
             if final:

@@ -23,6 +23,7 @@ class HostCallbacks:
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
     result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
     commit: Callable[[int, dict, str], None] = _unset     # via the agent; raises on failure
+    allocate: Callable[[int], int] = _unset               # an epoch number >= this, via the agent
     publish: Callable[[int], None] = _unset               # port -> address file for the ranks
     say: Callable[[str], None] = _unset
 
@@ -88,8 +89,9 @@ class CoordinatorSupervisor:
         while line := file.readline():
             msg = json.loads(line)
             op = msg["op"]
-            if op == "commit":    # in its own thread: the link keeps flowing while the agent writes
-                threading.Thread(target=self._commit, args=(msg,), daemon=True).start()
+            if op in ("commit", "allocate"):    # own thread: the link keeps flowing while the agent works
+                threading.Thread(target=self._commit if op == "commit" else self._allocate, args=(msg,),
+                                 daemon=True).start()
             elif op == "started":
                 self.cb.started(msg["rank"], msg["action"])
             elif op == "result":
@@ -107,6 +109,18 @@ class CoordinatorSupervisor:
             error = str(e) or type(e).__name__
         try:
             self._send({"op": "committed", "id": msg["id"], "error": error})
+        except OSError:
+            pass
+
+    def _allocate(self, msg: dict) -> None:
+        reply: dict = {"op": "allocated", "id": msg["id"]}
+        try:
+            reply["epoch"] = int(self.cb.allocate(int(msg["at_least"])))
+            self.saw_epoch(reply["epoch"])
+        except Exception as e:  # noqa: BLE001 - the epoch is not started, with this message
+            reply["error"] = str(e) or type(e).__name__
+        try:
+            self._send(reply)
         except OSError:
             pass
 

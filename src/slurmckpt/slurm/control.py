@@ -89,6 +89,31 @@ class CliSlurm:
             raise SlurmError("job not found in squeue", job=job_id)
         return jobs[0]
 
+    def job_states(self, job_ids: list[int]) -> dict[int, str]:
+        """Each job's state (COMPLETED, PENDING, ...) as slurmctld knows it, else as accounting recorded it;
+        a job neither knows is missing from the answer. squeue --json lists every job slurmctld holds (22.05
+        ignores -j there), sacct the rest."""
+        wanted, out = set(job_ids), {}
+        try:
+            for j in json.loads(self._run("squeue", "--json")).get("jobs", []):
+                state = j.get("job_state")
+                state = state[0] if isinstance(state, list) and state else state      # 23.02+: a list
+                if j.get("job_id") in wanted and isinstance(state, str):
+                    out[int(j["job_id"])] = state
+        except (SlurmError, ValueError):
+            pass
+        rest = sorted(wanted - set(out))
+        if rest:
+            try:
+                rows = self._run("sacct", "-X", "-n", "-P", "-j", ",".join(map(str, rest)), "-o", "JobIDRaw,State")
+            except SlurmError:
+                rows = ""
+            for line in rows.splitlines():
+                raw, _, state = line.partition("|")
+                if raw.strip().isdigit() and state.split():
+                    out.setdefault(int(raw), state.split()[0])      # "CANCELLED by 0" -> CANCELLED
+        return out
+
     def signal_batch(self, job_id: int, signum: int) -> None:
         """`scancel --batch --signal`: only the batch shell gets it, and Slurm authorises it (the job's owner
         or an admin)."""

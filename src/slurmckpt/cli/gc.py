@@ -1,0 +1,49 @@
+"""`slurmckpt gc` (root): free what the image store no longer needs (docs/storage.md, "Garbage collection")."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from slurmckpt.cli.images import store_root
+from slurmckpt.cli.lookup import config
+from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, say
+from slurmckpt.errors import SlurmError
+
+COLUMNS = [Column("action", "ACTION"), Column("gib", "GIB", right=True), Column("path", "PATH"),
+           Column("kind", "KIND"), Column("why", "WHY")]
+
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@output_options
+def gc(dry_run: bool, fmt: Format) -> None:
+    """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
+    again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
+    keeps them), uncommitted epochs whose coordinator can no longer commit them, and this node's staging
+    areas whose agent is gone. Safe to run from cron on every node (docs/storage.md)."""
+    from slurmckpt import reclaim
+    from slurmckpt.slurm.control import CliSlurm
+    from slurmckpt.staging import Staging
+    from slurmckpt.storage import list_jobs
+    if os.geteuid() != 0:
+        raise CliError("gc runs as root (the image store is root's)")
+    cfg = config()
+    root = store_root(cfg)
+    slurm = CliSlurm()
+    try:
+        cluster = slurm.cluster_name() or "cluster"
+    except SlurmError as e:
+        raise CliError(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed") from e
+    jobs = [job for c, job in list_jobs(root) if c == cluster]
+    states = slurm.job_states(jobs) if jobs else {}
+    removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
+                                   cfg.keep_finished, dry_run)
+    rows = [{**r.as_dict(), "gib": f"{r.bytes / 2**30:.2f}",
+             "action": "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")}
+            for r in removals]
+    emit(fmt, COLUMNS, rows, [r.as_dict() for r in removals])
+    freed = [r for r in removals if r.kind != "kept"]
+    say(fmt, f"{len(freed)} item(s), {sum(r.bytes for r in freed) / 2**30:.2f} GiB "
+             f"{'would be freed (dry run)' if dry_run else 'freed'}")

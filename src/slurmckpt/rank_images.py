@@ -1,0 +1,129 @@
+"""Where one rank's images live during a capture and a restore: the pipeline's storage stages
+(docs/storage.md). In order:
+
+    space (PREPARE, before any lock or freeze)   GC this job's dead epochs; check and reserve room in the
+                                                 store (free space, quotas) and in staging
+    record/dump/snapshot-output (CAPTURE)        into the rank's staging area (node-local)
+    persist (final: in CAPTURE, at full speed;   staging -> store: compress, checksum, fsync, rank.json;
+            periodic: in RESUME, after the thaw, staging cleaned either way
+            at bounded priority)
+    restore                                      store -> staging (verified while unpacked) -> criu
+
+Each function takes the rank's pipeline (pipeline.RankPipeline) as `p`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from slurmckpt import proctree, reclaim, space
+from slurmckpt.compression import PLAIN, Plain, Zstd
+from slurmckpt.durable import free_bytes
+from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
+from slurmckpt.persist import Priority, bounded, materialize, persist_rank
+from slurmckpt.staging import Staging
+from slurmckpt.storage import JobStore
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    """How a rank stages, compresses and persists its images (from the config: Config.store_policy)."""
+    staging: Staging
+    codec: Plain | Zstd = PLAIN
+    priority: Priority | None = field(default_factory=Priority)    # None: periodic persists at full speed
+    quotas: space.Quotas = field(default_factory=space.Quotas)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "StorePolicy":
+        return cls(Staging(Path(config.staging_dir), config.staging_max), config.codec(),
+                   Priority(config.persist_nice, config.persist_io_class),
+                   space.Quotas(config.quota_job, config.quota_user))
+
+    @classmethod
+    def beside(cls, store: JobStore) -> "StorePolicy":
+        """Staging next to the store's root, no compression (tools and tests that name no policy)."""
+        return cls(Staging(store.root.with_name(store.root.name + "-staging")), PLAIN, None)
+
+
+def area(p: Any, epoch: int, purpose: str = "capture") -> Path:
+    return p.policy.staging.area(p.store.cluster, p.store.job, purpose, epoch, p.step, p.rank)
+
+
+def reserve(p: Any, epoch: int) -> None:
+    """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on)."""
+    reclaim.collect_job(p.store)
+    need = space.Need(0, 0) if p.replay else space.expected(
+        proctree.memory_bytes(p.cgroup.pids()), space.previous_manifest(p.store, p.step, p.rank))
+    p.timings["expected_mib"] = round(need.raw / 2**20, 1)
+    space.reserve_store(p.store, epoch, p.step, p.rank, need, p.policy.quotas, p.creds.uid)
+    try:
+        space.reserve_staging(p.policy.staging, area(p, epoch), need)
+    except BaseException:
+        space.release_store(p.store, epoch, p.step, p.rank)
+        raise
+
+
+def release(p: Any, epoch: int) -> None:
+    space.release_store(p.store, epoch, p.step, p.rank)
+    p.policy.staging.remove(area(p, epoch))
+
+
+def staged(p: Any, epoch: int) -> Path:
+    """The rank's capture area (made by `reserve`; made here when a capture skipped it)."""
+    where = area(p, epoch)
+    if not where.is_dir():
+        p.policy.staging.make(where)
+    return where
+
+
+def persist(p: Any, epoch: int, background: bool) -> None:
+    """Staging -> store. Failure leaves the epoch uncommitted (this rank's store directory removed); the
+    staging area goes either way."""
+    start = time.monotonic()
+    where = area(p, epoch)
+    meta = {**p.record, "timings": dict(p.timings)}
+    try:
+        manifest = bounded(p.policy.priority if background else None,
+                           lambda: persist_rank(p.store, epoch, p.step, p.rank, where, meta, p.policy.codec))
+    except SlurmckptError:
+        p.failed_stage = "persist"
+        raise
+    except Exception as e:
+        p.failed_stage = "persist"
+        raise CaptureError(f"persist failed: {e}", epoch=epoch, step=p.step, rank=p.rank) from e
+    finally:
+        p.policy.staging.remove(where)
+    p.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
+    p.record["raw_bytes"] = sum(f.get("raw_size", f["size"]) for f in manifest["files"].values())
+    p.timings["persist"] = round(time.monotonic() - start, 4)
+
+
+def discard(p: Any, epoch: int) -> None:
+    """An aborted epoch: the rank's staging area and whatever of it reached the store (never a committed
+    epoch's)."""
+    p.policy.staging.remove(area(p, epoch))
+    p.store.discard_epoch_rank(epoch, p.step, p.rank)
+
+
+@contextmanager
+def unpacked(p: Any, epoch: int) -> Iterator[tuple[Path, dict]]:
+    """The rank's committed images verified and unpacked into a restore area; the area goes afterwards."""
+    where = area(p, epoch, "restore")
+    p.policy.staging.make(where)
+    try:
+        manifest = p.store.read_rank_manifest(epoch, p.step, p.rank)
+        need = sum(int(f.get("raw_size", f["size"])) for f in manifest["files"].values()
+                   if f.get("codec", "none") != "none")
+        free = free_bytes(where)
+        if need > free:
+            raise RestoreError(f"the staging area ({p.policy.staging.root}) has {space.gib(free)} free; unpacking "
+                               f"epoch {epoch} needs {space.gib(need)}", step=p.step, rank=p.rank)
+        start = time.monotonic()
+        manifest = materialize(p.store, epoch, p.step, p.rank, where)
+        p.timings["unpack"] = round(time.monotonic() - start, 4)
+        yield where, manifest
+    finally:
+        p.policy.staging.remove(where)

@@ -1,0 +1,154 @@
+"""What the store and staging give back (docs/storage.md, "Garbage collection").
+
+- Uncommitted epochs: an epoch directory the job manifest does not list, once its lease ran out (its
+  coordinator can no longer commit it) or, without a lease, once untouched for GRACE_S. At every agent
+  start and every capture (this job), and by `slurmckpt gc` (every job).
+- Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
+  ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron).
+- Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
+Removal renames first (under the job's lock, so no commit sees half a directory) and deletes after.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from slurmckpt.durable import is_temp
+from slurmckpt.errors import StorageError
+from slurmckpt.staging import Staging
+from slurmckpt.storage import LEASE, TRASH, JobStore, epoch_of, list_jobs, tree_bytes
+
+GRACE_S = 3600.0
+FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+                      "OUT_OF_MEMORY", "PREEMPTED", "REVOKED"})
+
+
+@dataclass(frozen=True)
+class Removal:
+    kind: str          # uncommitted-epoch | finished-job | staging | temp-file | kept
+    path: str
+    bytes: int
+    why: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.lstat().st_mtime
+    for entry in path.iterdir():
+        newest = max(newest, entry.lstat().st_mtime)
+    return newest
+
+
+def _why_dead(epoch_dir: Path, now: float) -> str | None:
+    """Why an uncommitted epoch directory can go, or None while its coordinator may still commit it."""
+    try:
+        expires = float(json.loads((epoch_dir / LEASE).read_text())["expires_at"])
+    except FileNotFoundError:
+        idle = now - _newest_mtime(epoch_dir)
+        return f"uncommitted, no lease, untouched for {idle:.0f}s" if idle > GRACE_S else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return "uncommitted, its lease is unreadable"
+    return f"uncommitted, its lease ran out {now - expires:.0f}s ago" if expires < now else None
+
+
+def collect_job(store: JobStore, dry_run: bool = False, now: float | None = None, wait: bool = False) -> list[Removal]:
+    """This job's dead epochs and stale temp files. Nothing when its manifest cannot be read (what is
+    committed is then unknown)."""
+    if not store.job_dir.is_dir():
+        return []
+    now = time.time() if now is None else now
+    out: list[Removal] = []
+    try:
+        with store.lock():
+            committed = {e["epoch"] for e in store.read_manifest()["epochs"]}
+            for entry in store.job_dir.iterdir():
+                epoch = epoch_of(entry.name)
+                if epoch is not None and epoch not in committed and entry.is_dir():
+                    why = _why_dead(entry, now)
+                    if why:
+                        out.append(Removal("uncommitted-epoch", str(entry), tree_bytes(entry), why))
+                        if not dry_run:
+                            store.raise_counter(epoch)          # its number is never reused
+                            store.to_trash(entry)
+                elif is_temp(entry.name) and now - entry.lstat().st_mtime > GRACE_S:
+                    out.append(Removal("temp-file", str(entry), entry.lstat().st_size, "a writer's leftover"))
+                    if not dry_run:
+                        entry.unlink()
+    except (StorageError, FileNotFoundError):
+        return out
+    if not dry_run:
+        store.empty_trash() if wait else store.empty_trash_later()
+    return out
+
+
+def collect_finished(root: Path, cluster: str, states: dict[int, str], keep_finished: bool,
+                     dry_run: bool = False) -> list[Removal]:
+    """Whole job stores of `cluster` whose job Slurm says is finished for good (`states` from
+    slurm/control.py; a job Slurm does not know is kept and reported)."""
+    out: list[Removal] = []
+    for job_cluster, job in list_jobs(root):
+        if job_cluster != cluster:
+            continue
+        store = JobStore(root, cluster, job)
+        state = states.get(job)
+        if state is None:
+            out.append(Removal("kept", str(store.job_dir), tree_bytes(store.job_dir),
+                               "Slurm knows no such job (not in slurmctld, not in accounting)"))
+            continue
+        if state not in FINISHED:
+            continue
+        stale = list((root / cluster).glob(f".stale-{job}-*"))
+        size = tree_bytes(store.job_dir) + sum(tree_bytes(p) for p in stale)
+        if keep_finished:
+            out.append(Removal("kept", str(store.job_dir), size, f"job {state}; keep_finished is set"))
+            continue
+        out.append(Removal("finished-job", str(store.job_dir), size, f"job {state}"))
+        if not dry_run:
+            _remove_job(store, stale)
+    return out
+
+
+def _remove_job(store: JobStore, stale: list[Path]) -> None:
+    trash = store.root / store.cluster / f"{TRASH}job-{store.job}-{time.time_ns()}"
+    with store.lock():
+        try:
+            os.rename(store.job_dir, trash)
+        except FileNotFoundError:
+            return
+    for path in (trash, *stale):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def collect_staging(staging: Staging, dry_run: bool = False) -> list[Removal]:
+    out = []
+    for area in staging.orphans():
+        out.append(Removal("staging", str(area), tree_bytes(area), "its agent is gone"))
+        if not dry_run:
+            shutil.rmtree(area, ignore_errors=True)
+            try:
+                area.parent.rmdir()
+            except OSError:
+                pass
+    return out
+
+
+def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Staging, keep_finished: bool,
+                dry_run: bool = False) -> list[Removal]:
+    """Everything `slurmckpt gc` does, in order: finished jobs, then dead epochs of the jobs left, then
+    this node's orphaned staging areas, then trash left by interrupted deletions."""
+    out = collect_finished(root, cluster, states, keep_finished, dry_run)
+    for job_cluster, job in list_jobs(root):
+        if job_cluster == cluster:
+            out += collect_job(JobStore(root, cluster, job), dry_run, wait=True)
+    out += collect_staging(staging, dry_run)
+    for trash in (root / cluster).glob(TRASH + "*") if (root / cluster).is_dir() else []:
+        out.append(Removal("trash", str(trash), tree_bytes(trash), "an interrupted deletion"))
+        if not dry_run:
+            shutil.rmtree(trash, ignore_errors=True)
+    return out

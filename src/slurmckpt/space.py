@@ -1,0 +1,148 @@
+"""Space rules, checked in PREPARE before anything is locked or frozen (docs/storage.md, "Space").
+
+A rank expects to write `raw` bytes to staging (its tree's anonymous memory, or its previous image if that
+was larger: it holds the GPU memory the GPU checkpoint copied to the host) and `stored` bytes to the store
+(raw times the previous image's compression ratio; 1 before the first). The capture is refused, naming what
+does not fit, when the staging area or the store lacks the room, or when the job's or its user's images
+(committed, being written, reserved) would exceed `quota_job` / `quota_user`. What passes is reserved (under
+the job's lock in the store, the node's lock in staging) so that ranks checking at once see each other.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmckpt.durable import free_bytes
+from slurmckpt.errors import CaptureError, StorageError
+from slurmckpt.staging import Staging
+from slurmckpt.storage import RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
+
+
+@dataclass(frozen=True)
+class Need:
+    raw: int          # bytes in staging
+    stored: int       # bytes in the store
+
+
+@dataclass(frozen=True)
+class Quotas:
+    job: int = 0      # 0: off
+    user: int = 0
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def expected(memory: int, previous: dict | None) -> Need:
+    """From the tree's memory now and the rank's previous rank.json (None before its first capture)."""
+    if not previous:
+        return Need(memory, memory)
+    raw = sum(int(f.get("raw_size", f["size"])) for f in previous["files"].values())
+    stored = sum(int(f["size"]) for f in previous["files"].values())
+    ratio = stored / raw if raw else 1.0
+    biggest = max(memory, raw)
+    return Need(biggest, int(biggest * ratio))
+
+
+def previous_manifest(store: JobStore, step: str, rank: int) -> dict | None:
+    """The rank.json of the newest committed epoch that holds this rank as an image."""
+    try:
+        for e in store.committed():
+            if e["ranks"].get(rank_name(step, rank), {}).get("kind") == "image":
+                return store.read_rank_manifest(e["epoch"], step, rank)
+    except StorageError:
+        return None
+    return None
+
+
+def job_usage(store: JobStore) -> int:
+    """Bytes the job's store holds, plus what its open epochs' ranks reserved and have not written yet."""
+    total = 0
+    if not store.job_dir.is_dir():
+        return 0
+    for entry in store.job_dir.iterdir():
+        if entry.name.startswith(TRASH):
+            continue                          # being deleted
+        if epoch_of(entry.name) is None or not entry.is_dir():
+            total += tree_bytes(entry)
+            continue
+        for item in entry.iterdir():
+            if item.name.startswith(RESERVE):
+                written = tree_bytes(entry / item.name[len(RESERVE):])
+                total += max(0, _reserved(item) - written)
+            elif not item.name.startswith("."):
+                total += tree_bytes(item)
+    return total
+
+
+def _reserved(path: Path) -> int:
+    try:
+        return int(json.loads(path.read_text())["stored"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def user_usage(store: JobStore, uid: int) -> int:
+    """Every job of `uid` in this cluster's part of the store (by the job-instance binding, instance.py)."""
+    total = 0
+    for entry in (store.root / store.cluster).iterdir():
+        if not entry.name.isdigit():
+            continue
+        other = JobStore(store.root, store.cluster, int(entry.name))
+        try:
+            owner = other.read_manifest().get("instance", {}).get("uid")
+        except StorageError:
+            owner = None
+        if owner == uid or other.job == store.job:
+            total += job_usage(other)
+    return total
+
+
+def reserve_store(store: JobStore, epoch: int, step: str, rank: int, need: Need, quotas: Quotas,
+                  uid: int) -> None:
+    """Check the store's free space and the quotas; record the reservation in the epoch's directory."""
+    rname = rank_name(step, rank)
+    store.ensure()
+    with store.lock():
+        pending = job_usage(store)
+        free = free_bytes(store.job_dir)
+        if need.stored > free:
+            raise CaptureError(f"capture refused: the image store ({store.root}) has {gib(free)} free, this rank's "
+                               f"images need about {gib(need.stored)}", rank=rname)
+        if quotas.job and pending + need.stored > quotas.job:
+            raise CaptureError(f"capture refused: job {store.job}'s images would take {gib(pending + need.stored)} "
+                               f"(in the store now {gib(pending)}, this rank {gib(need.stored)}), over quota_job "
+                               f"{gib(quotas.job)}", rank=rname)
+        if quotas.user:
+            used = user_usage(store, uid)
+            if used + need.stored > quotas.user:
+                raise CaptureError(f"capture refused: uid {uid}'s images would take {gib(used + need.stored)} "
+                                   f"(in the store now {gib(used)}, this rank {gib(need.stored)}), over "
+                                   f"quota_user {gib(quotas.user)}", rank=rname)
+        store.epoch_dir(epoch).mkdir(mode=0o700, exist_ok=True)
+        (store.epoch_dir(epoch) / f"{RESERVE}{rname}").write_text(json.dumps({"stored": need.stored}))
+
+
+def reserve_staging(staging: Staging, area: Path, need: Need) -> None:
+    """Check staging's free space and cap; make the rank's capture area, holding the reservation."""
+    staging.ensure()
+    with staging.lock():
+        used = staging.usage()
+        free = free_bytes(staging.root)
+        if need.raw > free:
+            raise CaptureError(f"capture refused: the staging area ({staging.root}) has {gib(free)} free, this "
+                               f"rank's dump needs about {gib(need.raw)}")
+        if staging.cap and used + need.raw > staging.cap:
+            raise CaptureError(f"capture refused: the staging area ({staging.root}) would hold "
+                               f"{gib(used + need.raw)}, over staging_max {gib(staging.cap)}")
+        staging.make(area, reserve=need.raw)
+
+
+def release_store(store: JobStore, epoch: int, step: str, rank: int) -> None:
+    try:
+        os.unlink(store.epoch_dir(epoch) / f"{RESERVE}{rank_name(step, rank)}")
+    except OSError:
+        pass

@@ -1,0 +1,137 @@
+"""A rank pipeline whose CRIU and task cgroup are stand-ins, storing for real: images are written by a fake
+engine into staging, then persisted, committed, unpacked and compared byte for byte (the store's tests)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slurmckpt.compression import Zstd
+from slurmckpt.identity import TreeName
+from slurmckpt.launch import Credentials
+from slurmckpt.persist import Priority, materialize
+from slurmckpt.pipeline import RankPipeline
+from slurmckpt.rank_images import StorePolicy
+from slurmckpt.space import Quotas
+from slurmckpt.staging import Staging
+from slurmckpt.storage import JobStore
+
+
+def images(seed: int, kib: int = 64) -> dict[str, bytes]:
+    """What criu would write: random pages (stored raw), compressible pages and small records."""
+    rnd = random.Random(seed).randbytes(kib * 1024)
+    text = b"".join(b"step %08d loss %d\n" % (i, (i * seed) % 97) for i in range(kib * 40))
+    return {"pages-1.img": rnd, "pages-2.img": text, "core-1.img": b"core%d" % seed * 300,
+            "inventory.img": b"inv%d" % seed}
+
+
+@dataclass
+class Tree:
+    """A harmless child process standing in for the task's tree (its /proc is what the stages read)."""
+    proc: subprocess.Popen = field(default_factory=lambda: subprocess.Popen(
+        ["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@dataclass
+class Cgroup:
+    """Stands in for the task's cgroup (task_cgroup.TaskCgroup) around the real process `procs`."""
+    procs: Tree
+    path: Path = Path("/nonexistent/7.batch.0.0")
+    frozen: bool = False
+    tree: TreeName = TreeName(7, "batch", 0, 0)
+
+    def pids(self) -> list[int]:
+        return [self.procs.proc.pid]
+
+    def other_trees(self) -> dict:
+        return {}
+
+    def kill_all(self) -> None:
+        pass
+
+    def freeze(self) -> float:
+        self.frozen = True
+        return 0.0
+
+    def thaw(self) -> None:
+        self.frozen = False
+
+    def state(self) -> str:
+        return "FROZEN" if self.frozen else "THAWED"
+
+    def add(self, pid: int) -> None:
+        pass
+
+
+class Gpu:
+    def lock(self, pids): pass
+    def unlock(self): pass
+    def checkpoint(self): return None
+    def resume(self): pass
+    def restore(self, record, pids): pass
+    def check_restore(self, record): pass
+
+
+@dataclass
+class Engine:
+    """Writes `files` as criu's dump would; a restore records what it read from the images directory."""
+    files: dict[str, bytes]
+    restored: dict[str, bytes] | None = None
+    restored_from: Path | None = None
+
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None) -> float:
+        for name, data in self.files.items():
+            (images / name).write_bytes(data)
+        (images / "dump.log").write_text("criu dump log\n")
+        return 0.0
+
+    def restore(self, images, inherit, *, freezer, pidfile=None, join=None, tcp_close=()) -> int:
+        self.restored_from = images
+        self.restored = {p.name: p.read_bytes() for p in images.iterdir() if p.name.endswith(".img")}
+        return os.getpid()
+
+
+def pipeline(store: JobStore, staging: Staging, tree: Tree, files: dict[str, bytes], step: str = "batch",
+             quotas: Quotas = Quotas()) -> RankPipeline:
+    creds = Credentials(os.getuid(), os.getgid(), (), ())
+    policy = StorePolicy(staging, Zstd(1, 1), Priority(), quotas)
+    return RankPipeline(store, step, 0, Cgroup(tree), Engine(files), Gpu(), creds, wrapper_pid=tree.proc.pid,
+                        root_pid=tree.proc.pid, policy=policy)
+
+
+def capture(p: RankPipeline, epoch: int, final: bool = False, keep: int = 2) -> dict:
+    """One epoch as the coordinator drives it, committed."""
+    p.prepare(epoch)
+    p.capture(epoch, final=final)
+    if not final:
+        p.resume(epoch)
+    return p.store.commit(epoch, {f"{p.step}.0": {"kind": "image"}}, "test", keep=keep)
+
+
+def read_back(store: JobStore, epoch: int, where: Path, step: str = "batch") -> dict[str, bytes]:
+    """The committed rank's images as a restore gets them (verified while unpacked)."""
+    where.mkdir(parents=True, exist_ok=True)
+    for old in where.iterdir():
+        old.unlink()
+    materialize(store, epoch, step, 0, where)
+    return {p.name: p.read_bytes() for p in where.iterdir()}
+
+
+def settled(staging: Staging) -> list[Path]:
+    """Staging areas and trash once background deletions are done (they run in threads)."""
+    deadline = time.monotonic() + 5
+    while (staging.areas() or list(staging.root.glob(".trash-*"))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return staging.areas()
+
+
+def leftovers(root: Path) -> list[str]:
+    """Temp files anywhere under `root` (a writer that failed must remove its own)."""
+    return [str(p) for p in root.rglob("*") if ".tmp." in p.name]

@@ -1,0 +1,214 @@
+"""Space rules checked before a capture freezes anything (quotas, staging cap), the manifest's fallback to
+its previous version, keep-N per rank, and garbage collection: finished jobs by Slurm's word, orphaned
+staging areas, `slurmckpt gc`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurmckpt import cli, proctree, reclaim, space
+from slurmckpt.config import Config
+from slurmckpt.errors import CaptureError
+from slurmckpt.instance import JobInstance, claim
+from slurmckpt.slurm.control import CliSlurm
+from slurmckpt.staging import Staging
+from slurmckpt.storage import JOB_MANIFEST, PREVIOUS, JobStore
+from fake_slurm import FakeSlurm, Ran
+from store_harness import Tree, capture, images, pipeline, read_back, settled
+
+
+@pytest.fixture
+def tree():
+    t = Tree()
+    yield t
+    t.close()
+
+
+def bound(store: JobStore, uid: int) -> JobStore:
+    store.ensure()
+    claim(store, JobInstance(store.cluster, store.job, uid, uid, "2026-01-01T00:00:00", 0))
+    return store
+
+
+def test_quota_job_refuses_before_anything_is_frozen_and_names_the_key(tmp_path, tree):
+    store = bound(JobStore(tmp_path / "images", "c", 5), 1001)
+    staging = Staging(tmp_path / "staging")
+    p = pipeline(store, staging, tree, images(1, kib=256))
+    capture(p, 1)
+    # room for what is stored now and half of a second image like the first
+    p.policy = p.policy.__class__(staging, p.policy.codec, p.policy.priority,
+                                  space.Quotas(job=space.job_usage(store) * 3 // 2))
+    with pytest.raises(CaptureError, match=r"job 5's images would take .* over quota_job 0\.00 GiB"):
+        p.prepare(2)
+    assert p.cgroup.state() == "THAWED" and p.failed_stage == "space"
+    assert not store.epoch_dir(2).exists() and staging.areas() == []
+    assert [e["epoch"] for e in store.committed()] == [1]
+    assert read_back(store, 1, tmp_path / "back") == images(1, kib=256)
+
+
+def test_quota_user_counts_every_job_of_the_user_and_no_other(tmp_path, tree, monkeypatch):
+    monkeypatch.setattr(proctree, "memory_bytes", lambda pids: 300 << 10)      # the new job's tree
+    root = tmp_path / "images"
+    staging = Staging(tmp_path / "staging")
+    me = os.getuid()                      # the pipeline's credentials: the job's user
+    mine, theirs = bound(JobStore(root, "c", 5), me), bound(JobStore(root, "c", 6), 1002)
+    capture(pipeline(theirs, staging, tree, images(2, kib=512)), 1)        # another user's: not counted
+    p = pipeline(mine, staging, tree, images(1, kib=256))
+    capture(p, 1)
+    quota = space.Quotas(user=space.job_usage(mine) + (100 << 10))
+    other_job = bound(JobStore(root, "c", 7), me)
+    q = pipeline(other_job, staging, tree, images(3, kib=256), quotas=quota)
+    with pytest.raises(CaptureError, match=r"uid \d+'s images would take .* over quota_user"):
+        q.prepare(1)
+    assert space.user_usage(mine, me) == space.job_usage(mine) + space.job_usage(other_job)
+    assert space.user_usage(mine, 1002) >= 512 << 10
+
+
+def test_reservations_of_ranks_checking_at_once_count_against_the_quota(tmp_path):
+    store = JobStore(tmp_path / "images", "c", 5)
+    need = space.Need(raw=400 << 10, stored=400 << 10)
+    quotas = space.Quotas(job=1 << 20)
+    space.reserve_store(store, 3, "0", 0, need, quotas, 1001)
+    space.reserve_store(store, 3, "0", 1, need, quotas, 1001)
+    with pytest.raises(CaptureError, match="over quota_job"):
+        space.reserve_store(store, 3, "0", 2, need, quotas, 1001)
+    assert space.job_usage(store) >= 800 << 10
+
+
+def test_staging_cap_refuses_with_the_key_named(tmp_path, tree):
+    store = JobStore(tmp_path / "images", "c", 5)
+    staging = Staging(tmp_path / "staging", cap=100 << 10)
+    p = pipeline(store, staging, tree, images(1))
+    p.policy = p.policy.__class__(staging, p.policy.codec, p.policy.priority, p.policy.quotas)
+    with pytest.raises(CaptureError, match=r"staging area .* over staging_max"):
+        p.prepare(1)
+    assert staging.areas() == [] and not list(store.job_dir.glob("epoch-*/.reserve-*"))
+
+
+def test_expected_size_uses_the_larger_of_memory_and_the_last_image_and_its_ratio():
+    previous = {"files": {"a": {"size": 100, "raw_size": 400}, "b": {"size": 50}}}
+    assert space.expected(1000, None) == space.Need(1000, 1000)
+    need = space.expected(200, previous)
+    assert need.raw == 450 and need.stored == 150
+    assert space.expected(900, previous) == space.Need(900, 300)
+
+
+def test_staging_must_be_roots_and_private(tmp_path):
+    Staging(tmp_path / "s").ensure()
+    assert oct((tmp_path / "s").stat().st_mode & 0o777) == "0o700"
+    os.chmod(tmp_path / "s", 0o755)
+    Staging(tmp_path / "s").ensure()
+    assert oct((tmp_path / "s").stat().st_mode & 0o777) == "0o700"
+    os.symlink(tmp_path / "s", tmp_path / "link")
+    with pytest.raises(Exception, match="staging_dir"):
+        Staging(tmp_path / "link").ensure()
+    os.chown(tmp_path / "s", 1001, 1001)
+    with pytest.raises(Exception, match="not a directory owned by root"):
+        Staging(tmp_path / "s").ensure()
+
+
+# ---- the manifest and keep-N -------------------------------------------------------------------------------
+def test_an_unreadable_manifest_falls_back_to_the_previous_one(tmp_path, tree):
+    store = JobStore(tmp_path / "images", "c", 5)
+    p = pipeline(store, Staging(tmp_path / "staging"), tree, images(1))
+    capture(p, 1, keep=3)
+    capture(p, 2, keep=3)
+    assert json.loads((store.job_dir / PREVIOUS).read_text())["epochs"][-1]["epoch"] == 1
+    (store.job_dir / JOB_MANIFEST).write_bytes(b'{"version": 1, "epochs": [{"epo')     # torn by the disk
+    assert [e["epoch"] for e in store.committed()] == [1]
+    capture(p, 3, keep=3)           # a commit after that keeps the good one as previous, not the torn one
+    assert [e["epoch"] for e in store.committed()] == [3, 1]
+    assert [e["epoch"] for e in json.loads((store.job_dir / PREVIOUS).read_text())["epochs"]] == [1]
+
+
+def test_keep_n_is_per_rank_so_steps_with_own_coordinators_keep_their_newest(tmp_path, tree):
+    store = JobStore(tmp_path / "images", "c", 5)
+    staging = Staging(tmp_path / "staging")
+    one = pipeline(store, staging, tree, images(1), step="1")
+    two = pipeline(store, staging, tree, images(2), step="2")
+    capture(two, store.allocate_epoch(1, 60, "step 2"))
+    for _ in range(4):
+        capture(one, store.allocate_epoch(1, 60, "step 1"))
+    held = {e["epoch"]: sorted(e["ranks"]) for e in store.committed()}
+    assert held == {5: ["1.0"], 4: ["1.0"], 1: ["2.0"]}
+    assert read_back(store, 1, tmp_path / "back", step="2") == images(2)
+    with pytest.raises(Exception, match="withdrawn"):
+        store.reject(5, "test") and store.commit(5, {"1.0": {"kind": "image"}}, "again", 2)
+
+
+# ---- garbage collection --------------------------------------------------------------------------------------
+def test_finished_jobs_are_removed_by_slurms_word_and_nothing_else(tmp_path, tree):
+    root = tmp_path / "images"
+    staging = Staging(tmp_path / "staging")
+    for job in (10, 11, 12, 13, 14):
+        capture(pipeline(JobStore(root, "c", job), staging, tree, images(job)), 1)
+    capture(pipeline(JobStore(root, "other", 10), staging, tree, images(1)), 1)
+    states = {10: "COMPLETED", 11: "PENDING", 12: "CANCELLED", 13: "REQUEUE_HOLD"}      # 14: unknown
+    dry = reclaim.collect_finished(root, "c", states, keep_finished=False, dry_run=True)
+    assert sorted((r.kind, Path(r.path).name) for r in dry) == [("finished-job", "10"), ("finished-job", "12"),
+                                                                ("kept", "14")]
+    assert all(JobStore(root, "c", j).job_dir.exists() for j in (10, 12))
+    kept = reclaim.collect_finished(root, "c", states, keep_finished=True)
+    assert {r.kind for r in kept} == {"kept"} and JobStore(root, "c", 10).job_dir.exists()
+    gone = reclaim.collect_finished(root, "c", states, keep_finished=False)
+    assert sum(r.bytes for r in gone if r.kind == "finished-job") > 0
+    left = sorted(p.name for p in (root / "c").iterdir() if not p.name.startswith("."))
+    assert left == ["11", "13", "14"] and JobStore(root, "other", 10).job_dir.exists()
+
+
+def test_staging_areas_of_dead_agents_are_orphans(tmp_path):
+    staging = Staging(tmp_path / "staging")
+    mine = staging.make(staging.area("c", 5, "capture", 1, "0", 0))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:2]; from slurmckpt.staging "
+                              "import Staging; from pathlib import Path; s = Staging(Path(sys.argv[2])); "
+                              "s.make(s.area('c', 6, 'restore', 2, '0', 0))",
+                              str(Path(__file__).resolve().parents[2] / "src"), str(staging.root)])
+    assert child.wait() == 0
+    orphans = reclaim.collect_staging(staging, dry_run=True)
+    assert [Path(r.path).parent.name for r in orphans] == ["c.6"]
+    reclaim.collect_staging(staging)
+    assert staging.areas() == [mine]
+
+
+def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, monkeypatch):
+    root = tmp_path / "images"
+    staging = Staging(tmp_path / "staging")
+    for job in (20, 21):
+        capture(pipeline(JobStore(root, "c", job), staging, tree, images(job)), 1)
+    jobs = {"jobs": [{"job_id": 20, "job_state": "COMPLETED"}, {"job_id": 21, "job_state": ["RUNNING"]}]}
+    FakeSlurm(scontrol="ClusterName = c\n", squeue=json.dumps(jobs)).install(monkeypatch)
+    assert settled(staging) == []
+    monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
+        {"storage_root": str(root), "staging_dir": str(staging.root)})))
+    r = CliRunner().invoke(cli.cli, ["gc", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    assert [(x["kind"], Path(x["path"]).name) for x in json.loads(r.stdout)] == [("finished-job", "20")]
+    assert JobStore(root, "c", 20).job_dir.exists()
+    r = CliRunner().invoke(cli.cli, ["gc"])
+    assert r.exit_code == 0 and "removed" in r.output and "job COMPLETED" in r.output, r.output
+    assert not JobStore(root, "c", 20).job_dir.exists() and JobStore(root, "c", 21).job_dir.exists()
+
+
+def test_job_states_fall_back_to_accounting_for_jobs_slurmctld_forgot(monkeypatch):
+    fake = FakeSlurm(squeue=json.dumps({"jobs": [{"job_id": 3, "job_state": "PENDING"}]}),
+                     sacct="4|CANCELLED by 0\n5|COMPLETED\n").install(monkeypatch)
+    assert CliSlurm().job_states([3, 4, 5, 6]) == {3: "PENDING", 4: "CANCELLED", 5: "COMPLETED"}
+    assert fake.ran("sacct")[0][fake.ran("sacct")[0].index("-j") + 1] == "4,5,6"
+    FakeSlurm(squeue=Ran(1, "", "slurmctld down"), sacct=Ran(1, "", "no dbd")).install(monkeypatch)
+    assert CliSlurm().job_states([3]) == {}          # nobody knows: gc keeps everything
+
+
+def test_new_config_keys_have_defaults_and_name_the_key_when_bad():
+    c = Config()
+    assert (c.compression, c.compression_level, c.quota_job, c.keep_finished) == ("zstd", 1, 0, False)
+    assert Config.from_mapping({"quota_user": "2GiB", "keep_finished": "yes"}).quota_user == 2 << 30
+    for key, bad in [("persist_nice", 25), ("persist_io_class", "realtime"), ("staging_dir", "rel/path"),
+                     ("keep_finished", "maybe"), ("compression", "lz4")]:
+        with pytest.raises(Exception, match=f"key '{key}'"):
+            Config.from_mapping({key: bad})
