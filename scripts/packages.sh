@@ -30,7 +30,7 @@ PACKAGES_storage=(glusterfs-server glusterfs-client)
 # Operations: the Lua Slurm's cli_filter/lua runs (tests/unit/test_cli_filter_lua.py runs etc/cli_filter.lua
 # with it), node_exporter reading slurmckpt's metrics file, groff for the man pages, and what the Debian
 # package depends on (scripts/build-deb.sh; tests/integration/test_package.py installs it).
-PACKAGES_ops=(lua5.1 prometheus-node-exporter groff-base python3-click python3-yaml python3-xxhash python3-psutil)
+PACKAGES_ops=(lua5.1 prometheus-node-exporter groff-base python3-click python3-yaml python3-xxhash python3-psutil python3-zstandard)
 
 # packages_of GROUP...: the package names of the groups, one a line; an unknown group is an error.
 packages_of() {
