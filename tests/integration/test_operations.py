@@ -78,7 +78,7 @@ def test_events_reach_slurmds_log_the_comment_the_metrics_and_the_users_summary(
                   r"trigger=interval final=false ranks=1 nodes=node1 bytes=(\d+)$", commits[0])
     assert m and int(m.group(2)) > 0, commits[0]
     job.wait_for(lambda: re.search(r"AdminComment=slurmckpt: last checkpoint: epoch \d+ at \d{4}-\d\d-\d\dT[\d:]{8}, "
-                                   r"[\d.]+ (KiB|MiB|GiB)\n", run("scontrol", "show", "job", str(job.id)).stdout)
+                                   r"[\d.]+ (KiB|MiB|GiB) *\n", run("scontrol", "show", "job", str(job.id)).stdout)
                  is not None, "the last checkpoint in AdminComment", timeout=90)
 
     # the job's user reads its summary; another user neither the summary nor the images
@@ -197,7 +197,7 @@ def test_periodic_captures_closer_than_the_minimum_interval_are_refused_by_the_a
         run(CLI, "checkpoint", str(job.id), user=USER)
         job.wait_output(r"committed \(manual\)", timeout=90)
         run(CLI, "checkpoint", str(job.id), user=USER)
-        job.wait_output(r"ABORTED at prepare .*below the minimum interval 2m of the site default", timeout=90)
+        job.wait_output(r"ABORTED \(rank [^,]+, node [^,]+, stage prepare\): .*below the minimum interval 2m of the site default", timeout=90)
         assert job.state() == "RUNNING"
     finally:
         run("scancel", str(job.id), check=False)

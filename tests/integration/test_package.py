@@ -74,6 +74,8 @@ def test_the_packages_plugin_loads_in_sbatch_with_the_packages_paths(deb: Path, 
         assert Path(path).exists(), word
     conf = Path("/etc/slurm/slurm.conf").read_text()
     (tmp_path / "plugstack.conf").write_text(line + "\n")
+    # Slurm reads cli_filter.lua (CliFilterPlugins=cli_filter/lua) from slurm.conf's own directory
+    (tmp_path / "cli_filter.lua").write_text(Path("/etc/slurm/cli_filter.lua").read_text())
     (tmp_path / "slurm.conf").write_text(re.sub(r"(?m)^PlugStackConfig=.*$", f"PlugStackConfig={tmp_path}/plugstack.conf",
                                                 conf))
     env = {"SLURM_CONF": str(tmp_path / "slurm.conf"), "PATH": "/usr/bin:/bin"}

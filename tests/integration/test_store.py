@@ -55,7 +55,7 @@ def test_capture_over_quota_is_refused_job_runs_on_and_restores_the_previous_com
     config_keys(quota_job=1024)
     job.requeue()
     job.wait_output(r"restored from checkpoint epoch", timeout=240)
-    job.wait_output(r"ABORTED at space .*capture refused: job \d+'s images would take .* over quota_job",
+    job.wait_output(r"ABORTED \(rank [^,]+, node [^,]+, stage space\): .*capture refused: job \d+'s images would take .* over quota_job",
                     timeout=120)
     assert job.wait_done() == "COMPLETED"
     assert job.app_lines() == expected_lines("q", 260)
@@ -85,7 +85,7 @@ def test_persist_failure_after_the_thaw_leaves_the_epoch_uncommitted(config_keys
         time.sleep(0.2)
     run("chattr", "+i", str(open_epochs[0]))
     try:
-        job.wait_output(r"ABORTED at persist .*persisting .* failed: Operation not permitted", timeout=120)
+        job.wait_output(r"ABORTED \(rank [^,]+, node [^,]+, stage persist\): .*persisting .* failed: Operation not permitted", timeout=120)
     finally:
         run("chattr", "-i", str(open_epochs[0]))
     assert job.state() == "RUNNING"
