@@ -22,7 +22,7 @@ from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import ipc, pmi, procfs, watchdog
+from slurmckpt import durable, ipc, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
@@ -47,6 +47,8 @@ class Agent:
     policy = JobPolicy()                 # the site policy for the job's partition and QOS (policy.py)
     interval_s = 0                       # the interval this task uses (the shim's, after the policy)
     last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
+    store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
+    store_wait_s = 120.0                 # Config.store_wait_s
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -59,7 +61,8 @@ class Agent:
         self.wrapper_pid = peer.pid
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
-        self.store_policy = StorePolicy.from_config(config)   # staging, compression, quotas (rank_images.py)
+        self.store_policy = StorePolicy.from_config(config)
+        self.store_wait_s = config.store_wait_s   # staging, compression, quotas (rank_images.py)
         # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
         self.slurm_job = slurm_job
         self.instance = None if slurm_job is None else JobInstance(
@@ -181,6 +184,8 @@ class Agent:
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
+        if self.store_outage:                            # waited for the store's file system (agent_start.py)
+            notes.append(self.store_outage)
         if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
@@ -387,6 +392,7 @@ class Agent:
         return {"epoch": validate.epoch(epoch)}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:
+        durable.await_store(self.store.root, self.store_wait_s)   # a shared file system's server restarting
         why_not = self._not_restorable()
         if why_not is not None or not any(e["epoch"] == _epoch(m) for e in self.store.committed()):
             raise StorageError(why_not or f"epoch {_epoch(m)} is not a committed checkpoint of this job")

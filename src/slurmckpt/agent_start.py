@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import agentlog
+from slurmckpt import agentlog, durable
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config, load_root_config
-from slurmckpt.errors import SlurmckptError
+from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.events import AgentEvents, SlurmdLog, Task
 from slurmckpt.metrics import NodeMetrics, node_name
 from slurmckpt.peer import Peer
@@ -101,6 +101,17 @@ def run_agent(args: ShimArgs) -> None:
     ident = TaskIdentity(cluster_name(), args.job, args.step, args.rank, args.uid, args.gid, restart_count)
     policy = job_policy(config, slurm_job)
     config = config.with_settings(dict(policy.settings))     # keep_epochs, compression for this job
+    # A shared file system whose server restarts answers ENOTCONN/EIO for a while: wait for it rather than
+    # start the task from the beginning (docs/storage.md, "Shared file systems").
+    outage = None
+    try:
+        waited = durable.await_store(Path(config.storage_root), config.store_wait_s)
+        if waited >= 1:
+            outage = f"the image store did not answer for {waited:.0f}s at the start (its server was down); waited"
+    except StorageError as e:
+        outage = str(e)
+    if outage:
+        log.warning("%s", outage)
     store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
     node = node_name()
     task = ident.tree.task
@@ -110,6 +121,7 @@ def run_agent(args: ShimArgs) -> None:
     interval = args.interval if args.interval is not None else 0
     agent = Agent(ident, Channel.from_fd(args.fd), config, Peer.parent(), slurm_job, events=events, policy=policy,
                   interval=(interval, args.interval is None or args.interval_from == "option"))
+    agent.store_outage = outage
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
              policy.describe())
     log.info("agent up for wrapper pid %d on %s", agent.wrapper_pid, socket.gethostname())

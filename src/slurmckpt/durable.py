@@ -160,3 +160,30 @@ def _lock_file(path: Path, timeout_s: float, what: str) -> int:
                                    path=str(path)) from e
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+# Errors a shared file system's client gives while its server is down or restarting (GlusterFS's FUSE client:
+# ENOTCONN at once when the brick is gone, after network.ping-timeout when it stops answering; NFS: EIO,
+# ESTALE, ETIMEDOUT). Anything else is no outage and is left to the caller.
+UNREACHABLE = frozenset({errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EHOSTDOWN,
+                         errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ENETUNREACH})
+
+
+def await_store(root: Path, wait_s: float, poll_s: float = 2.0, clock=time.monotonic, sleep=time.sleep) -> float:
+    """Wait while the image store's file system does not answer, up to `wait_s` seconds: a shared file
+    system whose server restarts must not make a job start from the beginning. Returns the seconds waited;
+    raises StorageError naming the error when the store did not come back in time."""
+    start = clock()
+    while True:
+        try:
+            os.stat(root)
+            os.listdir(root)
+            return clock() - start
+        except OSError as e:
+            if e.errno not in UNREACHABLE:
+                return clock() - start           # not an outage: the caller meets (and reports) it
+            waited = clock() - start
+            if waited >= wait_s:
+                raise StorageError(f"the image store {root} did not answer for {waited:.0f}s "
+                                   f"({e.strerror}): is its file system's server down?") from e
+        sleep(poll_s)

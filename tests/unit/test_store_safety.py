@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import durable, reclaim, space
-from slurmckpt.errors import SlurmckptError
+from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.staging import Staging
 from slurmckpt.storage import JobStore
 from smallfs import PAGE, free, leave_free, tmpfs
@@ -264,3 +264,26 @@ def test_store_refused_free_space_is_named(fs, tmp_path):
         filler.unlink()
     assert p.cgroup.state() == "THAWED" and committed_epochs(store) == [1]
     assert free(store_fs) > 0
+
+
+def test_an_unreachable_store_is_waited_for_and_then_named(tmp_path, monkeypatch):
+    """While the store's file system answers ENOTCONN (a FUSE client whose server is down) the agent waits;
+    it goes on as soon as the store answers, and past the limit it fails naming the store and the error.
+    Any other error is not an outage and is left to the caller."""
+    import errno as errno_
+    from slurmckpt.durable import await_store
+    calls, now = {"n": 0}, [0.0]
+
+    def listdir(path):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OSError(errno_.ENOTCONN, "Transport endpoint is not connected")
+        return []
+    monkeypatch.setattr(os, "listdir", listdir)
+    waited = await_store(tmp_path, 60, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert calls["n"] == 4 and waited == 6.0
+    calls["n"], now[0] = 0, 0.0
+    with pytest.raises(StorageError, match=r"did not answer for 4s \(Transport endpoint is not connected\)"):
+        await_store(tmp_path, 4, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(PermissionError(errno_.EACCES, "no")))
+    assert await_store(tmp_path, 60) == pytest.approx(0, abs=0.5)
