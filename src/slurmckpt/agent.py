@@ -27,7 +27,8 @@ from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
 from slurmckpt.peer import Peer
-from slurmckpt.pipeline import RankPipeline, restore_rank
+from slurmckpt.pipeline import RankPipeline
+from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt import reclaim

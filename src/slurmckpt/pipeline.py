@@ -1,8 +1,9 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
-    PREPARE   refuse unrestorable state (TCP to other hosts, IPC with other ranks, ipc.py) -> reserve room
-              in the store and staging (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree
-              (cgroup freezer)  ... barrier: all READY ...
+    SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (footprint.py)
+    PREPARE   refuse unrestorable state (capture_checks.py) -> reserve room in the store and staging
+              (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
+              ... barrier: all READY ...
     CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
               -> (final only) persist: compress staging into the store, rank.json
     then      RESUME (thaw, then persist at bounded priority) -> COMMIT (coordinator's agent, atomic manifest
@@ -10,9 +11,7 @@
     or        ABORT at any point -> undo what was done, in reverse: previous commit stays the restorable one.
 
 GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
-process (measured on the H200). Restore is the same list read backwards: unpack the images into staging,
-verified (and files mapped shared with other ranks) -> output snapshot -> truncate written files -> criu restore (into the freezer
-cgroup; loopback TCP to other ranks held until both ends are back) -> GPU restore + unlock.
+process (measured on the H200). Restore is the same list read backwards: restore.py.
 """
 from __future__ import annotations
 
@@ -20,18 +19,16 @@ import logging
 import os
 import re
 import socket
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, crossnode, ghost, ipc, netlock, pmi, procfs, proctree, rank_images
-from slurmckpt.criu import CheckpointEngine, InheritedFd
-from slurmckpt.errors import CaptureError, PermissionDenied, RestoreError, SlurmckptError
+from slurmckpt import asuser, capture_checks, ghost, ipc, netlock, pmi, procfs, proctree, rank_images
+from slurmckpt.criu import CheckpointEngine
+from slurmckpt.errors import CaptureError, SlurmckptError
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
-from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt.storage import JobStore
@@ -192,76 +189,6 @@ def _thaw(p: RankPipeline, epoch: int) -> None:
     p.cgroup.thaw()
 
 
-def _check_restorable(p: RankPipeline, epoch: int) -> None:
-    """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
-    pids = p.cgroup.pids()
-    if p.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
-        _refuse_replayed_batch_talking_to_other_nodes(p, pids)
-        return
-    # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
-    # where that cannot come back consistently (ipc.py says which and why).
-    stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
-    if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
-        stdio.add(f"socket:[{p.pmi_ino}]")
-    trees = ipc.job_trees(p.cgroup.other_trees(), p.cgroup.tree.job)   # the job's own, never another job's
-    # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
-    # to another node of the job it is too (both ends frozen at the barrier, restored on the same nodes:
-    # crossnode.py); to anything else (a client, a database) it is dumped and restored closed (_record).
-    outside = proctree.outside_tcp(pids, inside=proctree.socket_inodes(list(trees)))
-    other_nodes = p.job_addresses() if outside else set()
-    closed = [str(c) for c in outside if c.remote_ip not in other_nodes]
-    if closed:
-        log.info("capturing with connection(s) to outside the job, restored closed: %s", ", ".join(closed))
-    shared = ipc.unshareable(pids, {pid: name.label for pid, name in trees.items()}, stdio)
-    if shared:
-        raise CaptureError("state shared outside this rank's process tree cannot be restored: "
-                           + "; ".join(shared), step=p.step, rank=p.rank)
-    # Deleted files the tree still uses: refused here, before the freeze, when above the cap; sized again
-    # once frozen (_record), since the tree runs on until then.
-    ghost.limit_for(proctree.deleted_files(pids), p.ghost_limit_max, step=p.step, rank=p.rank)
-    # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
-    # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
-    # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
-    peers = {pid: (name.step, name.rank) for pid, name in trees.items()}
-    p.tcp_peers = netlock.internal_connections(pids, peers)
-    _refuse_replayed_peers(p, trees)
-    p.shared_files = ipc.shared_files(pids, set(peers))
-
-
-def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
-    """TCP to a batch step that runs srun: such a batch step is replayed on requeue (its script runs again
-    from the top), not restored, so its end of the connection would start afresh while this one is restored.
-    That is OpenMPI's mpirun starting its daemons (orted) through srun (docs/mpi.md)."""
-    to_batch = [f"{c[0]} -> {c[1]}" for c in p.tcp_peers if c[2] == "batch"]
-    if not to_batch:
-        return
-    batch = [pid for pid, name in trees.items() if name.step == "batch"]
-    if proctree.has_slurm_client(batch):
-        raise CaptureError(f"TCP connection(s) {', '.join(to_batch)} to the batch step, which is running srun: "
-                           "a batch step running srun is replayed on requeue, not restored, so its end would "
-                           "start again while this one is restored (OpenMPI's mpirun starting orted through "
-                           "srun does this); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
-                           "--mca ras ^slurm`) (docs/mpi.md)",
-                           step=p.step, rank=p.rank)
-
-
-def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[int]) -> None:
-    """The batch step runs srun, so it is replayed on requeue (its script runs again from the top) while
-    the steps' ranks are restored: a process of it (other than srun itself) with TCP to another node of the
-    job talks to a rank there, which would be restored while this end starts afresh. That is OpenMPI's
-    mpirun starting orted on the other nodes through srun (docs/mpi.md)."""
-    mine = [pid for pid in pids if proctree.exe_name(pid) not in ("srun", "sattach")]
-    outside = proctree.outside_tcp(mine)
-    nodes = p.job_addresses() if outside else set()
-    to_nodes = [str(c) for c in outside if c.remote_ip in nodes]
-    if to_nodes:
-        raise CaptureError(f"TCP connection(s) {', '.join(to_nodes)} from the batch step, which is running srun, "
-                           "to ranks on other nodes of the job: a batch step running srun is replayed on "
-                           "requeue, not restored, so its end would start again while the other is restored "
-                           "(OpenMPI's mpirun starting orted through srun does this) (docs/mpi.md)",
-                           step=p.step, rank=p.rank)
-
-
 def _gpu_lock(p: RankPipeline, epoch: int) -> None:
     p.gpu.lock(p.cgroup.pids())     # refuses unsupported GPU set-ups before anything is frozen
 
@@ -293,20 +220,9 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "pmi": [] if replay else _pmi_socket(p, pids),
-        **({} if replay else _tcp_leaving_the_node(p, pids)),
+        **({} if replay else capture_checks.tcp_leaving_the_node(p, pids)),
     }
     rank_images.staged(p, epoch)
-
-
-def _tcp_leaving_the_node(p: RankPipeline, pids: list[int]) -> dict:
-    """TCP whose other end is not on this node: to another node of the job (restored as dumped, held until
-    both ends are back: crossnode.py), or to outside the job (its other end goes on without the job, so it
-    is restored closed)."""
-    others = proctree.socket_inodes(list(ipc.job_trees(p.cgroup.other_trees(), p.store.job)))
-    outside = proctree.outside_tcp(pids, inside=others)
-    nodes = p.job_addresses() if outside else set()
-    return {"tcp_nodes": crossnode.job_connections(outside, nodes),
-            "tcp_close": [c.inode for c in outside if c.remote_ip not in nodes]}
 
 
 SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
@@ -423,7 +339,7 @@ def _persist_final(p: RankPipeline, epoch: int) -> None:
 
 
 PREPARE_STAGES = (
-    Stage("check", _check_restorable),
+    Stage("check", capture_checks.check_restorable),
     Stage("space", rank_images.reserve, undo=rank_images.release, discards=True),
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
@@ -435,128 +351,3 @@ CAPTURE_STAGES = (
     Stage("snapshot-output", _snapshot_output),
     Stage("persist", _persist_final),     # periodic captures persist in resume(), after the thaw
 )
-
-
-# ---- restore ------------------------------------------------------------------------------------------
-def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:
-    """Restore this rank from `epoch` with the new task's stdio fds. Returns (root pid or None for a
-    replayed batch step, rank manifest). The target GPUs are checked first (before anything is unpacked or
-    touched); the images are unpacked into staging, verified as they are, and the staging area goes once
-    criu has read them."""
-    p.gpu.check_restore(p.store.read_rank_manifest(epoch, p.step, p.rank).get("gpu"))
-    with rank_images.unpacked(p, epoch) as (rdir, manifest):
-        return _restore_from(p, epoch, rdir, manifest, stdio)
-
-
-def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
-    key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
-    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
-    _rewrite_outputs(manifest, rdir, stdio)
-    if manifest["kind"] == "replay":
-        return None, manifest
-    _truncate_written_files(manifest["truncate"], p.creds)
-    inherit, seen = [], set()
-    for entry in manifest["stdio"]:
-        if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))):
-            continue
-        seen.add(entry["key"])
-        inherit.append(InheritedFd(entry["key"], stdio[entry["fd"]]))
-    if manifest.get("batch_script"):
-        if len(stdio) < 4:
-            raise RestoreError("the batch script is open in the checkpoint, but this start passed no script fd")
-        for entry in manifest["batch_script"]:   # one file, one key: every fd on it shares this position
-            os.lseek(stdio[3], entry["pos"], os.SEEK_SET)
-            inherit.append(InheritedFd(entry["key"], stdio[3]))
-    for entry in manifest.get("pmi", []):
-        if p.pmi_fd < 0:
-            raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
-                               "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
-        inherit.append(InheritedFd(entry["key"], p.pmi_fd))     # the new step's, in the old one's place
-    if manifest.get("pmi"):
-        pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
-    held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
-                             lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
-    between_nodes = manifest.get("tcp_nodes", [])
-    if between_nodes:
-        crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
-    hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
-                          f"slurmckpt job {p.store.job}")
-    try:
-        hold.before_restore()
-        with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
-            pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
-                                   join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
-    except BaseException:
-        hold.release()
-        raise
-    hold.after_restore()
-    try:
-        p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
-    except Exception as e:
-        # The restored tree runs (re-parented to the wrapper) but without its GPU state: it must not run
-        # on, and the fallback (an older epoch, or a fresh start) needs the task cgroup empty again.
-        _end_restored_tree(p)
-        if isinstance(e, SlurmckptError):
-            raise
-        raise RestoreError(f"GPU restore failed: {e}", step=p.step, rank=p.rank) from e
-    p.root_pid = pid
-    return pid, manifest
-
-
-def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:
-    """Kill every process of the task cgroup and wait until it is empty (what a restore left running)."""
-    p.root_pid = None
-    try:
-        p.cgroup.kill_all()
-    except OSError as e:
-        log.warning("killing the restored tree after a failed restore: %s", e)
-    deadline = time.monotonic() + timeout_s
-    while p.cgroup.pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if p.cgroup.pids():
-        raise RestoreError(f"the restored tree did not die after a failed restore: {p.cgroup.pids()}",
-                           step=p.step, rank=p.rank)
-
-
-def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:
-    done = set()
-    for entry in manifest.get("outputs", []):
-        if entry["snapshot"] in done:
-            continue
-        fd = stdio[entry["fd"]]
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RestoreError(f"the task's fd {entry['fd']} is not a regular file now (it was "
-                               f"{entry['link']} at the capture): cannot restore its output")
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        with open(rdir / entry["snapshot"], "rb") as f:
-            while block := f.read(8 << 20):
-                view = memoryview(block)
-                while view:
-                    view = view[os.write(fd, view):]
-        done.add(entry["snapshot"])
-
-
-def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:
-    """Files the tree appends to are cut back to their size at the capture, through an fd opened as the
-    job's user (never as root: the path is user-controlled) and only if it is still the inode the tree had
-    open. A file that shrank cannot be restored consistently."""
-    for e in entries:
-        try:
-            fd = asuser.open_as_user(creds, e["path"], os.O_WRONLY)
-        except PermissionDenied as err:
-            raise RestoreError(f"cannot prepare files for restore: {err}") from err
-        try:
-            st = os.fstat(fd)
-            if "ino" in e and st.st_ino != e["ino"]:
-                raise RestoreError(f"{e['path']} is not the file the job had open at the checkpoint (replaced "
-                                   "or a link to another file)")
-            if not stat.S_ISREG(st.st_mode):
-                raise RestoreError(f"{e['path']} is not a regular file any more")
-            if st.st_size < e["size"]:
-                raise RestoreError(f"{e['path']} is shorter ({st.st_size} B) than at the checkpoint "
-                                   f"({e['size']} B); it was modified outside the job")
-            if st.st_size > e["size"]:
-                os.ftruncate(fd, e["size"])
-        finally:
-            os.close(fd)

@@ -13,7 +13,7 @@ from slurmckpt import compression, persist, rank_images
 from slurmckpt.compression import PLAIN, Zstd
 from slurmckpt.errors import ConfigError, RestoreError, SlurmckptError, StorageError
 from slurmckpt.persist import Priority, bounded, materialize, persist_rank
-from slurmckpt.pipeline import restore_rank
+from slurmckpt.restore import restore_rank
 from slurmckpt.staging import Staging
 from slurmckpt.storage import JobStore
 from store_harness import Tree, capture, images, pipeline, read_back, settled

@@ -212,7 +212,7 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     start) can start one; the error is the typed failure the fallback acts on."""
     import subprocess
 
-    from slurmckpt.pipeline import restore_rank
+    from slurmckpt.restore import restore_rank
     p, j, store = make(tmp_path, gpu_fail="gpu-restore")
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
