@@ -115,7 +115,9 @@ net_up() {
   for i in $(seq 1 "$n"); do
     ns=node$i veth=ckpt-n$i
     ip netns list | awk '{print $1}' | grep -qx "$ns" || ip netns add "$ns"
-    if ! ip link show "$veth" >/dev/null 2>&1; then
+    # Both ends must be there: a namespace made anew (an earlier run's net_down) lost its end of the pair.
+    if ! ip link show "$veth" >/dev/null 2>&1 || ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
+      ip link del "$veth" 2>/dev/null || true
       ip -n "$ns" link del eth0 2>/dev/null || true
       ip link add "$veth" type veth peer name eth0 netns "$ns"
     fi
