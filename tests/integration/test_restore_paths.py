@@ -20,14 +20,14 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.integration.slurmjob import Job, run, submit, workdir
+from tests.integration.slurmjob import Job, node, run, submit, workdir
 
 USER = "ckptuser1"
 ROOT_DIR = Path("/var/lib/slurmckpt-test")      # root's side of each attack
 CRIU = "/usr/local/sbin/criu"
 # One node: a batch job restored on another node fails anyway (bash holds slurmd's spool copy of the
 # script, which exists only on the node that ran it), which would hide what these tests look at.
-NODE = "node3"
+NODE = "node3"                     # (slurmjob.node: node1 on a one-node cluster)
 FAILED = r"restore of checkpoint epoch \d+ FAILED"
 OUTCOME = FAILED + r"|restored from checkpoint epoch"
 
@@ -78,7 +78,7 @@ def holders(target: Path) -> list[str]:
 def start_held(wd: Path, mode: str, path: str) -> Job:
     """A job running pathhold.py in `wd`, captured by a requeue and held (PENDING): the user's window."""
     job = submit(USER, wd, f"#!/bin/bash\npython3 pathhold.py --mode {mode} --path {path} --state state\n",
-                 "-w", NODE, "--checkpoint-interval=30m")
+                 "-w", node(NODE), "--checkpoint-interval=30m")
     job.wait_output(r"pathhold step 3 |Error", timeout=90)
     assert "pathhold step 3 " in job.text(), job.text()[-2000:]
     run("scontrol", "requeuehold", str(job.id))      # final capture, then held

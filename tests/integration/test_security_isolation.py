@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.integration.slurmjob import job_field, run, submit, workdir
+from tests.integration.slurmjob import node as slurm_node
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from listener import expected_lines as listener_lines  # noqa: E402
@@ -119,7 +120,7 @@ def test_cuda_visible_devices_of_the_wrapper_does_not_choose_the_gpus_of_a_resto
 
 def test_another_users_connection_to_a_listening_port_does_not_block_captures() -> None:
     wd = workdir("ckptuser1", "iso-listen")
-    node = "node3"
+    node = slurm_node("node3")
     job = submit("ckptuser1", wd, "#!/bin/bash\npython3 listener.py --steps 200 --sleep 0.2 --port-file port.txt\n",
                  "-w", node, "--checkpoint-interval=10s")
     job.wait_output(r"tcp step 3 ")
