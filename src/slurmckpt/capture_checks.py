@@ -34,6 +34,9 @@ def check_restorable(p: RankPipeline, epoch: int) -> None:
     # crossnode.py); to anything else (a client, a database) it is dumped and restored closed (_record).
     outside = proctree.outside_tcp(pids, inside=proctree.socket_inodes(list(trees)))
     other_nodes = p.job_addresses() if outside else set()
+    # Sorted here, while every rank's tree still runs: in a final capture a rank's dump ends its tree, so by
+    # the time another rank records its connections the peer's sockets may be gone (tcp_leaving_the_node)
+    p.tcp_outside = {c.inode: c.remote_ip in other_nodes for c in outside}
     closed = [str(c) for c in outside if c.remote_ip not in other_nodes]
     if closed:
         log.info("capturing with connection(s) to outside the job, restored closed: %s", ", ".join(closed))
@@ -88,11 +91,12 @@ def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[in
 
 
 def tcp_leaving_the_node(p: RankPipeline, pids: list[int]) -> dict:
-    """TCP whose other end is not on this node: to another node of the job (restored as dumped, held until
-    both ends are back: crossnode.py), or to outside the job (its other end goes on without the job, so it
-    is restored closed)."""
-    others = proctree.socket_inodes(list(ipc.job_trees(p.cgroup.other_trees(), p.store.job)))
-    outside = proctree.outside_tcp(pids, inside=others)
-    nodes = p.job_addresses() if outside else set()
-    return {"tcp_nodes": crossnode.job_connections(outside, nodes),
-            "tcp_close": [c.inode for c in outside if c.remote_ip not in nodes]}
+    """TCP whose other end is not on this node, as the check sorted it (p.tcp_outside) and still established
+    now (the tree is frozen): to another node of the job (restored as dumped, held until both ends are
+    back: crossnode.py), or to outside the job (its other end goes on without the job, so it is restored
+    closed). A connection the check did not see (opened between the check and the freeze) is restored as
+    dumped: closing one of the job's own connections by mistake would lose its data."""
+    now = {c.inode: c for c in proctree.outside_tcp(pids)}
+    to_nodes = [now[i] for i, job_node in p.tcp_outside.items() if job_node and i in now]
+    return {"tcp_nodes": crossnode.job_connections(to_nodes, {c.remote_ip for c in to_nodes}),
+            "tcp_close": sorted(i for i, job_node in p.tcp_outside.items() if not job_node and i in now)}

@@ -59,6 +59,7 @@ class RankPipeline:
     gpu_record: dict | None = None
     tcp_peers: list = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
     shared_files: list = field(default_factory=list)     # files mapped shared with other ranks, PREPARE
+    tcp_outside: dict = field(default_factory=dict)      # socket inode -> to another node of the job?, PREPARE
     final: bool = False
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen
     done: list[Stage] = field(default_factory=list)       # stages of the current epoch, for rollback
@@ -101,7 +102,7 @@ class RankPipeline:
     def prepare(self, epoch: int) -> dict:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
-        self.tcp_peers, self.shared_files = [], []
+        self.tcp_peers, self.shared_files, self.tcp_outside = [], [], {}
         self.replay = self.step == "batch" and proctree.has_slurm_client(self.cgroup.pids())
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}

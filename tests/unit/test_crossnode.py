@@ -74,3 +74,18 @@ def test_a_failed_restore_lifts_its_rules(tmp_path: Path) -> None:
     end.before_restore()
     end.release()
     assert rules.held == [] and not list(tmp_path.iterdir()), "nothing may say this end is back"
+
+
+def test_connections_are_closed_or_held_as_the_check_sorted_them_never_by_what_is_left_at_the_dump(monkeypatch):
+    """In a final capture another rank's dump may already have ended its tree when this rank records its
+    connections: a connection to that rank then looks like one to outside the job. Only what the check
+    (all trees running) sorted as outside is restored closed; a connection it did not sort is kept."""
+    from types import SimpleNamespace
+
+    from slurmckpt import capture_checks, proctree
+    client = TcpConnection("10.77.0.1:8000", "10.0.0.9:51000", "10.0.0.9", 21, True)
+    other_node = TcpConnection(A, B, "10.77.0.2", 22, False)
+    same_node_rank = TcpConnection("10.77.0.1:40002", "10.77.0.1:5001", "10.77.0.1", 23, False)  # peer just died
+    monkeypatch.setattr(proctree, "outside_tcp", lambda pids, inside=frozenset(): [client, other_node, same_node_rank])
+    p = SimpleNamespace(tcp_outside={21: False, 22: True, 99: False})     # 99: closed since the check
+    assert capture_checks.tcp_leaving_the_node(p, [1]) == {"tcp_nodes": [[A, B]], "tcp_close": [21]}
