@@ -6,7 +6,8 @@
 # checkpoint intervals), so on CI's 2 cores they share the machine at little cost and the whole run stays well
 # inside CI's time limit. Each background suite's whole log is printed at the end; the exit status is
 # non-zero if any suite failed.
-#   env: PYTHON (the venv's), PYTEST_ARGS, TESTS_2411 (what runs on 24.11), SLURMCKPT_SKIP_BESIDE=1 (only the
+#   env: PYTHON (the venv's), PYTEST_ARGS, TESTS_2411 (what runs on 24.11), HOST_IGNORE (--ignore=FILE options:
+#        files the 24.11 cluster runs instead of the host's), SLURMCKPT_SKIP_BESIDE=1 (only the
 #        unit and host suites, for a developer's quick run)
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,8 +21,9 @@ rm -f "$LOGS"/*.log "$LOGS"/*.rc
 
 beside() {   # the suites that run next to the host cluster's, each into its own log
   local t0=$SECONDS
-  # shellcheck disable=SC2086  # TESTS_2411 is a list of pytest node ids
-  bash scripts/slurm-suite.sh trixie -- --durations=10 ${TESTS_2411:-tests/integration} >"$LOGS/slurm-24.11.log" 2>&1
+  local tests
+  eval "tests=(${TESTS_2411:-tests/integration})"     # pytest node ids, some quoted (they hold [ ])
+  bash scripts/slurm-suite.sh trixie -- --durations=10 "${tests[@]}" >"$LOGS/slurm-24.11.log" 2>&1
   echo "$? $((SECONDS - t0))" >"$LOGS/slurm-24.11.rc"
   t0=$SECONDS
   "$PYTHON" -m pytest -v tests/docker >"$LOGS/docker-slurm.log" 2>&1
@@ -35,12 +37,20 @@ if [ "${SLURMCKPT_SKIP_BESIDE:-0}" != 1 ]; then
   echo "== Slurm 24.11 suite and docker-slurm test running beside the host suite (logs: $LOGS)"
 fi
 t0=$SECONDS
-"$PYTHON" -m pytest -v --durations=25 ${PYTEST_ARGS:-} tests/integration
+# shellcheck disable=SC2086  # HOST_IGNORE: --ignore=FILE options (the files the 24.11 cluster runs instead)
+"$PYTHON" -m pytest -v --durations=25 ${PYTEST_ARGS:-} ${HOST_IGNORE:-} tests/integration
 rc=$?
 echo "== host cluster's integration suite (Slurm $(sinfo -V | awk '{print $2}')): exit $rc in $((SECONDS - t0)) s"
 
 if [ -n "$pid" ]; then
   wait "$pid"
+  # The coverage matrix holds the rows of both clusters (the root's run wrote its own copy of the file)
+  root_rows=${SLURMCKPT_CACHE:-/var/cache/slurmckpt}/roots/trixie/root/repo/build/coverage.md
+  if [ -f "$root_rows" ] && [ -f build/coverage.md ]; then
+    grep '^| [^-]' "$root_rows" | tail -n +2 >>build/coverage.md
+    [ "${SLURMCKPT_COVERAGE_DOC:-0}" != 1 ] || cp build/coverage.md docs/coverage.md
+    echo "== coverage matrix (both clusters): build/coverage.md"; cat build/coverage.md
+  fi
   for suite in slurm-24.11 docker-slurm; do
     read -r src secs <"$LOGS/$suite.rc" 2>/dev/null || { src=1; secs=?; }
     echo "================================ $suite (exit $src in $secs s) ================================"

@@ -23,6 +23,8 @@ class Row:
     proctrack: str
     result: str
     seconds: float
+    slurm: str = ""
+    cgroups: str = ""
 
 
 def _out(*cmd: str) -> str:
@@ -78,7 +80,7 @@ class Matrix:
         elif result == "passed":
             result = "restored exactly"
         self.rows.append(Row(mark.kwargs["program"], mark.kwargs.get("package", ""), mark.kwargs["launcher"],
-                             int(nodes), proctrack, result, report.duration))
+                             int(nodes), proctrack, result, report.duration, slurm_version(), cgroup_mode()))
 
     def markdown(self) -> str:
         head = ["# Coverage matrix",
@@ -87,12 +89,14 @@ class Matrix:
                 f"of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit. Each row: a real "
                 "program from Debian's packages, requeued mid-run and checked against an uninterrupted run.",
                 "",
-                f"Slurm {slurm_version()}, cgroups {cgroup_mode()}, kernel {os.uname().release}.",
+                f"Kernel {os.uname().release}. `make test` runs the suite over two clusters side by side (Slurm "
+                "22.05 on the host, 24.11 in a Debian 13 root; docs/slurm-versions.md): the rows of both.",
                 "",
-                "| program | package (version) | launcher | nodes | process tracking | result | seconds |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
+                "| program | package (version) | launcher | nodes | Slurm | cgroups | process tracking | result | seconds |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         body = [f"| {r.program} | {r.package + ' ' + package_version(r.package) if r.package else '-'} | "
-                f"{r.launcher} | {r.nodes} | {r.proctrack} | {r.result} | {r.seconds:.0f} |" for r in self.rows]
+                f"{r.launcher} | {r.nodes} | {r.slurm} | {r.cgroups} | {r.proctrack} | {r.result} | {r.seconds:.0f} |"
+                for r in self.rows]
         return "\n".join(head + body) + "\n"
 
     def write(self) -> str:
