@@ -269,9 +269,11 @@ def test_raw_files_are_linked_after_an_in_place_check_and_a_damaged_one_is_refus
     materialize(store, 1, "0", 0, back)
     assert (back / "pages-1.img").is_symlink() and (back / "pages-1.img").read_bytes() == files["pages-1.img"]
     path = store.rank_dir(1, "0", 0) / "pages-1.img"
-    with open(path, "r+b") as f:
+    with open(path, "r+b") as f:         # flip one byte (writing a fixed value may leave it as it was)
         f.seek(4096)
-        f.write(b"\xff")
+        byte = f.read(1)[0]
+        f.seek(4096)
+        f.write(bytes([byte ^ 0xFF]))
     again = tmp_path / "again"
     again.mkdir()
     with pytest.raises(StorageError, match="pages-1.img corrupt"):
