@@ -38,6 +38,7 @@ store_fs() { echo "${SLURMCKPT_STORE_FS:-glusterfs}"; }
 
 start_storage() { # glusterd, the volume, and the host's mount at storage_root
   local root; root=$(storage_root)
+  release_dead_mount "$root"
   if [ "$(store_fs)" = local ]; then install -d -m 0700 "$root"; return 0; fi
   start_glusterd
   if ! gluster_cli volume info "$GLUSTER_VOLUME" >/dev/null 2>&1; then
@@ -70,6 +71,7 @@ storage_source() { echo "$NET_HOST_IP:/$GLUSTER_VOLUME"; }   # what each node mo
 
 stop_storage() {
   local root; root=$(storage_root)
+  release_dead_mount "$root"
   [ "$(store_fs)" != local ] || return 0
   if mountpoint -q "$root"; then umount -l "$root" || true; fi
   if [ -n "$(pid_of "$GLUSTER_PID" glusterd)" ]; then

@@ -33,6 +33,17 @@ criu_patch_id() { cat "$REPO"/scripts/criu-patches/*.patch | sha256sum | cut -c1
 # Print the last lines of a log file (for failure messages).
 tail_log() { local f=$1 n=${2:-30}; if [ -f "$f" ]; then echo "----- last $n lines of $f -----" >&2; tail -n "$n" "$f" >&2; echo "-----" >&2; fi; }
 
+# A FUSE mount whose server died (glusterfs after a reboot or a killed client) stays in the mount table but
+# every stat of it fails with ENOTCONN, so `mountpoint`, `install -d` and `mount` all fail on it. Detach
+# such a mount (lazily: processes still inside keep their references) so the path can be set up again.
+release_dead_mount() {
+  local path=$1
+  findmnt -rn --mountpoint "$path" >/dev/null 2>&1 || return 0
+  stat "$path" >/dev/null 2>&1 && return 0
+  warn "$path is a dead mount ($(findmnt -rno FSTYPE,SOURCE --mountpoint "$path" | head -1)): detaching it"
+  umount -l "$path" || die "umount -l $path failed"
+}
+
 # Number of nodes the current cluster was configured with (from the state file written by setup.sh).
 cluster_nodes() {
   if [ -f "$CLUSTER_DIR/nodes" ]; then cat "$CLUSTER_DIR/nodes"; else echo 1; fi

@@ -273,6 +273,7 @@ step_files() {
     warn "$REPO/etc/slurmckpt.yaml missing: /etc/slurmckpt/slurmckpt.yaml not installed (package defaults apply)"
   fi
   install -d -m 0755 /var/lib/slurmckpt /var/lib/slurmckpt/summaries
+  release_dead_mount /var/lib/slurmckpt/images
   install -d -o root -g root -m 0700 /var/lib/slurmckpt/images /var/log/slurmckpt
   step_done
 }

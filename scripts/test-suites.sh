@@ -19,6 +19,12 @@ rm -f "$LOGS"/*.log "$LOGS"/*.rc
 
 "$PYTHON" -m pytest -q ${PYTEST_ARGS:-} tests/unit || { echo "unit tests failed" >&2; exit 1; }
 
+# A run that was killed leaves its jobs in slurmctld's saved state, and a restarted cluster requeues or runs
+# them again: they would hold nodes the tests wait for.
+for u in ckptuser1 ckptuser2; do scancel --user="$u" 2>/dev/null; done
+for _ in $(seq 60); do [ -z "$(squeue -h -o %i)" ] && break; sleep 1; done
+[ -z "$(squeue -h -o %i)" ] || { squeue >&2; echo "jobs of an earlier run are still queued" >&2; exit 1; }
+
 beside() {   # the suites that run next to the host cluster's, each into its own log
   local t0=$SECONDS
   local tests
