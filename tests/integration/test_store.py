@@ -33,13 +33,27 @@ def store_of(job_id: int):
     return JobStore(root, cluster, job_id)
 
 
+GLUSTER_BRICK = Path("/var/lib/slurmckpt-cluster/gluster/brick")   # scripts/glusterfs.sh
+
+
+def backing_path(path: Path) -> Path:
+    """Where the server keeps `path` of the store: on the GlusterFS volume, the brick's copy (a file system
+    that takes `chattr`); in a plain local store, the path itself."""
+    from slurmckpt.config import Config
+    root = Path(Config.load().storage_root)
+    fstype = subprocess.run(["findmnt", "-rno", "FSTYPE", "--mountpoint", str(root)], capture_output=True,
+                            text=True).stdout.strip()
+    return GLUSTER_BRICK / path.relative_to(root) if fstype.startswith("fuse.glusterfs") else path
+
+
 @pytest.fixture
 def config_keys():
     """Agents started while active read these keys from the admin config too."""
     original = CONFIG.read_text()
 
-    def set_keys(**keys: object) -> None:
-        CONFIG.write_text(original + "".join(f"\n{k}: {json.dumps(v)}" for k, v in keys.items()) + "\n")
+    def set_keys(**keys: object) -> None:     # replaces a key the admin config already has
+        kept = [line for line in original.splitlines() if line.split(":", 1)[0].strip() not in keys]
+        CONFIG.write_text("\n".join(kept + [f"{k}: {json.dumps(v)}" for k, v in keys.items()]) + "\n")
     yield set_keys
     CONFIG.write_text(original)
 
@@ -66,8 +80,8 @@ def test_capture_over_quota_is_refused_job_runs_on_and_restores_the_previous_com
 
 
 def test_persist_failure_after_the_thaw_leaves_the_epoch_uncommitted(config_keys) -> None:
-    """The store refuses the rank's images while it persists (its epoch directory made immutable during a
-    pause after the dump): the epoch aborts at persist, the tree was already thawed and runs on, staging is
+    """The store refuses the rank's images while it persists (its epoch directory made immutable on the
+    server during a pause after the dump): the epoch aborts at persist, the tree was already thawed and runs on, staging is
     cleaned, the previous commit stays and restores after a requeue."""
     wd = workdir(USER, "persistfail")
     config_keys(debug_stall_after="snapshot-output:10")
@@ -83,11 +97,16 @@ def test_persist_failure_after_the_thaw_leaves_the_epoch_uncommitted(config_keys
     while not (open_epochs := [p for p in store.job_dir.glob("epoch-*") if int(p.name[6:]) not in committed]):
         assert time.monotonic() < deadline, "the second capture never allocated its epoch"
         time.sleep(0.2)
-    run("chattr", "+i", str(open_epochs[0]))
+    while not (open_epochs[0] / ".lease").exists():       # allocated (the allocation writes its lease)
+        assert time.monotonic() < deadline, "the second capture never finished allocating its epoch"
+        time.sleep(0.2)
+    time.sleep(1)       # inside the pause after the dump: the persist comes next
+    frozen_dir = backing_path(open_epochs[0])     # the server refuses every write into it
+    run("chattr", "+i", str(frozen_dir))
     try:
         job.wait_output(r"ABORTED \(rank [^,]+, node [^,]+, stage persist\): .*persisting .* failed: Operation not permitted", timeout=120)
     finally:
-        run("chattr", "-i", str(open_epochs[0]))
+        run("chattr", "-i", str(frozen_dir))
     assert job.state() == "RUNNING"
     assert {e["epoch"] for e in store.committed()} == committed
     from slurmckpt.config import Config
