@@ -151,13 +151,13 @@ class RankPipeline:
             start = time.monotonic()
             try:
                 stage.run(self, epoch)
-            except SlurmckptError:
+            except SlurmckptError as e:
                 self.failed_stage = stage.name
-                self.abort(epoch)
+                self._abort_after(e, stage.name, epoch)
                 raise
             except Exception as e:  # an unexpected failure still rolls back
                 self.failed_stage = stage.name
-                self.abort(epoch)
+                self._abort_after(e, stage.name, epoch)
                 raise CaptureError(f"stage {stage.name} failed: {e}", epoch=epoch) from e
             self.timings[stage.name] = round(time.monotonic() - start, 4)
             self.done.append(stage)
@@ -165,6 +165,14 @@ class RankPipeline:
                 log.warning("debug_stall_after: pausing %.1fs after %s of epoch %d", self.stall_after[1],
                             stage.name, epoch)
                 time.sleep(self.stall_after[1])
+
+    def _abort_after(self, failure: BaseException, stage: str, epoch: int) -> None:
+        """Undo the epoch after `stage` failed; if undoing fails too, the error names both (the first
+        failure is what the user and admin need to see)."""
+        try:
+            self.abort(epoch)
+        except CaptureError as undo:
+            raise CaptureError(f"stage {stage} failed: {failure}; then {undo}", epoch=epoch) from failure
 
     def _rollback(self, epoch: int, keep_images: bool) -> None:
         errors = []

@@ -257,6 +257,21 @@ def test_rollback_that_fails_names_the_stuck_process(three, driver):
     assert e.value.stuck == {61: "LOCKED"} and "pid 61 LOCKED" in str(e.value)
     assert isinstance(e.value.__cause__, GpuDriverError) and e.value.__cause__.pid == 62
     assert states(driver)[1:] == [ProcessState.RUNNING] * 2
+    assert "GPU checkpoint of pid 62 failed (" in str(e.value)     # the first failure, not only the rollback's
+
+
+def test_a_process_whose_gpu_state_the_driver_dropped_is_named_as_lost(three, driver):
+    """A GPU restore that fails and leaves the driver reporting NO_CUDA (seen with JAX on the H200): the error
+    names the restore as the first failure and says the process's GPU state is lost."""
+    three.lock_all(100)
+    three.checkpoint_all()
+    driver.fail_next("restore", 62)
+    driver.add_process(62, cuda=False)          # what the driver reports once the failed restore dropped it
+    with pytest.raises(GpuRollbackError) as e:
+        three.restore_all()
+    assert e.value.stuck == {62: "NO_CUDA"}
+    assert "GPU restore of pid 62 failed (" in str(e.value)
+    assert "pid 62 NO_CUDA (its GPU state is lost)" in str(e.value)
 
 
 def test_checkpoint_before_lock_is_refused(three, driver):

@@ -140,6 +140,17 @@ def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) 
     assert p.cgroup.state() == "THAWED"
 
 
+def test_a_failure_whose_undo_fails_too_is_reported_with_both(tmp_path: Path) -> None:
+    """The dump fails and the GPU restore of the undo fails as well: the error names the dump's failure first,
+    then what could not be undone."""
+    p, j, _ = make(tmp_path, gpu_fail="gpu-resume", criu_fail=True)
+    p.prepare(1)
+    with pytest.raises(CaptureError) as e:
+        p.capture(1)
+    assert str(e.value).startswith("stage dump failed: injected criu failure; then rollback incomplete: ")
+    assert "injected gpu-resume failure" in str(e.value) and p.failed_stage == "dump"
+
+
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:
     p, j, _ = make(tmp_path, gpu_fail="gpu-checkpoint")
     with pytest.raises(GpuError):

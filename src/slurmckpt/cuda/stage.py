@@ -49,8 +49,13 @@ class GpuRollbackError(GpuError):
 
     def __init__(self, message: str, stuck: dict[int, str], **context: object) -> None:
         self.stuck = stuck
-        super().__init__(f"{message}; left behind: " + ", ".join(f"pid {p} {s}" for p, s in stuck.items()),
+        super().__init__(f"{message}; left behind: " + ", ".join(f"pid {p} {_left(s)}" for p, s in stuck.items()),
                          **context)
+
+
+def _left(state: str) -> str:
+    # NO_CUDA after a checkpoint: the driver dropped the process's GPU state; it cannot run on correctly
+    return f"{state} (its GPU state is lost)" if state == "NO_CUDA" else state
 
 
 def _refuse_frozen(pid: int, cgroup_root: str, context: dict[str, Any] | None) -> None:
@@ -249,7 +254,8 @@ class GpuStage:
                 try:
                     self.rollback()
                 except GpuRollbackError as rb:
-                    raise rb from e
+                    raise GpuRollbackError(f"GPU {op} of pid {p.pid} failed ({e}); rolling back failed", rb.stuck,
+                                           **self.context) from e
                 raise
 
     def _stuck(self) -> dict[int, str]:
