@@ -69,6 +69,35 @@ def stage_of(proc: FakeProc, driver: FakeGpuDriver, pids: list[int], **kw):
 
 # ---- finding CUDA processes and refusing unsupported ones ----
 
+def test_a_jax_process_is_refused_before_anything_is_locked(proc, driver):
+    """JAX's GPU state did not survive the driver's capture and restore on the H200: a tree with a JAX process
+    (its libraries in /proc/PID/maps) is refused, naming JAX; a PyTorch one is not."""
+    proc.add(40, maps=["/venv/lib/python3.12/site-packages/jaxlib/xla_extension.so"])
+    proc.add(41, maps=["/venv/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so"])
+    driver.add_process(40)
+    driver.add_process(41)
+    with pytest.raises(GpuUnsupportedError, match=r"pid 40 runs JAX"):
+        stage_of(proc, driver, [40])
+    assert driver.calls == []
+    assert isinstance(stage_of(proc, driver, [41]), GpuStage)
+
+
+def test_a_process_forked_from_a_cuda_process_is_refused_before_anything_is_locked(proc, driver):
+    """A DataLoader-style worker forked after CUDA started maps /dev/nvidia* without a CUDA context (the driver
+    says NO_CUDA; criu failed on its mapping on the H200): the stage refuses, naming the worker and the fix,
+    and nothing was locked. A process holding only a device fd is no such case."""
+    proc.add(30)
+    proc.add(31, cuda=False, maps=["/dev/nvidia-uvm"], comm="pt_data_worker")
+    proc.add(32, cuda=False, fds=["/dev/nvidiactl"])
+    for pid, cuda in ((30, True), (31, False), (32, False)):
+        driver.add_process(pid, cuda=cuda)
+    with pytest.raises(GpuUnsupportedError) as e:
+        stage_of(proc, driver, [30, 31, 32])
+    assert e.value.reasons == [e.value.reasons[0]] and "pid 31 (pt_data_worker)" in e.value.reasons[0]
+    assert "multiprocessing_context='spawn'" in str(e.value)
+    assert driver.calls == [] and driver.state(30) is ProcessState.RUNNING
+    assert isinstance(stage_of(proc, driver, [30, 32]), GpuStage)
+
 def test_find_cuda_pids_by_scan_and_by_driver(proc, driver):
     proc.add(10, cuda=False)
     proc.add(11)

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from slurmckpt import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
+from slurmckpt.cuda.frameworks import framework_of
 
 NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
@@ -49,6 +50,24 @@ def ns_pid(pid: int) -> int | None:
 def uses_nvidia(pid: int) -> bool:
     """The process holds a /dev/nvidia* fd or mapping (every CUDA process does; a checkpointed one does not)."""
     return any(p.startswith("/dev/nvidia") for p in procfs.fd_links(pid) + _map_paths(pid))
+
+
+def maps_nvidia(pid: int) -> bool:
+    """The process maps a /dev/nvidia* device (a CUDA process does until its GPU checkpoint releases it)."""
+    return any(p.startswith("/dev/nvidia") for p in _map_paths(pid))
+
+
+def inherited_gpu_mappings(pid: int) -> str:
+    """Why CRIU cannot dump `pid`, a process the driver says holds no CUDA state yet which maps /dev/nvidia*:
+    it was forked from a CUDA process (PyTorch's DataLoader workers with the default 'fork' start method) and
+    kept its parent's device mappings, which no GPU checkpoint releases."""
+    try:
+        comm = procfs.comm(pid)
+    except OSError:
+        comm = "?"
+    return (f"pid {pid} ({comm}) maps GPU memory it holds no CUDA context for (forked from a CUDA process, "
+            "e.g. a PyTorch DataLoader worker): criu cannot dump device mappings; start such workers with "
+            "multiprocessing_context='spawn' or 'forkserver'")
 
 
 def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None) -> list[int]:
@@ -100,6 +119,10 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
                            f"checkpoint API (driver 580 answers CUDA_ERROR_NOT_SUPPORTED)")
         if any(p.startswith("/dev/shm/cuda.shm") for p in maps) or env.get("CUDA_MPS_PIPE_DIRECTORY"):
             reasons.append(f"pid {pid} is an MPS client: MPS is not supported by the CUDA checkpoint API")
+        if framework_of(pid) == "jax":
+            reasons.append(f"pid {pid} runs JAX, whose GPU state does not survive a checkpoint with driver 580 (seen "
+                           f"on an H200: the driver's restore after a capture drops it and the program crashes); "
+                           f"the job runs on without checkpoints (docs/gpu.md)")
         if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
             reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
