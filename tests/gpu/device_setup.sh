@@ -42,6 +42,11 @@ cp -r src tests "$STAGE"/
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 chmod -R a+rX "$STAGE"
 export PYTHONPATH=$STAGE/src:$STAGE PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# zstandard (the image has none) beside our sources, before the import check below (which would otherwise
+# fail and chmod the image's whole venv, minutes on a fresh machine): the image's Python stays as it is
+"$PY" -c 'import zstandard' 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --no-compile \
+  --target "$STAGE/src" .carry/whl/*.whl
+chmod -R a+rX "$STAGE"
 uid=$(id -u "$DEVICE_USER"); gid=$(id -g "$DEVICE_USER")
 asuser() { /usr/bin/setpriv --reuid="$uid" --regid="$gid" --clear-groups "$@"; }
 probe='import slurmckpt.wrapper, yaml, xxhash, click, sys; print("user imports OK", sys.executable)'

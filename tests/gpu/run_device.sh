@@ -9,7 +9,8 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src PYTHONDONTWRITEBYTECODE=1
-export SLURMCKPT_CRIU=$PWD/.carry/criu/criu
+if [ -x /usr/local/sbin/criu ]; then export SLURMCKPT_CRIU=/usr/local/sbin/criu   # device_setup.sh's
+else export SLURMCKPT_CRIU=$PWD/.carry/criu/criu; fi
 W=/var/tmp/slurmckpt-gpu
 criu() { LD_LIBRARY_PATH=$PWD/.carry/criu "$SLURMCKPT_CRIU" "$@"; }
 for phase in "$@"; do
