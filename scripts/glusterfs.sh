@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # The image store of the test cluster on a real shared file system: a GlusterFS volume (Debian's glusterd +
-# one brick on local disk), mounted through FUSE at storage_root on the host and, in multi-node mode, by
+# one brick on local disk), for a multi-node cluster: mounted through FUSE at storage_root on the host and by
 # each node itself (its own client, over its own network namespace), the way every node of a real cluster
 # mounts its NFS or Lustre. Sourced by scripts/cluster.sh. The kernels here have no NFS client (`nfs` is
 # absent from /proc/filesystems); where one exists, an NFS export at storage_root works the same way
@@ -32,9 +32,10 @@ start_glusterd() {
     gluster --mode=script volume list
 }
 
-# SLURMCKPT_STORE_FS=local keeps the store a plain local directory (a one-node cluster in a test root of
-# another Slurm version, scripts/slurm-suite.sh); default glusterfs.
-store_fs() { echo "${SLURMCKPT_STORE_FS:-glusterfs}"; }
+# SLURMCKPT_STORE_FS=local keeps the store a plain local directory; default: glusterfs for a multi-node
+# cluster, local for one node (`make demo`: its slurmd is the host itself, and the volume's brick address
+# lives on the nodes' bridge, which a one-node cluster has not).
+store_fs() { echo "${SLURMCKPT_STORE_FS:-$(is_multi && echo glusterfs || echo local)}"; }
 
 start_storage() { # glusterd, the volume, and the host's mount at storage_root
   local root; root=$(storage_root)
@@ -72,8 +73,8 @@ storage_source() { echo "$NET_HOST_IP:/$GLUSTER_VOLUME"; }   # what each node mo
 stop_storage() {
   local root; root=$(storage_root)
   release_dead_mount "$root"
-  [ "$(store_fs)" != local ] || return 0
-  if mountpoint -q "$root"; then umount -l "$root" || true; fi
+  # whatever the mode: a volume a multi-node run left mounted and served goes (a one-node restart after it)
+  if [ "$(findmnt -rno FSTYPE --mountpoint "$root" 2>/dev/null)" = fuse.glusterfs ]; then umount -l "$root" || true; fi
   if [ -n "$(pid_of "$GLUSTER_PID" glusterd)" ]; then
     gluster_cli volume stop "$GLUSTER_VOLUME" >/dev/null 2>&1 || true
     stop_pidfile "$GLUSTER_PID" glusterd 20
