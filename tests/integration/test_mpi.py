@@ -75,48 +75,17 @@ def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_
     assert "restored from checkpoint" not in job.text() and job.restarts() == 0
 
 
-@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=1)
-def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run() -> None:
-    """MPICH (Debian's, ch4:ucx) ranks started by `srun --mpi=pmi2 -n2`, each its own task with its own agent
-    and PID namespace, captured at one cut with the batch step: each rank holds its PMI socket to
-    slurmstepd (handed into the tree, dumped as external, replaced by the new step's at the restore) and
-    talks to the other rank over TCP on the node's address. Requeued twice mid-run: every step is printed
-    exactly once (no restart from step 0), MPI_Finalize's PMI barrier and finalize succeed against the new
-    slurmstepd (srun exits 0), and the ring's checksum equals an uninterrupted run's (mpiexec, outside
-    Slurm)."""
-    wd = build("mpich-srun", "mpicc.mpich")
+def mpich_ring_requeued_twice(name: str, srun_opts: str, *placement: str):
+    """The MPICH ring under `srun --mpi=pmi2 SRUN_OPTS` in a job placed by `placement` (sbatch options),
+    requeued after a periodic capture (batch + 2 ranks) of each of its first two starts; returns the finished
+    job after checking that every step printed once, in order, and the checksum equals an uninterrupted
+    run's."""
+    wd = build(name, "mpicc.mpich")
     out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
     ref = [l for l in out.splitlines() if l.startswith("final ")]
     assert ref, out
-    job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -n2 ./mpi_ring 300 100\necho srun exit $?\n",
-                 "-J", "mpich-srun", "-n2", "-N1", "-w", "node1", "--checkpoint-interval=10s")
-    for restart in (1, 2):      # each requeue after a periodic capture of this start (batch + 2 ranks)
-        commits = len(re.findall(r"committed \(interval\): 3 rank", job.text())) + 1
-        job.wait_output(r"committed \(interval\): 3 rank", commits, timeout=180)
-        assert "final " not in job.text(), "the ring ended before the requeue"
-        job.requeue()
-        job.wait_output(r"0\.1\]: restored from checkpoint epoch", restart, timeout=240)
-        job.wait_output(r"0\.0\]: restored from checkpoint epoch", restart, timeout=60)
-    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
-    steps, result = ring_lines(job)
-    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
-    assert result == ref, (result, ref)
-    assert job.text().count("srun exit 0") == 1 and "PMI" not in job.text(), job.text()[-3000:]
-    assert job.restarts() == 2
-
-
-@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=2)
-def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted_run() -> None:
-    """MPICH ranks on two nodes (`srun --mpi=pmi2 -N2 -n2`) talk TCP between the nodes' own addresses:
-    both ends are frozen at the barrier and captured, and after each requeue (Slurm places the job on the
-    same nodes) each end is restored on its node and held until the other is back. Every step is printed
-    exactly once and the ring's checksum equals an uninterrupted run's."""
-    wd = build("mpich-2nodes", "mpicc.mpich")
-    out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
-    ref = [l for l in out.splitlines() if l.startswith("final ")]
-    assert ref, out
-    job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -N2 -n2 ./mpi_ring 300 100\necho srun exit $?\n",
-                 "-J", "mpich-2n", "-N2", "-n2", "-w", "node1,node2", "--checkpoint-interval=10s")
+    job = submit(USER, wd, f"#!/bin/bash\nsrun --mpi=pmi2 {srun_opts} ./mpi_ring 300 100\necho srun exit $?\n",
+                 "-J", name, *placement, "--checkpoint-interval=10s")
     for restart in (1, 2):
         commits = len(re.findall(r"committed \(interval\): 3 rank", job.text())) + 1
         job.wait_output(r"committed \(interval\): 3 rank", commits, timeout=180)
@@ -128,5 +97,28 @@ def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted
     steps, result = ring_lines(job)
     assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
     assert result == ref, (result, ref)
-    assert job.text().count("srun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
     assert job.restarts() == 2
+    return job
+
+
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=1)
+def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run() -> None:
+    """MPICH (Debian's, ch4:ucx) ranks started by `srun --mpi=pmi2 -n2`, each its own task with its own agent
+    and PID namespace, captured at one cut with the batch step: each rank holds its PMI socket to
+    slurmstepd (handed into the tree, dumped as external, replaced by the new step's at the restore) and
+    talks to the other rank over TCP on the node's address. Requeued twice mid-run: every step is printed
+    exactly once (no restart from step 0), MPI_Finalize's PMI barrier and finalize succeed against the new
+    slurmstepd (srun exits 0), and the ring's checksum equals an uninterrupted run's (mpiexec, outside
+    Slurm)."""
+    job = mpich_ring_requeued_twice("mpich-srun", "-n2", "-n2", "-N1", "-w", "node1")
+    assert job.text().count("srun exit 0") == 1 and "PMI" not in job.text(), job.text()[-3000:]
+
+
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=2)
+def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted_run() -> None:
+    """MPICH ranks on two nodes (`srun --mpi=pmi2 -N2 -n2`) talk TCP between the nodes' own addresses:
+    both ends are frozen at the barrier and captured, and after each requeue (Slurm places the job on the
+    same nodes) each end is restored on its node and held until the other is back. Every step is printed
+    exactly once and the ring's checksum equals an uninterrupted run's."""
+    job = mpich_ring_requeued_twice("mpich-2n", "-N2 -n2", "-N2", "-n2", "-w", "node1,node2")
+    assert job.text().count("srun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
