@@ -5,18 +5,25 @@
 # real `sbatch --checkpoint-interval` jobs, each captured periodically, `scontrol requeue`d mid-run and
 # restored:
 #   A  CPU, 300 MiB held: where the tree sits (/proc/PID/cgroup), scontrol listpids, sstat MaxRSS/CPU,
-#      scontrol suspend/resume, scancel and Slurm's cgroup cleanup, before and after the restore;
+#      scontrol suspend/resume (output lines and the cgroup's CPU time while suspended), scancel and Slurm's
+#      cgroup cleanup, before and after the restore;
 #   M  --mem=400M, grows past it only after the restore: Slurm's memory limit holds for the restored tree;
+#   D  no --gres: opens /dev/nvidia0 every step (workload_devices.py): ConstrainDevices denies it before and
+#      after the restore (the same program run outside Slurm may open it);
+#   L  --gres=gpu:1 holding 100 GiB on the GPU (workload_hold.py): what the capture says about that size;
 #   G  PyTorch training (tests/gpu/workload_train.py)        J  JAX training (workload_jax.py)
 #   C  CuPy iteration (workload_cupy.py)                     P  PyTorch CUDA graph + DataLoader worker pool
-#                                                               (workload_graph_loader.py)
+#                                                               started by spawn (workload_graph_loader.py)
 #   each GPU job's step lines are compared with an uninterrupted run of the same program (run beside, as
 #   root, outside Slurm): IDENTICAL or the first difference.
 #   prepare (Debian 12 dev machine): tests/gpu/carry.sh     run there: bash tests/gpu/real_slurm.sh
 # Output: $OUT/real-slurm.txt (written as it goes: a cut-off run still returns what it saw) and
 # $OUT/real-slurm-logs.tar.gz (job outputs, agent logs, slurmd log). sacct needs slurmdbd + a database, which
 # the machine has not: sstat's CPU columns stand in for TotalCPU.
+#   RS_GPU_JOBS="J" runs only those GPU jobs (default "G J C P"), RS_LARGE=0 leaves L out; RS_ALLOW_JAX=1
+#   removes the JAX refusal from the staged copy (an experiment: what a JAX job's capture does under Slurm).
 set -u
+GPU_JOBS=${RS_GPU_JOBS:-G J C P}
 OUT=${OUT:-/tmp/real-slurm-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/real-slurm.txt") 2>&1
 T0=$SECONDS
@@ -27,6 +34,8 @@ say "slurm (tests/gpu/slurm_config.sh), slurmckpt staged"
 bash tests/gpu/slurm_config.sh .carry/slurmdebs 2>&1 | tail -3
 DEVICE_USER=ckptgpu STAGE=/opt/slurmckpt-stage PY=$(command -v python3)
 . tests/gpu/device_setup.sh >/dev/null
+[ "${RS_ALLOW_JAX:-0}" = 1 ] && sed -i 's/if framework_of(pid) == "jax":/if False:  # RS_ALLOW_JAX/' \
+  "$STAGE/src/slurmckpt/cuda/procscan.py" && echo "EXPERIMENT: the JAX refusal is off in $STAGE"
 install -D -m 755 -t /usr/local/lib/slurmckpt .carry/slurmckpt_spank.so .carry/proctrack_slurmckpt.so
 mkdir -p /opt/slurmckpt/venv/bin
 ep() { printf '#!%s\nimport sys\nsys.path.insert(0, "%s/src")\nfrom %s import main\nsys.exit(main())\n' \
@@ -39,19 +48,20 @@ grep -E '^(ProctrackType|TaskPlugin|JobAcctGatherType|KillWait)' /etc/slurm/slur
 (cd /tmp && asuser "$PY" -c 'import zstandard, pynvml, slurmckpt.wrapper; print("zstandard", zstandard.__version__, "pynvml ok")')
 
 H=/home/$DEVICE_USER/rs; rm -rf "$H"; mkdir -p "$H/ref"    # a second run must not append to the first's outputs
-cp "$STAGE"/tests/integration/workloads/memhog.py "$STAGE"/tests/gpu/workload_{train,jax,cupy,graph_loader}.py "$H/"
+cp "$STAGE"/tests/integration/workloads/memhog.py "$STAGE"/tests/gpu/workload_{train,jax,cupy,graph_loader,devices,hold}.py "$H/"
+mkdir -p "$H/ctlL"
 chown -R "$DEVICE_USER": "$H"
 TORCH_ENV=CUBLAS_WORKSPACE_CONFIG=:4096:8
 JAX_ENV="XLA_FLAGS=--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
-declare -A PROG=([G]=workload_train.py [J]=workload_jax.py [C]=workload_cupy.py [P]=workload_graph_loader.py)
+declare -A PROG=([G]=workload_train.py [J]=workload_jax.py [C]=workload_cupy.py [P]="workload_graph_loader.py --mp spawn")
 declare -A ENVS=([G]=$TORCH_ENV [J]=$JAX_ENV [C]="" [P]=$TORCH_ENV)
-GPU_STEPS=${GPU_STEPS:-250}
+GPU_STEPS=${GPU_STEPS:-200}
 
 say "uninterrupted reference runs (beside, outside Slurm, as the user)"
 REF_PIDS=()
-for j in G J C P; do
+for j in $GPU_JOBS; do
   (cd "$H" && runuser -u "$DEVICE_USER" -- env ${ENVS[$j]:+"${ENVS[$j]}"} XLA_PYTHON_CLIENT_PREALLOCATE=false \
-     "$PY" "${PROG[$j]}" --steps "$GPU_STEPS" > "$H/ref/$j.out" 2>&1; echo "rc=$?" >> "$H/ref/$j.out") &
+     "$PY" ${PROG[$j]} --steps "$GPU_STEPS" > "$H/ref/$j.out" 2>&1; echo "rc=$?" >> "$H/ref/$j.out") &
   REF_PIDS+=($!)
 done
 
@@ -72,9 +82,24 @@ view() {   # JOB WHEN: Slurm's view of the checkpointed job
   echo "  memory.max job=$(cat "$jc/memory.max") memory.peak task=$(cat "$cg/memory.peak" 2>/dev/null)" \
        "cpuset job=$(cat "$jc/cpuset.cpus.effective") devices: $(ls "$jc" | grep -c bpf || true)"
 }
-suspended() {   # JOB NAME: do the steps advance while Slurm has the job suspended?
-  scontrol suspend "$1"; sleep 1; local s1; s1=$(steps "$2"); sleep 4; local s2; s2=$(steps "$2"); scontrol resume "$1"
-  echo "scontrol suspend: memhog step $s1 -> $s2 in 4 s ($( [ "$s1" = "$s2" ] && echo STOPPED || echo MOVED))"
+usage() { awk '/^usage_usec/ {print $2}' "$1/cpu.stat"; }
+lines() { wc -l < "$H/$1.out"; }
+suspended() {   # JOB NAME: does the workload stop while Slurm has the job suspended, and run again after?
+  # Slurm's suspend sends SIGTSTP, waits, then stops the step (cgroup freeze on v2): measured from 3 s after
+  local cg l0 l1 l2 l3 u1 u2 u3; cg=$(taskcg "$1")
+  [ -n "$cg" ] || { echo "scontrol suspend: no task cgroup for job $1"; return; }
+  l0=$(lines "$2"); sleep 2; l1=$(lines "$2")
+  echo "  running: $((l1 - l0)) output lines in 2 s"
+  scontrol suspend "$1"; sleep 3
+  l1=$(lines "$2"); u1=$(usage "$cg"); sleep 4; l2=$(lines "$2"); u2=$(usage "$cg")
+  echo "  suspended: squeue state '$(jstate "$1")', frozen: step $(awk '/frozen/ {print $2}' "${cg%/user/*}/cgroup.events")" \
+       "user $(awk '/frozen/ {print $2}' "${cg%/task_0}/cgroup.events") task $(awk '/frozen/ {print $2}' "$cg/cgroup.events")," \
+       "task states: $(for p in $(cat "$cg/cgroup.procs"); do awk '{printf "%s ", $3}' /proc/$p/stat; done)"
+  scontrol resume "$1"; sleep 3; l3=$(lines "$2"); u3=$(usage "$cg")
+  local verdict=STOPPED; { [ "$l1" != "$l2" ] || [ $((u2 - u1)) -gt 50000 ]; } && verdict=MOVED
+  local after="RUNS AGAIN"; [ "$l2" = "$l3" ] && after="STILL STOPPED"
+  echo "scontrol suspend: $((l2 - l1)) output lines and $(( (u2 - u1) / 1000 )) ms CPU in 4 s suspended ($verdict);" \
+       "after resume: $((l3 - l2)) lines, $(( (u3 - u2) / 1000 )) ms CPU in 3 s ($after)"
 }
 gpu_cycle() {  # NAME JOBID: periodic capture, requeue mid-run, restore, run to the end; own log
   local n=$1 id=$2 end=$((T0 + DEADLINE))
@@ -90,26 +115,43 @@ gpu_cycle() {  # NAME JOBID: periodic capture, requeue mid-run, restore, run to 
   } > "$OUT/cycle-$n.txt" 2>&1
 }
 
-say "submit A (300 MiB memhog), M (--mem=400M, grows from step 350), G J C P (one GPU each, in turn)"
+say "submit A (300 MiB memhog), M (--mem=400M, grows from step 350), D (devices), L (100 GiB GPU), G J C P (one GPU each)"
 A=$(sub -J rsA -o A.out --mem=1G --checkpoint-interval=10s --wrap "python3 memhog.py --mb 300 --steps 900 --sleep 0.2")
 M=$(sub -J rsM -o M.out --mem=400M --checkpoint-interval=10s --wrap "python3 memhog.py --mb 100 --steps 900 --sleep 0.2 --grow-after 350")
+D=$(sub -J rsD -o D.out --mem=1G --checkpoint-interval=10s --wrap "$PY workload_devices.py --steps 600 --sleep 0.2")
+(cd "$H" && runuser -u "$DEVICE_USER" -- "$PY" workload_devices.py --steps 1 > "$H/ref/D.out" 2>&1)
 declare -A ID
-for j in G J C P; do
+for j in $GPU_JOBS; do
   ID[$j]=$(sub -J "rs$j" -o "$j.out" --mem=24G --gres=gpu:1 --checkpoint-interval=10s \
            --export="ALL${ENVS[$j]:+,${ENVS[$j]}}" --wrap "$PY ${PROG[$j]} --steps $GPU_STEPS --sleep 0.1")
 done
-echo "jobs: A=$A M=$M G=${ID[G]} J=${ID[J]} C=${ID[C]} P=${ID[P]}"
+echo "jobs: A=$A M=$M D=$D $(for j in $GPU_JOBS; do printf '%s=%s ' "$j" "${ID[$j]}"; done)"
+[ "${RS_LARGE:-1}" = 1 ] && L=$(sub -J rsL -o L.out --mem=24G --gres=gpu:1 --checkpoint-interval=10s --wrap "$PY workload_hold.py --gib 100 --tick 0.5 --ctl $H/ctlL")
+large_check() {   # L runs after the other GPU jobs (one GPU): what its capture says, then cancel it
+  waitout L 'refused|FAILED|ABORTED|committed' $((T0 + DEADLINE - SECONDS)) > "$OUT/cycle-L.txt" 2>&1
+  { echo "[$((SECONDS - T0))s] L (100 GiB on the GPU, --mem=24G):"; grep -vE '^hb ' "$H/L.out" | tail -6
+    scancel "$L"; } >> "$OUT/cycle-L.txt" 2>&1
+}
 CYCLE_PIDS=()
-for j in G J C P; do gpu_cycle "$j" "${ID[$j]}" & CYCLE_PIDS+=($!); done
+for j in $GPU_JOBS; do gpu_cycle "$j" "${ID[$j]}" & CYCLE_PIDS+=($!); done
+[ "${RS_LARGE:-1}" = 1 ] && { large_check & CYCLE_PIDS+=($!); }
 
 waitout A 'committed \(interval\)|failed|refused|ABORTED' 40
 view "$A" "before the restore"
 grep -v '^memhog step' "$H/A.out" | tail -3
-say "requeue A and M (final capture, requeue, restore)"
-scontrol requeue "$A"; scontrol requeue "$M"
-waitout A 'restored from checkpoint epoch' 90; sleep 3
+say "scontrol suspend/resume of A before its restore"; suspended "$A" A
+waitout D 'committed \(interval\)|failed|refused|ABORTED' 40
+say "requeue A, M and D (final capture, requeue, restore)"
+scontrol requeue "$A"; scontrol requeue "$M"; scontrol requeue "$D"
+waitout A 'restored from checkpoint epoch' 90; sleep 5
 view "$A" "after the restore"
-suspended "$A" A
+say "scontrol suspend/resume of A after its restore"; suspended "$A" A
+waitout D 'restored from checkpoint epoch' 60; sleep 3
+say "D (no --gres, ConstrainDevices=yes): /dev/nvidia0 from the job's own tree"
+grep -vE '^devices step' "$H/D.out" | tail -4
+awk '/restored from checkpoint epoch/ {r=1} /^devices step/ {split($4, a, "="); n[(r ? "after" : "before") " the restore: " a[2]]++}
+     END {for (k in n) print "  " k " x" n[k]}' "$H/D.out" | sort
+echo "  the same program outside Slurm, as the same user: $(grep '^devices step' "$H/ref/D.out")"
 pidsA=$(cat "$(taskcg "$A")/cgroup.procs"); jcA=$(dirname "$(dirname "$(dirname "$(taskcg "$A")")")")
 say "scancel $A"
 scancel "$A"; for _ in $(seq 15); do [ -z "$(jstate "$A")" ] && break; sleep 1; done; sleep 1
@@ -119,10 +161,11 @@ say "M (--mem=400M) after its restore: $(grep -c 'restored from checkpoint' "$H/
 for _ in $(seq 20); do [ -z "$(jstate "$M")" ] && break; sleep 1; done
 echo "M: state now '$(jstate "$M")', last memhog step $(steps M); $(grep -iE 'oom|out of memory|killed' "$H/M.out" | tail -2)"
 
+scancel "$D"
 say "waiting for the GPU jobs' cycles (deadline ${DEADLINE}s)"
 wait "${CYCLE_PIDS[@]}" "${REF_PIDS[@]}"     # (a bare wait would also wait for the tee above)
-for j in G J C P; do
-  say "GPU job $j (${PROG[$j]}, job ${ID[$j]})"; cat "$OUT/cycle-$j.txt"
+for j in $GPU_JOBS; do
+  say "GPU job $j (${PROG[$j]}, job ${ID[$j]})"; cat "$OUT/cycle-$j.txt"; rm -f "$OUT/cycle-$j.txt"
   grep -vE '^step [0-9]+ ' "$H/$j.out" | tail -8
   if cmp -s <(grep -E '^step [0-9]+ ' "$H/$j.out") <(grep -E '^step [0-9]+ ' "$H/ref/$j.out"); then
     echo "$j RESULT: IDENTICAL to the uninterrupted run ($(grep -cE '^step [0-9]+ ' "$H/$j.out") step lines)" \
@@ -133,6 +176,7 @@ for j in G J C P; do
     tail -3 "$H/ref/$j.out"
   fi
 done
+[ "${RS_LARGE:-1}" = 1 ] && { say "L: job $L"; cat "$OUT/cycle-L.txt"; rm -f "$OUT/cycle-L.txt"; }
 squeue; scancel -u "$DEVICE_USER"
 echo "--- slurmd.log errors"; grep -iE "error|rmdir|unable" /var/log/slurm/slurmd.log | tail -8
 tar -czf "$OUT/real-slurm-logs.tar.gz" -C / "${H#/}" var/log/slurm var/log/slurmckpt 2>/dev/null
