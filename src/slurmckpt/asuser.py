@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Callable
 
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.launch import Credentials
@@ -60,3 +61,35 @@ def open_expected(creds: Credentials, path: str, flags: int, dev: int, ino: int,
         raise PermissionDenied(f"{what} {path} is not the file the task has open (replaced or a link to "
                                "another file)", uid=creds.uid)
     return fd
+
+
+def run_as_user(creds: Credentials, action: Callable[[], None], what: str) -> None:
+    """Run `action` (plain system calls: the agent may hold other threads' locks) in a child that has
+    dropped to the job user's credentials; PermissionDenied with `what` and the child's error if it failed.
+    Fds the caller opened before stay usable in the child (e.g. a root-owned image file to copy from)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        message = b"ok"
+        try:
+            os.setgroups(list(creds.groups))
+            os.setgid(creds.gid)
+            os.setuid(creds.uid)
+            action()
+        except OSError as e:
+            message = f"{e.strerror}{': ' + str(e.filename) if e.filename else ''}".encode()
+        except BaseException as e:  # noqa: BLE001
+            message = repr(e).encode()
+        try:
+            os.write(w, message[:1000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            answer = f.read()
+    finally:
+        os.waitpid(pid, 0)
+    if answer != b"ok":
+        raise PermissionDenied(f"{what}: {answer.decode(errors='replace') or 'no answer'}", uid=creds.uid)

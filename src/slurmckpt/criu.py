@@ -15,7 +15,7 @@ from slurmckpt.errors import CriuError
 MIN_VERSION = (4, 1)
 
 # Options every dump and restore shares. --tcp-established: loopback/peer TCP inside the tree is restored;
-# --ext-unix-sk: sockets to daemons outside (syslog, nscd); --file-locks; --link-remap: open unlinked files;
+# --ext-unix-sk: sockets to daemons outside (syslog, nscd); --file-locks;
 # --manage-cgroups=ignore: the tree lives in our freezer cgroup, which the agent manages itself.
 COMMON = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
 
@@ -29,7 +29,7 @@ class InheritedFd:
 
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0, external: list[str] | None = None) -> float: ...
+             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
                 tcp_close: list[int] = ()) -> int: ...
@@ -54,16 +54,20 @@ class CriuDriver:
         return p.returncode == 0, (p.stdout + p.stderr).strip()
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0, external: list[str] | None = None) -> float:
+             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
         ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
-        socket whose peer stays outside (the PMI socket, pmi.py), handed in again at the restore."""
+        socket whose peer stays outside (the PMI socket, pmi.py), handed in again at the restore. `link_remap`:
+        files held by a removed name that has another name (sem_open's) are linked to link_remap.N for the
+        dump (shm_files.py puts those links back before the restore)."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON]
         for res in external or []:
             args += ["--external", res]
         if ghost_limit:
             args += ["--ghost-limit", str(ghost_limit)]
+        if link_remap:
+            args.append("--link-remap")
         if leave_running:
             args.append("--leave-running")
         if freezer is not None:

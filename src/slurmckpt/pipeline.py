@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, capture_checks, ghost, ipc, netlock, pmi, procfs, proctree, rank_images
+from slurmckpt import asuser, capture_checks, ghost, ipc, netlock, pmi, procfs, proctree, rank_images, shm_files
 from slurmckpt.criu import CheckpointEngine
 from slurmckpt.errors import CaptureError, SlurmckptError
 from slurmckpt.footprint import Footprint, measure as measure_footprint
@@ -210,6 +210,8 @@ def _record(p: RankPipeline, epoch: int) -> None:
     pids = p.cgroup.pids()
     ghosts = [] if p.replay else proctree.deleted_files(pids)
     p.ghost_limit = ghost.limit_for(ghosts, p.ghost_limit_max, step=p.step, rank=p.rank)
+    shm = [] if p.replay else shm_files.held(pids, p.creds.uid)
+    shm_files.require_room(shm, p.ghost_limit_max, step=p.step, rank=p.rank)
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
     outputs = {t.link for t in stdio if t.regular}
     replay = p.replay
@@ -228,6 +230,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "tcp_ranks": [] if replay else netlock.still_established(pids, p.tcp_peers),
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
+        "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch)),
         "pmi": [] if replay else _pmi_socket(p, pids),
         **({} if replay else capture_checks.tcp_leaving_the_node(p, pids)),
     }
@@ -274,7 +277,10 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
                                                freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
-                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]])
+                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]],
+                                               link_remap=any(e["removed"] for e in p.record["shm_files"]))
+        shm_files.note_remaps(p.record["shm_files"], rdir)
+        shm_files.remove_links(p.creds, p.record["shm_files"])     # put back by the restore, on any node
         if not p.final and p.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen
             raise CaptureError("tree was thawed by the dump", epoch=epoch)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images
+from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images, shm_files
 from slurmckpt.criu import InheritedFd
 from slurmckpt.errors import PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.launch import Credentials
@@ -45,6 +45,10 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
     if manifest["kind"] == "replay":
         return None, manifest
     _truncate_written_files(manifest["truncate"], p.creds)
+    try:
+        shm_files.put_back(p.creds, manifest.get("shm_files", []), rdir)
+    except PermissionDenied as err:
+        raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=p.step, rank=p.rank) from err
     inherit, seen = [], set()
     for entry in manifest["stdio"]:
         if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))):
@@ -78,6 +82,7 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
     except BaseException:
         hold.release()
+        _quietly(shm_files.remove_links, p.creds, manifest.get("shm_files", []))
         raise
     hold.after_restore()
     try:
@@ -91,6 +96,13 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         raise RestoreError(f"GPU restore failed: {e}", step=p.step, rank=p.rank) from e
     p.root_pid = pid
     return pid, manifest
+
+
+def _quietly(action, *args) -> None:
+    try:
+        action(*args)
+    except SlurmckptError as e:
+        log.warning("%s", e)
 
 
 def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import pwd
 import re
 import sys
 from pathlib import Path
@@ -66,6 +67,41 @@ def test_python_multiprocessing_pool_with_numpy_resumes_with_the_uninterrupted_r
     assert f"mp_numpy result {expected}" in job.text()
     assert "pool exit 0" in job.text()
     assert job.restarts() == 2
+
+
+@pytest.mark.coverage(program="Python multiprocessing pool (2 spawn workers, semaphores in /dev/shm) + numpy",
+                       package="python3-numpy", launcher="sbatch", nodes=1)
+def test_spawn_pool_restores_with_its_dev_shm_semaphores_removed_in_between() -> None:
+    """A pool of spawn-started workers shares named POSIX semaphores, files in the node's /dev/shm that
+    the parent maps by a name glibc already removed. Requeued and held after the final capture, the job's
+    /dev/shm files are deleted (as on another node or after a reboot): the restore puts them back, the
+    pool runs on without a restart, and after a second requeue the final checksum equals an uninterrupted
+    run's."""
+    wd = workdir(USER, "mp-spawn")
+    prog = "python3 mp_numpy.py --rounds 150 --workers 2 --sleep 0.2 --start spawn"
+    ref = run("bash", "-c", prog.replace("--sleep 0.2", "--sleep 0"), user=USER, cwd=wd, timeout=120).stdout
+    expected = re.search(r"mp_numpy result (\w+)", ref).group(1)
+    job = submit(USER, wd, f"#!/bin/bash\n{prog}\necho pool exit $?\n", "-c2", "--checkpoint-interval=10s")
+    job.wait_output(r"committed \(interval\)", timeout=180)
+    uid = pwd.getpwnam(USER).pw_uid
+    assert [f for f in Path("/dev/shm").glob("sem.*") if f.stat().st_uid == uid], "no semaphore in /dev/shm"
+    run("scontrol", "requeuehold", str(job.id))          # final capture, then held
+    job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
+    gone = [f for f in Path("/dev/shm").iterdir() if f.stat().st_uid == uid]
+    run("rm", "-f", *map(str, gone), user=USER)
+    assert gone and not any(f.exists() for f in gone)
+    run("scontrol", "release", str(job.id))
+    job.wait_output(r"restored from checkpoint epoch", timeout=240)
+    job.wait_output(r"committed \(interval\)", 2, timeout=180)
+    job.requeue()
+    job.wait_output(r"restored from checkpoint epoch", 2, timeout=240)
+    assert job.wait_done(timeout=300) == "COMPLETED", job.text()[-2000:]
+    rounds = [int(m.group(1)) for m in re.finditer(r"^mp_numpy round (\d+)$", job.text(), re.M)]
+    assert rounds == list(range(150)), f"rounds not printed exactly once: {rounds[:5]}...{rounds[-5:]}"
+    assert f"mp_numpy result {expected}" in job.text()
+    assert "pool exit 0" in job.text()
+    assert job.restarts() == 2
+    assert not list(Path("/dev/shm").glob("link_remap.*")), "criu's temporary links were left in /dev/shm"
 
 
 @pytest.mark.coverage(program="batch script running three srun steps (requeued in the second)",

@@ -94,7 +94,7 @@ class FakeEngine:
     fail: bool = False
     ghost_limit: int = -1
 
-    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None):
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False):
         self.journal.events.append("dump")
         self.ghost_limit = ghost_limit
         if self.fail:

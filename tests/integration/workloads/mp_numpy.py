@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""A Python multiprocessing pool doing numpy work: --workers processes (fork start method, pipes and POSIX
-semaphores between them) compute per-chunk matrix products round after round; the parent folds every
+"""A Python multiprocessing pool doing numpy work: --workers processes (--start fork, spawn or forkserver;
+pipes and POSIX semaphores between them: with spawn and forkserver the semaphores are named files in
+/dev/shm) compute per-chunk matrix products round after round; the parent folds every
 result into a running checksum. Prints `mp_numpy round N` per round and `mp_numpy result R` at the end: a
 lost, repeated or reordered round, or a worker restored with the wrong state, changes R."""
 from __future__ import annotations
@@ -32,9 +33,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=150)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--sleep", type=float, default=0.2)
+    ap.add_argument("--start", choices=("fork", "spawn", "forkserver"), default="fork")
     a = ap.parse_args()
     digest = hashlib.sha256()
-    with mp.get_context("fork").Pool(a.workers, initializer=_init, initargs=(7,)) as pool:
+    with mp.get_context(a.start).Pool(a.workers, initializer=_init, initargs=(7,)) as pool:
         for rnd in range(a.rounds):
             for part in pool.map(_chunk, [(rnd, i) for i in range(8)]):
                 digest.update(part)

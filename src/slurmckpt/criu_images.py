@@ -1,0 +1,84 @@
+"""Reading what criu wrote: the few image records slurmckpt needs, without crit or pycriu.
+
+An image file is two 32-bit magics, then entries, each a 32-bit little-endian length and a protobuf message
+(criu/images/*.proto). Only varint and length-delimited fields occur in the messages read here.
+"""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Iterator
+
+# criu/images/fdinfo.proto FileEntry: type = 1, id = 2, reg = 3; regfile.proto RegFileEntry: id = 1, name = 6
+# remap-file-path.proto RemapFilePathEntry: orig_id = 1, remap_id = 2, remap_type = 3 (LINKED = 0)
+REMAP_LINKED = 0
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+            yield number, value
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            yield number, buf[i:i + n]
+            i += n
+        elif wire == 5:
+            yield number, struct.unpack_from("<I", buf, i)[0]
+            i += 4
+        elif wire == 1:
+            yield number, struct.unpack_from("<Q", buf, i)[0]
+            i += 8
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+
+
+def _entries(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    i = 8                                    # two magics
+    while i + 4 <= len(data):
+        (n,) = struct.unpack_from("<I", data, i)
+        yield data[i + 4:i + 4 + n]
+        i += 4 + n
+
+
+def regular_file_names(images: Path) -> dict[int, str]:
+    """files.img: id -> path of every regular-file record."""
+    out: dict[int, str] = {}
+    if not (images / "files.img").exists():
+        return out
+    for entry in _entries(images / "files.img"):
+        for number, value in _fields(entry):
+            if number == 3 and isinstance(value, bytes):
+                reg = dict(_fields(value))
+                if isinstance(reg.get(6), bytes):
+                    out[int(reg.get(1, 0))] = reg[6].decode(errors="surrogateescape")
+    return out
+
+
+def linked_remaps(images: Path) -> list[tuple[str, str]]:
+    """(name the file had, temporary name criu linked it to) for every file criu dumped with --link-remap:
+    a file the tree holds by a name that was removed while another name of it remains."""
+    if not (images / "remap-fpath.img").exists():
+        return []
+    names = regular_file_names(images)
+    out = []
+    for entry in _entries(images / "remap-fpath.img"):
+        rec = dict(_fields(entry))
+        if int(rec.get(3, REMAP_LINKED)) == REMAP_LINKED and rec.get(1) in names and rec.get(2) in names:
+            out.append((names[rec[1]], names[rec[2]]))
+    return out

@@ -1,0 +1,139 @@
+"""Files in /dev/shm a tree holds (shm_files.py) and the criu image records read for them (criu_images.py)."""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from slurmckpt import criu_images, shm_files
+from slurmckpt.errors import CaptureError
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def _field(number: int, value: int | bytes) -> bytes:
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def _image(path, entries: list[bytes]) -> None:
+    path.write_bytes(struct.pack("<II", 0x54564319, 0x12345678)
+                     + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+
+
+def _reg(file_id: int, name: str) -> bytes:
+    reg = _field(1, file_id) + _field(2, 2) + _field(3, 0) + _field(6, name.encode()) + _field(10, 0o100600)
+    return _field(1, 1) + _field(2, file_id) + _field(3, reg)
+
+
+def test_linked_remaps_pairs_the_removed_name_with_criu_s_temporary_link(tmp_path) -> None:
+    """remap-fpath.img's linked records are resolved through files.img to (removed name, link_remap name);
+    ghost records and ids without a file record are left out."""
+    _image(tmp_path / "files.img", [_reg(7, "/dev/shm/sem.Ab12"), _reg(9, "/dev/shm/link_remap.9"),
+                                    _reg(11, "/home/u/out.txt")])
+    _image(tmp_path / "remap-fpath.img", [_field(1, 7) + _field(2, 9) + _field(3, 0),
+                                          _field(1, 11) + _field(2, 40) + _field(3, 1),
+                                          _field(1, 5) + _field(2, 9) + _field(3, 0)])
+    assert criu_images.linked_remaps(tmp_path) == [("/dev/shm/sem.Ab12", "/dev/shm/link_remap.9")]
+
+
+def test_no_remap_image_means_no_remaps(tmp_path) -> None:
+    """A dump without --link-remap writes no remap-fpath.img: nothing to put back."""
+    assert criu_images.linked_remaps(tmp_path) == []
+
+
+def _mapped(path) -> mmap.mmap:
+    with open(path, "r+b") as f:
+        return mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED)
+
+
+def test_held_names_each_inode_once_and_finds_the_name_left_for_a_removed_one(tmp_path) -> None:
+    """A file mapped by its name is listed by it; one mapped by a name since removed (sem_open's temporary
+    name) is listed by the name that remains, with the removed one; a file with no name left (a ghost file,
+    criu's own) is not listed."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "seg").write_bytes(b"x" * 4096)
+    (shm / "sem.tmp").write_bytes(b"s" * 4096)
+    (shm / "ghost").write_bytes(b"g" * 4096)
+    maps = [_mapped(shm / "seg"), _mapped(shm / "sem.tmp"), _mapped(shm / "ghost")]
+    try:
+        os.link(shm / "sem.tmp", shm / "sem.mp-real")
+        os.unlink(shm / "sem.tmp")
+        os.unlink(shm / "ghost")
+        found = shm_files.held([os.getpid()], os.getuid(), str(shm))
+        by_name = {f.name: f for f in found}
+        assert set(by_name) == {str(shm / "seg"), str(shm / "sem.mp-real")}
+        assert by_name[str(shm / "sem.mp-real")].removed == {str(shm / "sem.tmp")}
+        assert by_name[str(shm / "seg")].removed == set()
+        assert shm_files.needs_link_remap(found)
+        assert shm_files.held([os.getpid()], os.getuid() + 1, str(shm)) == []
+    finally:
+        for m in maps:
+            m.close()
+
+
+def test_room_above_the_cap_is_refused_naming_the_biggest_file() -> None:
+    """More bytes in /dev/shm than ghost_limit_max: the capture is refused with the file and the key."""
+    files = [shm_files.ShmFile("/dev/shm/big", 300 << 20, 0o600, 1, 2), shm_files.ShmFile("/dev/shm/s", 32, 0o600, 1, 3)]
+    shm_files.require_room(files, 512 << 20)
+    with pytest.raises(CaptureError, match=r"/dev/shm/big \(300\.0 MiB\).*ghost_limit_max"):
+        shm_files.require_room(files, 256 << 20)
+
+
+def test_note_remaps_attaches_each_link_to_the_file_held_by_the_removed_name(tmp_path) -> None:
+    """After the dump each link_remap name criu used is recorded with the file whose removed name it
+    stands for, so the restore can link it again."""
+    _image(tmp_path / "files.img", [_reg(3, "/dev/shm/sem.Xy"), _reg(4, "/dev/shm/link_remap.4")])
+    _image(tmp_path / "remap-fpath.img", [_field(1, 3) + _field(2, 4) + _field(3, 0)])
+    entries = [{"name": "/dev/shm/sem.mp-a", "removed": ["/dev/shm/sem.Xy"], "links": []},
+               {"name": "/dev/shm/other", "removed": [], "links": []}]
+    shm_files.note_remaps(entries, tmp_path)
+    assert [e["links"] for e in entries] == [["/dev/shm/link_remap.4"], []]
+
+
+def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
+    """Root puts files back for a user: a name the user points at a root file (symlink) is refused and the
+    target is untouched; a missing name is created owned by the user with the saved content and linked
+    under criu's temporary name."""
+    if os.getuid() != 0:
+        pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
+    from slurmckpt.errors import PermissionDenied
+    from slurmckpt.launch import Credentials
+    nobody = Credentials(65534, 65534, (), ())
+    tmp_path = Path(tempfile.mkdtemp(prefix="shm-files-"))      # pytest's tmp_path is root's alone (0700)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    tmp_path.chmod(0o755)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "shm-0.data").write_bytes(b"saved")
+    secret = tmp_path / "root-owned"
+    secret.write_text("root's")
+    (shm / "sem.evil").symlink_to(secret)
+    with pytest.raises(PermissionDenied, match="sem.evil"):
+        shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "mode": 0o600, "data": "shm-0.data",
+                                     "links": []}], images)
+    assert secret.read_text() == "root's"
+    entry = {"name": str(shm / "sem.mp-a"), "mode": 0o600, "data": "shm-0.data", "links": [str(shm / "link_remap.3")]}
+    shm_files.put_back(nobody, [entry], images)
+    st = os.stat(shm / "sem.mp-a")
+    assert (st.st_uid, (shm / "sem.mp-a").read_bytes()) == (65534, b"saved")
+    assert os.stat(shm / "link_remap.3").st_ino == st.st_ino
+    shm_files.remove_links(nobody, [entry])
+    assert not (shm / "link_remap.3").exists()
+    shutil.rmtree(tmp_path)
