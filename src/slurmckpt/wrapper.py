@@ -350,6 +350,11 @@ class Wrapper:
         elif result["status"] == "aborted":
             say(self.env, abort_message(result, reason))
             threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()
+            if final and reason == "sigterm":
+                # Nothing was captured: the program gets the SIGTERM Slurm sent, as it would without slurmckpt
+                # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
+                say(self.env, "the final capture failed: passing Slurm's SIGTERM on to the program")
+                self._signal_tree(signal.SIGTERM)
 
     def _report_failure(self, result: dict, reason: str, final: bool) -> None:
         """The coordinator's verdict goes to the root agent, which records it in the job's store unless the

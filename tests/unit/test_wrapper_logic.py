@@ -216,6 +216,25 @@ def test_sigterm_after_the_final_commit_asks_for_nothing(make, tree):
     assert w.member.triggers == [] and tree.poll() is None
 
 
+def test_a_failed_final_capture_passes_slurms_sigterm_on_to_the_tree(make, said, tree, tmp_path: Path):
+    """Slurm's SIGTERM was held back for the final capture; when that capture aborts, every process of the
+    tree gets it (as without slurmckpt), and the job's output says so. A failed periodic capture or a
+    failed manual requeue signals nothing."""
+    w = make()
+    w.root_pid = tree.pid
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w.tree_procs = str(procs)
+    aborted = {"status": "aborted", "epoch": 4, "stage": "gpu-lock", "rank": "batch.0", "error": "refused"}
+    w._epoch_result(aborted, "interval", False)
+    w._epoch_result(aborted, "manual-requeue", True)
+    time.sleep(0.1)
+    assert tree.poll() is None
+    w._epoch_result(aborted, "sigterm", True)
+    assert tree.wait(5) == -signal.SIGTERM
+    assert any("passing Slurm's SIGTERM on to the program" in line for line in said)
+
+
 def test_capture_signals_ask_for_captures(make):
     w = make()
     w._on_signal(wrapper.CHECKPOINT_SIGNAL)
