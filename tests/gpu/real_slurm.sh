@@ -180,4 +180,7 @@ done
 squeue; scancel -u "$DEVICE_USER"
 echo "--- slurmd.log errors"; grep -iE "error|rmdir|unable" /var/log/slurm/slurmd.log | tail -8
 tar -czf "$OUT/real-slurm-logs.tar.gz" -C / "${H#/}" var/log/slurm var/log/slurmckpt 2>/dev/null
+# what comes back from the machine is capped (16 MiB a file): the agent logs and slurmd's log alone then
+[ "$(stat -c %s "$OUT/real-slurm-logs.tar.gz")" -lt 15000000 ] ||
+  tar -czf "$OUT/real-slurm-logs.tar.gz" -C / var/log/slurm var/log/slurmckpt 2>/dev/null
 say "done"
