@@ -79,7 +79,8 @@ class Matrix:
             result = "refused before anything is frozen, with the reason (as documented)"
         elif result == "passed":
             result = "restored exactly"
-        self.rows.append(Row(mark.kwargs["program"], mark.kwargs.get("package", ""), mark.kwargs["launcher"],
+        program = mark.kwargs["program"].format(**params)      # e.g. "{start}" names the parametrization
+        self.rows.append(Row(program, mark.kwargs.get("package", ""), mark.kwargs["launcher"],
                              int(nodes), proctrack, result, report.duration, slurm_version(), cgroup_mode()))
 
     def markdown(self) -> str:

@@ -69,16 +69,17 @@ def test_python_multiprocessing_pool_with_numpy_resumes_with_the_uninterrupted_r
     assert job.restarts() == 2
 
 
-@pytest.mark.coverage(program="Python multiprocessing pool (2 spawn workers, semaphores in /dev/shm) + numpy",
+@pytest.mark.coverage(program="Python multiprocessing pool (2 {start} workers, semaphores in /dev/shm) + numpy",
                        package="python3-numpy", launcher="sbatch", nodes=1)
-def test_spawn_pool_restores_with_its_dev_shm_semaphores_removed_in_between() -> None:
-    """A pool of spawn-started workers shares named POSIX semaphores, files in the node's /dev/shm that
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_pool_with_dev_shm_semaphores_restores_after_they_were_removed(start: str) -> None:
+    """A pool of workers started by spawn or forkserver (Python 3.14's default) shares named POSIX semaphores, files in the node's /dev/shm that
     the parent maps by a name glibc already removed. Requeued and held after the final capture, the job's
     /dev/shm files are deleted (as on another node or after a reboot): the restore puts them back, the
     pool runs on without a restart, and after a second requeue the final checksum equals an uninterrupted
     run's."""
-    wd = workdir(USER, "mp-spawn")
-    prog = "python3 mp_numpy.py --rounds 150 --workers 2 --sleep 0.2 --start spawn"
+    wd = workdir(USER, f"mp-{start}")
+    prog = f"python3 mp_numpy.py --rounds 150 --workers 2 --sleep 0.2 --start {start}"
     ref = run("bash", "-c", prog.replace("--sleep 0.2", "--sleep 0"), user=USER, cwd=wd, timeout=120).stdout
     expected = re.search(r"mp_numpy result (\w+)", ref).group(1)
     job = submit(USER, wd, f"#!/bin/bash\n{prog}\necho pool exit $?\n", "-c2", "--checkpoint-interval=10s")
