@@ -22,8 +22,12 @@
 # the machine has not: sstat's CPU columns stand in for TotalCPU.
 #   RS_GPU_JOBS="J" runs only those GPU jobs (default "G J C P"), RS_LARGE=0 leaves L out; RS_ALLOW_JAX=1
 #   removes the JAX refusal from the staged copy (an experiment: what a JAX job's capture does under Slurm).
+#   RS_THROUGHPUT=S:I runs instead the throughput comparison: workload_throughput.py (TP_MAGIC_MIB, default
+#   4096 MiB on the GPU beside the model) as a plain job for S seconds, then with --checkpoint-interval=Is for
+#   the same steps; tests/gpu/throughput_report.py compares them.
 set -u
 GPU_JOBS=${RS_GPU_JOBS:-G J C P}
+[ -n "${RS_THROUGHPUT:-}" ] && GPU_JOBS="" RS_LARGE=0
 OUT=${OUT:-/tmp/real-slurm-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/real-slurm.txt") 2>&1
 T0=$SECONDS
@@ -70,6 +74,26 @@ taskcg() { ls -d /sys/fs/cgroup/system.slice/*slurmstepd.scope/job_"$1"/step_bat
 jstate() { squeue -h -j "$1" -o %T 2>/dev/null; }
 waitout() { for _ in $(seq "$3"); do grep -qE "$2" "$H/$1.out" 2>/dev/null && return 0; sleep 1; done; echo "TIMEOUT waiting for /$2/ in $1.out"; return 1; }
 steps() { grep -oE 'memhog step [0-9]+' "$H/$1.out" | tail -1 | awk '{print $3}'; }
+
+if [ -n "${RS_THROUGHPUT:-}" ]; then
+  IFS=: read -r TS TI <<< "$RS_THROUGHPUT"
+  cp "$STAGE"/tests/gpu/workload_throughput.py "$H/"; chown "$DEVICE_USER": "$H/workload_throughput.py"
+  TP="$PY workload_throughput.py --magic-mib ${TP_MAGIC_MIB:-4096}"
+  ended() { for _ in $(seq "$2"); do [ -z "$(jstate "$1")" ] && return 0; sleep 2; done; echo "job $1 still running"; }
+  say "throughput OFF: plain sbatch --gres=gpu:1, --seconds $TS"
+  J=$(sub -J tpOFF -o OFF.out --mem=48G --gres=gpu:1 --export="ALL,$TORCH_ENV" --wrap "$TP --seconds $TS")
+  ended "$J" $(( (TS + 120) / 2 ))
+  N=$(grep -cE '^step [0-9]+ ' "$H/OFF.out")
+  say "throughput ON: --checkpoint-interval=${TI}s, --steps $N"
+  J=$(sub -J tpON -o ON.out --mem=48G --gres=gpu:1 --checkpoint-interval="${TI}s" --export="ALL,$TORCH_ENV" \
+      --wrap "$TP --steps $N")
+  ended "$J" $(( (2 * TS + 200) / 2 ))
+  grep -vE '^step [0-9]+ ' "$H/OFF.out" | head -3
+  grep -vE '^step [0-9]+ ' "$H/ON.out" | tail -20
+  "$PY" tests/gpu/throughput_report.py "$H/OFF.out" "$H/ON.out" "$TI"
+  squeue; scancel -u "$DEVICE_USER"; say "done"
+  exit 0
+fi
 
 view() {   # JOB WHEN: Slurm's view of the checkpointed job
   local j=$1 cg; cg=$(taskcg "$j"); say "job $j $2: Slurm's task cgroup $cg"
