@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.integration.slurmjob import run, submit, workdir
@@ -37,14 +38,7 @@ def test_a_refused_final_capture_is_named_by_the_fresh_start_its_admin_comment_a
     AdminComment carries the same reason, and `slurmckpt status` (root and the job's user) shows it; the
     job's user sees the failed final capture in `slurmckpt status` already before the job runs again."""
     wd = workdir(USER, "freshstart-refused")
-    sock = wd / "outside.sock"
-    outside = subprocess.Popen(["runuser", "-u", USER, "--", "python3", str(wd / "tethered.py"), "--serve",
-                                str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not Path(f"{sock}.ready").exists():
-            assert time.monotonic() < deadline and outside.poll() is None, "the outside listener did not start"
-            time.sleep(0.1)
+    with outside_listener(wd / "outside.sock"):
         job = submit(USER, wd, "#!/bin/bash\n"
                      f"python3 tethered.py --connect outside.sock --steps {STEPS} --sleep 0.5\n",
                      "-J", "freshstart-refused", "--checkpoint-interval=10m")
@@ -79,6 +73,39 @@ def test_a_refused_final_capture_is_named_by_the_fresh_start_its_admin_comment_a
         as_user = run(CLI, "status", str(job.id), user=USER).stdout
         assert f"AdminComment: slurmckpt: started from the beginning (restart 1): the final capture at epoch " \
                f"{epoch}" in as_user, as_user
+
+
+def test_a_refused_final_capture_passes_slurms_sigterm_on_to_the_program() -> None:
+    """Every capture of the job is refused (a unix socket to a process outside it). Requeued, its final
+    capture fails, and the program then gets the SIGTERM Slurm sent, as it would without slurmckpt: its own
+    handler runs (its output, kept in a file of its own, says so) instead of a SIGKILL after KillWait."""
+    wd = workdir(USER, "refused-sigterm")
+    with outside_listener(wd / "outside.sock"):
+        job = submit(USER, wd, "#!/bin/bash\n"
+                     "python3 tethered.py --connect outside.sock --steps 400 --sleep 0.5 &\n"
+                     "python3 sigterm_trap.py --steps 400 --sleep 0.25 >> trap.out\n"
+                     "wait\n", "-J", "refused-sigterm", "--checkpoint-interval=10m")
+        trap = wd / "trap.out"
+        job.wait_for(lambda: trap.exists() and "sigterm_trap step 3" in trap.read_text(), "the trap's step 3", 120)
+        job.requeue()
+        job.wait_for(lambda: "sigterm_trap caught SIGTERM" in trap.read_text(), "the program's SIGTERM handler", 60)
+        job.wait_output(r"starting from the beginning \(restart 1\): the final capture at epoch", timeout=240)
+        run("scancel", str(job.id))
+    first_run = trap.read_text().split("sigterm_trap caught SIGTERM")[0]
+    assert "sigterm_trap step 3" in first_run and "result" not in first_run
+
+
+@contextmanager
+def outside_listener(sock: Path):
+    """A process of the job's user outside the job, holding every connection made to `sock`."""
+    outside = subprocess.Popen(["runuser", "-u", USER, "--", "python3", str(sock.parent / "tethered.py"), "--serve",
+                                str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not Path(f"{sock}.ready").exists():
+            assert time.monotonic() < deadline and outside.poll() is None, "the outside listener did not start"
+            time.sleep(0.1)
+        yield outside
     finally:
         outside.kill()
         outside.wait()
