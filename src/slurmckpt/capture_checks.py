@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from slurmckpt import crossnode, ghost, ipc, netlock, proctree, shm_files
+from slurmckpt import crossnode, ghost, ipc, netlock, proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 
@@ -47,7 +47,6 @@ def check_restorable(p: RankPipeline, epoch: int) -> None:
     # Deleted files the tree still uses: refused here, before the freeze, when above the cap; sized again
     # once frozen (_record), since the tree runs on until then.
     ghost.limit_for(proctree.deleted_files(pids), p.ghost_limit_max, step=p.step, rank=p.rank)
-    shm_files.require_room(shm_files.held(pids, p.creds.uid), p.ghost_limit_max, step=p.step, rank=p.rank)
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).

@@ -211,7 +211,6 @@ def _record(p: RankPipeline, epoch: int) -> None:
     ghosts = [] if p.replay else proctree.deleted_files(pids)
     p.ghost_limit = ghost.limit_for(ghosts, p.ghost_limit_max, step=p.step, rank=p.rank)
     shm = [] if p.replay else shm_files.held(pids, p.creds.uid)
-    shm_files.require_room(shm, p.ghost_limit_max, step=p.step, rank=p.rank)
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
     outputs = {t.link for t in stdio if t.regular}
     replay = p.replay

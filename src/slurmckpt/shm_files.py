@@ -16,7 +16,8 @@ capture it holds what the tree wrote since, not what it held at the cut. So:
   file of the user), and the link_remap names are linked to it; criu removes those once it opened them.
 
 Files of other users are left to criu (by name, as without slurmckpt); files with no name left (nlink 0) are
-criu's ghost files (ghost.py). What is copied counts against ghost_limit_max, like ghost files.
+criu's ghost files (ghost.py). The copy is made while the tree is frozen, so a big segment lengthens the
+stall (at the speed of a memory copy); it is restored exactly, so it is not refused.
 """
 from __future__ import annotations
 
@@ -27,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurmckpt import asuser, criu_images, procfs
-from slurmckpt.errors import CaptureError
-from slurmckpt.ghost import mib
 from slurmckpt.launch import Credentials
 
 SHM_DIR = "/dev/shm"
@@ -82,15 +81,6 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
                 if f is not None and not f.name:
                     f.name = entry.path
     return sorted((f for f in found.values() if f.name), key=lambda f: (-f.size, f.name))
-
-
-def require_room(files: list[ShmFile], cap: int, **context: object) -> None:
-    total = sum(f.size for f in files)
-    if total > cap:
-        biggest = ", ".join(f"{f.name} ({mib(f.size)})" for f in files[:3])
-        raise CaptureError(f"files in {SHM_DIR} the job holds come to {mib(total)}, above ghost_limit_max "
-                           f"({mib(cap)}); biggest: {biggest}. Raise ghost_limit_max in "
-                           "/etc/slurmckpt/slurmckpt.yaml or keep less in /dev/shm", **context)
 
 
 def needs_link_remap(files: list[ShmFile]) -> bool:

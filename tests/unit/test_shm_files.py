@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import criu_images, shm_files
-from slurmckpt.errors import CaptureError
 
 
 def _varint(n: int) -> bytes:
@@ -84,14 +83,6 @@ def test_held_names_each_inode_once_and_finds_the_name_left_for_a_removed_one(tm
     finally:
         for m in maps:
             m.close()
-
-
-def test_room_above_the_cap_is_refused_naming_the_biggest_file() -> None:
-    """More bytes in /dev/shm than ghost_limit_max: the capture is refused with the file and the key."""
-    files = [shm_files.ShmFile("/dev/shm/big", 300 << 20, 0o600, 1, 2), shm_files.ShmFile("/dev/shm/s", 32, 0o600, 1, 3)]
-    shm_files.require_room(files, 512 << 20)
-    with pytest.raises(CaptureError, match=r"/dev/shm/big \(300\.0 MiB\).*ghost_limit_max"):
-        shm_files.require_room(files, 256 << 20)
 
 
 def test_note_remaps_attaches_each_link_to_the_file_held_by_the_removed_name(tmp_path) -> None:
