@@ -57,8 +57,11 @@ mkdir -p "$H/ctlL"
 chown -R "$DEVICE_USER": "$H"
 TORCH_ENV=CUBLAS_WORKSPACE_CONFIG=:4096:8
 JAX_ENV="XLA_FLAGS=--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
-declare -A PROG=([G]=workload_train.py [J]=workload_jax.py [C]=workload_cupy.py [P]="workload_graph_loader.py --mp spawn")
-declare -A ENVS=([G]=$TORCH_ENV [J]=$JAX_ENV [C]="" [P]=$TORCH_ENV)
+declare -A PROG=([G]=workload_train.py [J]=workload_jax.py [C]=workload_cupy.py [P]="workload_graph_loader.py --mp spawn"
+                 [K]=workload_jax.py [Q]=workload_jax.py)
+# K and Q: JAX variants for the RS_ALLOW_JAX experiment (no CUDA graphs; XLA's platform allocator)
+declare -A ENVS=([G]=$TORCH_ENV [J]=$JAX_ENV [C]="" [P]=$TORCH_ENV [K]="$JAX_ENV --xla_gpu_enable_command_buffer="
+                 [Q]=XLA_PYTHON_CLIENT_ALLOCATOR=platform)
 GPU_STEPS=${GPU_STEPS:-200}
 
 say "uninterrupted reference runs (beside, outside Slurm, as the user)"
@@ -132,7 +135,7 @@ gpu_cycle() {  # NAME JOBID: periodic capture, requeue mid-run, restore, run to 
     echo "[$((SECONDS - T0))s] $n: $(grep -E 'committed \(interval\)|FAILED|refused|ABORTED' "$H/$n.out" | head -2)"
     view "$id" "($n) before the requeue"
     echo "[$((SECONDS - T0))s] $n: requeue at $(grep -c '^step ' "$H/$n.out") step lines"; scontrol requeue "$id"
-    waitout "$n" 'restored from checkpoint epoch|FAILED|fresh' $((end - SECONDS))
+    waitout "$n" 'restored from checkpoint epoch|FAILED|fresh|beginning' $((end - SECONDS))
     echo "[$((SECONDS - T0))s] $n: $(grep -E 'restored from checkpoint epoch|FAILED|fresh' "$H/$n.out" | head -3)"
     sleep 2; view "$id" "($n) after the restore"
     waitout "$n" '^DONE' $((end - SECONDS)); echo "[$((SECONDS - T0))s] $n: state '$(jstate "$id")'"
