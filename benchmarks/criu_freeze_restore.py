@@ -8,7 +8,7 @@ the same kind of process, paired and alternating (A B B A ...), after an untimed
   raw        `criu dump --leave-running` into the store directory (stall = criu's wall time; the tree runs
              again when it exits), `sync` of the images timed apart (what a durable image costs more), kill,
              `criu restore -d` from the store (restore = criu's wall time).
-  slurmckpt  the agent's pipeline in-process (RankPipeline with a real Freezer, CriuDriver, JobStore, staging
+  slurmckpt  the agent's pipeline in-process (RankPipeline with a real TaskCgroup, CriuDriver, JobStore, staging
              and zstd as configured by default): stall = freeze .. thaw (criu dumps into node-local staging);
              the persist (zstd, checksums, fsync, rank.json) runs after the thaw at nice 10 and is timed apart;
              restore = restore_rank (unpack from the store into staging, verified, then criu restore).
@@ -40,9 +40,11 @@ from slurmckpt import proctree  # noqa: E402
 from slurmckpt.config import Config  # noqa: E402
 from slurmckpt.criu import COMMON, CriuDriver  # noqa: E402
 from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
-from slurmckpt.freezer import Freezer  # noqa: E402
+from slurmckpt.identity import TreeName  # noqa: E402
+from slurmckpt.task_cgroup import TaskCgroup  # noqa: E402
 from slurmckpt.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
-from slurmckpt.pipeline import RankPipeline, restore_rank  # noqa: E402
+from slurmckpt.pipeline import RankPipeline  # noqa: E402
+from slurmckpt.restore import restore_rank  # noqa: E402
 from slurmckpt.rank_images import StorePolicy  # noqa: E402
 from slurmckpt.storage import JobStore  # noqa: E402
 
@@ -211,12 +213,12 @@ def run_raw(cfg: Config, creds: Credentials, args, rep: int) -> dict:
 MARKS: dict[str, float] = {}
 
 
-class Timed(Freezer):
-    """The tree's freezer, noting when it freezes and thaws (the stall the job sees)."""
+class Timed(TaskCgroup):
+    """The tree's cgroup, noting when it freezes and thaws (the stall the job sees)."""
 
-    def freeze(self) -> float:
+    def freeze(self, timeout_s: float = 10.0) -> float:
         MARKS["frozen"] = time.monotonic()
-        return super().freeze()
+        return super().freeze(timeout_s)
 
     def thaw(self) -> None:
         super().thaw()
@@ -230,8 +232,8 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     store = JobStore(args.work / "store", "bench", 1000 + rep)
     store.ensure()
     policy = StorePolicy.from_config(Config.from_mapping({"staging_dir": str(args.staging)}))
-    base = Freezer.for_task(cfg.freezer_root, f"bench.{os.getpid()}.{tag}")
-    freezer = Timed(base.path)
+    base = TaskCgroup.for_task(cfg.freezer_root, TreeName(900000 + os.getpid() % 10000, "0", rep, 0))
+    freezer = Timed(base.path, base.tree)
     MARKS.clear()
     devnull = os.open("/dev/null", os.O_RDWR)
     wrapper = subprocess.Popen(["sleep", "infinity"], stdin=devnull, stdout=devnull, stderr=devnull)
