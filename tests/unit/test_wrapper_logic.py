@@ -118,8 +118,12 @@ def make(monkeypatch, said, slurm):
 
 @pytest.fixture
 def tree():
-    """A real process standing for the task's tree (signals reach it for real)."""
-    p = subprocess.Popen(["sleep", "60"])
+    """A real process standing for the task's tree (signals reach it for real). Default dispositions: a
+    test runner started with SIGINT/SIGHUP ignored (nohup, a background job) must not pass that on."""
+    def default_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+    p = subprocess.Popen(["sleep", "60"], preexec_fn=default_signals)
     yield p
     if p.poll() is None:
         p.kill()
