@@ -1,4 +1,4 @@
-# Sourced by tests/gpu/e2e_wrapper.sh and tests/gpu/real_slurm.sh on the device machine (root), from the repo
+# Sourced by tests/gpu/real_slurm.sh on the device machine (root), from the repo
 # root: installs the carried patched CRIU, slurmckpt-init and setpriv, checks cgroups, writes the config, creates
 # the job's user $DEVICE_USER and a world-readable copy of the tree in $STAGE (sets PYTHONPATH, uid, gid,
 # asuser). Needs PY set.
