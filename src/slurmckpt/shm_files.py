@@ -95,7 +95,7 @@ def save(creds: Credentials, files: list[ShmFile], images: Path) -> list[dict]:
         src = asuser.open_expected(creds, f.name, os.O_RDONLY, f.dev, f.ino, f"a file in {SHM_DIR} the job holds,")
         data = f"shm-{i}.data"
         try:
-            size = _copy(src, images / data, f.name)
+            size = _copy(src, images / data)
         finally:
             os.close(src)
         out.append({"name": f.name, "size": size, "mode": f.mode, "data": data,
@@ -155,7 +155,7 @@ def remove_links(creds: Credentials, entries: list[dict]) -> None:
     asuser.run_as_user(creds, unlink_all, "cannot remove criu's temporary links in /dev/shm")
 
 
-def _copy(src: int, dst: Path, name: str) -> int:
+def _copy(src: int, dst: Path) -> int:
     size = 0
     with os.fdopen(os.dup(src), "rb") as fin, open(dst, "wb") as fout:
         while block := fin.read(8 << 20):

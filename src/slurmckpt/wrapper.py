@@ -420,7 +420,7 @@ class Wrapper:
         return 0
 
     def _signal_tree(self, sig: int) -> None:
-        """Every process of the tree (its cgroup), for when its root agent is gone."""
+        """Every process of the tree (its cgroup): when its root agent is gone, or a final capture failed."""
         try:
             pids = [int(p) for p in open(self.tree_procs or "/nonexistent").read().split()]
         except OSError:
