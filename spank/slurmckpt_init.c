@@ -5,9 +5,11 @@
  *
  * Forwards HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH to the root child,
  * reaps every child, and exits with the root child's code (128+N when it
- * was killed by signal N). The root child starts with SIGTERM ignored
- * (inherited across exec), every other signal at its default and an empty
- * mask. Session, uids and fds are the agent's business, not init's
+ * was killed by signal N). The root child starts with every signal at its
+ * default and an empty mask, as under a plain Slurm task: Slurm's SIGTERM
+ * reaches only the wrapper (proctrack/slurmckpt), and a program that uses
+ * SIGTERM itself (multiprocessing's Pool.terminate, subprocess.terminate)
+ * must see it work. Session, uids and fds are the agent's business, not init's
  * (docs/contracts.md, "slurmckpt-init"). Works as well when it is not
  * PID 1: it then becomes a child subreaper so orphans are reaped the same.
  *
@@ -116,7 +118,7 @@ static void child_exec(char **argv, const char *workdir, int env_fd)
 	int sig;
 
 	for (sig = 1; sig < NSIG; sig++)
-		reset_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
+		reset_signal(sig, SIG_DFL);
 	sigemptyset(&empty);
 	sigprocmask(SIG_SETMASK, &empty, NULL);
 	if (drop_capabilities() != 0) {

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from slurmckpt import pmi
+from slurmckpt import pmi, procfs, proctree
 from slurmckpt.agent import uses_gpus
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
@@ -354,7 +354,7 @@ class Wrapper:
                 # Nothing was captured: the program gets the SIGTERM Slurm sent, as it would without slurmckpt
                 # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
                 say(self.env, "the final capture failed: passing Slurm's SIGTERM on to the program")
-                self._signal_tree(signal.SIGTERM)
+                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
 
     def _report_failure(self, result: dict, reason: str, final: bool) -> None:
         """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
@@ -419,17 +419,33 @@ class Wrapper:
         say(self.env, "no requeue came; exiting (the checkpoint stays available)")
         return 0
 
-    def _signal_tree(self, sig: int) -> None:
-        """Every process of the tree (its cgroup): when its root agent is gone, or a final capture failed."""
+    def _tree_pids(self) -> list[int]:
         try:
-            pids = [int(p) for p in open(self.tree_procs or "/nonexistent").read().split()]
+            return [int(p) for p in open(self.tree_procs or "/nonexistent").read().split()]
         except OSError:
-            pids = [self.root_pid] if self.root_pid else []
-        for pid in pids:
+            return [self.root_pid] if self.root_pid else []
+
+    def _signal_tree(self, sig: int, pids: list[int] | None = None) -> None:
+        """Every process of the tree (its cgroup): when its root agent is gone, or a final capture failed."""
+        for pid in self._tree_pids() if pids is None else pids:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
+
+    def _pass_sigterm_on(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to every process of the tree. The namespace init ends when its root child (the batch
+        script, the task's program) does, and the kernel then kills the whole namespace: so the other
+        processes get it first and up to `grace_s` to act on it (their own handlers), the root child and
+        the init after. Slurm's SIGKILL after KillWait bounds it all."""
+        pids = self._tree_pids()
+        top = {self.root_pid, *proctree.children_map().get(self.root_pid, [])} if self.root_pid else set()
+        rest = [p for p in pids if p not in top]
+        self._signal_tree(signal.SIGTERM, rest)
+        deadline = time.monotonic() + grace_s
+        while any(_running(p) for p in rest) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._signal_tree(signal.SIGTERM, [p for p in pids if p in top])
 
     def _exit(self, status: int) -> int:
         if self.agent_gone:                 # nobody else ends what is left of the tree
@@ -438,6 +454,13 @@ class Wrapper:
         for t in self.relays:
             t.join(5)
         return status
+
+
+def _running(pid: int) -> bool:
+    try:
+        return procfs.stat(pid).state != "Z"
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def abort_message(result: dict, reason: str) -> str:

@@ -239,6 +239,31 @@ def test_a_failed_final_capture_passes_slurms_sigterm_on_to_the_tree(make, said,
     assert any("passing Slurm's SIGTERM on to the program" in line for line in said)
 
 
+def test_sigterm_passed_on_reaches_the_root_child_only_after_the_others(make, tmp_path: Path):
+    """The namespace init ends with its root child and takes every process with it, so the root child
+    (and the init) get the passed-on SIGTERM only once the others have ended (or after the grace)."""
+    def default_signals() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    root = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], preexec_fn=default_signals)   # init, root child
+    other = subprocess.Popen(["sh", "-c", "trap 'sleep 0.5; exit 3' TERM; sleep 60 & wait"], preexec_fn=default_signals)
+    try:
+        time.sleep(0.3)
+        w = make()
+        w.root_pid = root.pid
+        procs = tmp_path / "cgroup.procs"
+        procs.write_text(f"{root.pid}\n{other.pid}\n")
+        w.tree_procs = str(procs)
+        start = time.monotonic()
+        w._pass_sigterm_on(grace_s=5)
+        assert other.wait(5) == 3 and root.wait(5) == -signal.SIGTERM
+        assert time.monotonic() - start >= 0.5        # the root waited for the other's handler
+    finally:
+        for p in (root, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 def test_capture_signals_ask_for_captures(make):
     w = make()
     w._on_signal(wrapper.CHECKPOINT_SIGNAL)

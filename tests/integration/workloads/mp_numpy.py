@@ -36,16 +36,12 @@ def main() -> None:
     ap.add_argument("--start", choices=("fork", "spawn", "forkserver"), default="fork")
     a = ap.parse_args()
     digest = hashlib.sha256()
-    # close + join, not `with` (whose exit calls terminate(): its SIGTERM is ignored in a slurmckpt
-    # workload, docs/limitations.md, and a worker that needs it would never end)
-    pool = mp.get_context(a.start).Pool(a.workers, initializer=_init, initargs=(7,))
-    for rnd in range(a.rounds):
-        for part in pool.map(_chunk, [(rnd, i) for i in range(8)]):
-            digest.update(part)
-        print(f"mp_numpy round {rnd}", flush=True)
-        time.sleep(a.sleep)
-    pool.close()
-    pool.join()
+    with mp.get_context(a.start).Pool(a.workers, initializer=_init, initargs=(7,)) as pool:
+        for rnd in range(a.rounds):
+            for part in pool.map(_chunk, [(rnd, i) for i in range(8)]):
+                digest.update(part)
+            print(f"mp_numpy round {rnd}", flush=True)
+            time.sleep(a.sleep)
     print(f"mp_numpy result {digest.hexdigest()}", flush=True)
 
 
