@@ -95,9 +95,11 @@ class Agent:
         return self._node_addresses
 
     def _collect_garbage(self) -> None:
-        """This job's dead epochs and this node's orphaned staging areas (reclaim.py): never fatal."""
+        """This job's dead epochs, this node's orphaned staging areas and this task's leftover cgroups
+        (reclaim.py): never fatal."""
         try:
-            for r in reclaim.collect_job(self.store) + reclaim.collect_staging(self.store_policy.staging):
+            for r in (reclaim.collect_job(self.store) + reclaim.collect_staging(self.store_policy.staging) +
+                      reclaim.collect_task_cgroups(self.config.freezer_root, self.ident.tree)):
                 log.info("reclaimed %s (%d bytes): %s", r.path, r.bytes, r.why)
         except (OSError, SlurmckptError) as e:
             log.warning("garbage collection at start failed: %s", e)

@@ -6,6 +6,8 @@
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
   ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron).
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
+- Task cgroups: ours, of the same task's earlier starts, once empty (their agent and watchdog died in
+  slurmstepd's final SIGKILL before removing them). At agent start.
 Removal renames first (under the job's lock, so no commit sees half a directory) and deletes after.
 """
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 
 from slurmckpt.durable import is_temp
 from slurmckpt.errors import StorageError
+from slurmckpt.identity import TreeName
 from slurmckpt.staging import Staging
+from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt.storage import LEASE, TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 GRACE_S = 3600.0
@@ -29,7 +33,7 @@ FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL"
 
 @dataclass(frozen=True)
 class Removal:
-    kind: str          # uncommitted-epoch | finished-job | staging | temp-file | kept
+    kind: str          # uncommitted-epoch | finished-job | staging | temp-file | task-cgroup | kept
     path: str
     bytes: int
     why: str
@@ -135,6 +139,19 @@ def collect_staging(staging: Staging, dry_run: bool = False) -> list[Removal]:
                 area.parent.rmdir()
             except OSError:
                 pass
+    return out
+
+
+def collect_task_cgroups(root: str, tree: TreeName) -> list[Removal]:
+    """Empty cgroups of this task's earlier starts: thawed and removed. One that still holds a process is
+    left as it is and reported (kind "kept"): what runs there is not this start's to end."""
+    out = []
+    for cgroup in TaskCgroup.earlier_runs(root, tree):
+        if cgroup.pids():
+            out.append(Removal("kept", str(cgroup.path), 0, f"an earlier start's cgroup still holds {cgroup.pids()}"))
+            continue
+        cgroup.remove()
+        out.append(Removal("task-cgroup", str(cgroup.path), 0, "an earlier start's empty cgroup"))
     return out
 
 

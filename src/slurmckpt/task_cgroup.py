@@ -159,6 +159,19 @@ class TaskCgroup:
         path.mkdir(exist_ok=True)
         return cls(path, tree)
 
+    @classmethod
+    def earlier_runs(cls, root: str, tree: TreeName) -> list[TaskCgroup]:
+        """Our cgroups of this same task from earlier starts of the job (a lower restart count). Their
+        agent and its watchdog can both die in slurmstepd's final SIGKILL before they remove them; Slurm
+        never runs two starts of one job at once, so whatever is left of them is a leftover."""
+        base = default_root() if root == "auto" else Path(root)
+        found = []
+        for path in sorted(base.glob(f"{tree.task}.*")):
+            other = TreeName.parse(path.name)
+            if other is not None and other.task == tree.task and other.restart < tree.restart and path.is_dir():
+                found.append(cls(path, other))
+        return found
+
     @property
     def v1(self) -> bool:
         return (self.path / "freezer.state").exists()

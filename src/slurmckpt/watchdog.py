@@ -2,8 +2,8 @@
 
 The freeze control is root's alone (the user could otherwise freeze its own tree and leave it so: Slurm
 cannot kill a frozen tree and drains the node). The watchdog stands in for the agent where the agent
-cannot act: it thaws the tree when the agent dies (kill -9, crash) and when the tree has been frozen
-longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds;
+cannot act: it thaws the tree when the agent dies (kill -9, crash), and removes its cgroup once the tree
+has ended, and it thaws the tree when it has been frozen longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds;
 the agent writes `limit SECONDS` lines there when an epoch's sizes call for a longer limit (set_limit).
 """
 from __future__ import annotations
@@ -23,15 +23,33 @@ def start(cgroup: TaskCgroup, max_frozen_s: float, poll_s: float = 1.0) -> int:
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
-        os.close(w)
         code = 0
         try:
+            _close_inherited(keep={r})
             watch(cgroup, r, max_frozen_s, poll_s)
         except BaseException:  # noqa: BLE001 - a watchdog exits, it never returns into the agent's code
             code = 1
         os._exit(code)
     os.close(r)
     return w
+
+
+def _close_inherited(keep: set[int]) -> None:
+    """Every fd the agent had, but stdio, `keep` and the log's: the watchdog may outlive the agent, and a copy
+    of the agent's channel would hide the agent's death from the wrapper (no EOF), and so stall the epoch."""
+    for handler in logging.getLogger().handlers:
+        for held in (getattr(handler, "stream", None), getattr(handler, "socket", None)):
+            try:
+                keep.add(held.fileno())            # type: ignore[union-attr]
+            except (AttributeError, OSError, ValueError):
+                pass
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass                                # the listing's own fd, already closed
 
 
 def set_limit(agent_fd: int, max_frozen_s: float) -> None:
@@ -48,6 +66,7 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
             data = os.read(agent_fd, 256)
             if not data:
                 _thaw(cgroup, "the agent is gone")
+                _remove_once_empty(cgroup, poll_s)
                 return
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
@@ -66,6 +85,17 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
         elif now - frozen_since > max_frozen_s:
             _thaw(cgroup, f"frozen for more than {max_frozen_s:.0f}s")
             frozen_since = None
+
+
+def _remove_once_empty(cgroup: TaskCgroup, poll_s: float) -> None:
+    """What the agent's shutdown would have done: the tree's cgroup goes once its last process has ended
+    (the tree may run on for long when only the agent died). Slurm's final SIGKILL may end this watchdog
+    first: the next start of the task removes what is left (reclaim.collect_task_cgroups)."""
+    while cgroup.path.is_dir():
+        if not cgroup.pids():
+            cgroup.remove()
+            return
+        time.sleep(poll_s)
 
 
 def _thaw(cgroup: TaskCgroup, why: str) -> None:

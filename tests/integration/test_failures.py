@@ -52,11 +52,13 @@ def pids(pattern: str) -> list[str]:
 
 
 def frozen_trees(job_id: int) -> list[str]:
-    """Task cgroups of this job that are FROZEN right now."""
+    """Task cgroups of this job that hold processes and are FROZEN right now (an empty cgroup left frozen,
+    when slurmstepd's final SIGKILL ended the tree with its agent and watchdog, freezes nothing; the next
+    start of the task removes it)."""
     found = []
     for cg in task_cgroups(job_id):
         try:
-            if cg.state() != "THAWED":
+            if cg.pids() and cg.state() != "THAWED":
                 found.append(cg.path.name)
         except OSError:
             pass
@@ -119,6 +121,7 @@ def test_rank_killed_inside_epoch_aborts_and_previous_commit_restores(stall_afte
     job.wait_output(r"restored from checkpoint epoch", 2)
     assert job.wait_done() == "COMPLETED"
     check_ring(job, 2, 300)
+    job.wait_for(lambda: not task_cgroups(job.id), "no cgroup of the job's trees left, of either start", 30)
 
 
 def coordinator_pids(job_id: int) -> list[str]:
