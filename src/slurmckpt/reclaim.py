@@ -6,8 +6,8 @@
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
   ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron).
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
-- Task cgroups: ours, of the same task's earlier starts, once empty (their agent and watchdog died in
-  slurmstepd's final SIGKILL before removing them). At agent start.
+- Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
+  slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.
 Removal renames first (under the job's lock, so no commit sees half a directory) and deletes after.
 """
 from __future__ import annotations
@@ -152,6 +152,32 @@ def collect_task_cgroups(root: str, tree: TreeName) -> list[Removal]:
             continue
         cgroup.remove()
         out.append(Removal("task-cgroup", str(cgroup.path), 0, "an earlier start's empty cgroup"))
+    return out
+
+
+def task_cgroup_jobs(root: str) -> list[int]:
+    """The jobs that have a task cgroup of ours on this node."""
+    return sorted({c.tree.job for c in TaskCgroup.all_ours(root)})
+
+
+def collect_finished_task_cgroups(root: str, states: dict[int, str], dry_run: bool = False) -> list[Removal]:
+    """This node's empty task cgroups of jobs Slurm says are finished for good: left when slurmstepd's
+    final SIGKILL (scancel, time limit) ended the agent and its watchdog before either removed it. One that
+    holds a process, or whose job Slurm does not know, is kept and reported."""
+    out = []
+    for cgroup in TaskCgroup.all_ours(root):
+        state = states.get(cgroup.tree.job)
+        if state is None:
+            out.append(Removal("kept", str(cgroup.path), 0, "Slurm knows no such job"))
+            continue
+        if state not in FINISHED:
+            continue
+        if cgroup.pids():
+            out.append(Removal("kept", str(cgroup.path), 0, f"job {state}, but it still holds {cgroup.pids()}"))
+            continue
+        if not dry_run:
+            cgroup.remove()
+        out.append(Removal("task-cgroup", str(cgroup.path), 0, f"job {state}"))
     return out
 
 

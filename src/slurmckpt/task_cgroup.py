@@ -160,17 +160,21 @@ class TaskCgroup:
         return cls(path, tree)
 
     @classmethod
+    def all_ours(cls, root: str) -> list[TaskCgroup]:
+        """Every cgroup of ours on this host named like a task's tree (not Slurm's task cgroups)."""
+        base = default_root() if root == "auto" else Path(root)
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            return []
+        return [cls(base / n, tree) for n in names if (tree := TreeName.parse(n)) and (base / n).is_dir()]
+
+    @classmethod
     def earlier_runs(cls, root: str, tree: TreeName) -> list[TaskCgroup]:
         """Our cgroups of this same task from earlier starts of the job (a lower restart count). Their
         agent and its watchdog can both die in slurmstepd's final SIGKILL before they remove them; Slurm
         never runs two starts of one job at once, so whatever is left of them is a leftover."""
-        base = default_root() if root == "auto" else Path(root)
-        found = []
-        for path in sorted(base.glob(f"{tree.task}.*")):
-            other = TreeName.parse(path.name)
-            if other is not None and other.task == tree.task and other.restart < tree.restart and path.is_dir():
-                found.append(cls(path, other))
-        return found
+        return [c for c in cls.all_ours(root) if c.tree.task == tree.task and c.tree.restart < tree.restart]
 
     @property
     def v1(self) -> bool:

@@ -19,6 +19,7 @@ from slurmckpt.instance import JobInstance, claim
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.staging import Staging
 from slurmckpt.storage import JOB_MANIFEST, PREVIOUS, JobStore
+from cgroupfs import fake_rmdir
 from fake_slurm import FakeSlurm, Ran
 from store_harness import Tree, capture, images, pipeline, read_back, settled
 
@@ -185,7 +186,7 @@ def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, m
     FakeSlurm(scontrol="ClusterName = c\n", squeue=json.dumps(jobs)).install(monkeypatch)
     assert settled(staging) == []
     monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
-        {"storage_root": str(root), "staging_dir": str(staging.root)})))
+        {"storage_root": str(root), "staging_dir": str(staging.root), "freezer_root": str(tmp_path / "cgroups")})))
     r = CliRunner().invoke(cli.cli, ["gc", "--dry-run", "--json"])
     assert r.exit_code == 0, r.output
     assert [(x["kind"], Path(x["path"]).name) for x in json.loads(r.stdout)] == [("finished-job", "20")]
@@ -193,6 +194,32 @@ def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, m
     r = CliRunner().invoke(cli.cli, ["gc"])
     assert r.exit_code == 0 and "removed" in r.output and "job COMPLETED" in r.output, r.output
     assert not JobStore(root, "c", 20).job_dir.exists() and JobStore(root, "c", 21).job_dir.exists()
+
+
+def test_gc_removes_this_nodes_empty_task_cgroups_of_finished_jobs_only(tmp_path, monkeypatch):
+    """Left when slurmstepd's final SIGKILL ended an agent with its watchdog: gc removes the empty cgroups
+    of jobs Slurm says are finished, reports one that still holds a process and one of a job Slurm does
+    not know, and leaves a running job's and names that are not a task's."""
+    removed = fake_rmdir(monkeypatch)
+    (tmp_path / "images").mkdir(mode=0o700)
+    cgroups = tmp_path / "cgroups"
+    for name, procs in [("30.0.1.0", ""), ("30.batch.0.1", ""), ("31.0.0.0", ""), ("32.0.0.0", "77\n"),
+                        ("33.0.0.0", ""), ("not-a-task", "")]:
+        (cgroups / name).mkdir(parents=True)
+        (cgroups / name / "cgroup.procs").write_text(procs)
+        (cgroups / name / "cgroup.freeze").write_text("1")
+    jobs = {"jobs": [{"job_id": 30, "job_state": "CANCELLED"}, {"job_id": 31, "job_state": "RUNNING"},
+                     {"job_id": 32, "job_state": "COMPLETED"}]}
+    FakeSlurm(scontrol="ClusterName = c\n", squeue=json.dumps(jobs), sacct="").install(monkeypatch)
+    monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
+        {"storage_root": str(tmp_path / "images"), "staging_dir": str(tmp_path / "staging"),
+         "freezer_root": str(cgroups)})))
+    r = CliRunner().invoke(cli.cli, ["gc", "--json"])
+    assert r.exit_code == 0, r.output
+    assert sorted((x["kind"], Path(x["path"]).name) for x in json.loads(r.stdout)) == [
+        ("kept", "32.0.0.0"), ("kept", "33.0.0.0"), ("task-cgroup", "30.0.1.0"), ("task-cgroup", "30.batch.0.1")]
+    assert sorted(removed) == ["30.0.1.0 0", "30.batch.0.1 0"]         # thawed, then removed
+    assert sorted(p.name for p in cgroups.iterdir()) == ["31.0.0.0", "32.0.0.0", "33.0.0.0", "not-a-task"]
 
 
 def test_job_states_fall_back_to_accounting_for_jobs_slurmctld_forgot(monkeypatch):

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import reclaim, watchdog
-from slurmckpt import task_cgroup
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName
 from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt.peer import Peer
+from cgroupfs import fake_rmdir
 
 
 def _v1_cgroup(tmp_path: Path, state: str) -> TaskCgroup:
@@ -45,21 +45,8 @@ def test_watchdog_thaws_when_the_agent_is_gone(tmp_path: Path, cgroupfs_rmdir: l
 
 @pytest.fixture(autouse=True)
 def cgroupfs_rmdir(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """rmdir as on a cgroup file system, where a cgroup's control files go with it; the removed names, each
-    with its freezer state at removal."""
-    removed: list[str] = []               # (the watchdog removes what it watched once its agent is gone)
-    real_rmdir = os.rmdir
-
-    def rmdir(path) -> None:
-        if Path(path, "cgroup.procs").read_text().strip():
-            raise OSError(16, "Device or resource busy")
-        state = Path(path, "freezer.state").read_text()
-        for control in Path(path).iterdir():
-            control.unlink()
-        real_rmdir(path)
-        removed.append(f"{Path(path).name} {state}")
-    monkeypatch.setattr(task_cgroup.os, "rmdir", rmdir)
-    return removed
+    """(the watchdog removes what it watched once its agent is gone)"""
+    return fake_rmdir(monkeypatch)
 
 
 def test_watchdog_removes_the_cgroup_once_the_tree_left_by_its_agent_has_ended(tmp_path: Path,

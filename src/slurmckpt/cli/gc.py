@@ -21,8 +21,8 @@ COLUMNS = [Column("action", "ACTION"), Column("gib", "GIB", right=True), Column(
 def gc(dry_run: bool, fmt: Format) -> None:
     """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
     again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
-    keeps them), uncommitted epochs whose coordinator can no longer commit them, and this node's staging
-    areas whose agent is gone. Safe to run from cron on every node (docs/storage.md)."""
+    keeps them), uncommitted epochs whose coordinator can no longer commit them, this node's staging
+    areas whose agent is gone, and this node's empty task cgroups of finished jobs. Safe to run from cron on every node (docs/storage.md)."""
     from slurmckpt import reclaim
     from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.staging import Staging
@@ -36,10 +36,12 @@ def gc(dry_run: bool, fmt: Format) -> None:
         cluster = slurm.cluster_name() or "cluster"
     except SlurmError as e:
         raise CliError(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed") from e
-    jobs = [job for c, job in list_jobs(root) if c == cluster]
+    cgroup_jobs = reclaim.task_cgroup_jobs(cfg.freezer_root)
+    jobs = sorted({job for c, job in list_jobs(root) if c == cluster} | set(cgroup_jobs))
     states = slurm.job_states(jobs) if jobs else {}
     removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
                                    cfg.keep_finished, dry_run)
+    removals += reclaim.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)
     rows = [{**r.as_dict(), "gib": f"{r.bytes / 2**30:.2f}",
              "action": "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")}
             for r in removals]
