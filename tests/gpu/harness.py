@@ -22,7 +22,8 @@ from slurmckpt import proctree  # noqa: E402
 CARRY = REPO / ".carry" / "criu"
 CRIU = os.environ.get("SLURMCKPT_CRIU") or str(CARRY / "criu")
 CRIU_ENV = {**os.environ, "LD_LIBRARY_PATH": str(CARRY)}
-CRIU_OPTS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
+CRIU_OPTS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore",
+             *os.environ.get("SLURMCKPT_CRIU_EXTRA", "").split()]      # experiments: more options, both ways
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -77,6 +78,9 @@ NAMESPACES = {
     "none": ["setsid"],                                           # restored under its old host pid
     "pid": ["unshare", "--pid", "--fork", "setsid"],              # CUDA init fails here (304): /proc is the host's
     "pid+proc": ["unshare", "--pid", "--fork", "--mount-proc", "setsid"],
+    # the same, with stdin and the log opened inside the namespace: criu finds every fd's mount in it
+    "pid+proc+fds": ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                     'exec setsid "$@" </dev/null >>"$PROBE_LOG" 2>&1', "sh"],
 }
 
 
@@ -90,7 +94,7 @@ class Workload:
         out = open(log, "ab")
         prefix = NAMESPACES[ns]
         self.outer = subprocess.Popen(prefix + argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                      env={**os.environ, **(env or {})})
+                                      env={**os.environ, "PROBE_LOG": str(log), **(env or {})})
         out.close()
         self.pidns = ns != "none"
         self.pid = self._find_root()

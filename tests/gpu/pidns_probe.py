@@ -1,5 +1,6 @@
 """Device experiment: can a CUDA process live in its own PID namespace (with its own /proc mount) and go
-through GPU checkpoint + criu dump + criu restore + GPU restore? Prints each step's outcome.
+through GPU checkpoint + criu dump + criu restore + GPU restore, twice? Prints each step's outcome. Extra criu
+options (e.g. for the namespace's mounts) come from SLURMCKPT_CRIU_EXTRA (tests/gpu/harness.py).
 
     python3 tests/gpu/pidns_probe.py WORKDIR [NS]
 """
@@ -25,20 +26,24 @@ def main() -> int:
                           "--ctl", str(ctl)], work / "hold.log", ns=ns)
     try:
         print("READY:", w.wait_for(r"^READY.*$", timeout=60).group(0), "host pid", w.pid, flush=True)
-        stage = GpuStage.for_tree(w.tree())
-        stage.lock_all(2000)
-        stage.checkpoint_all()
-        record = stage.record()
-        print("GPU checkpointed:", record["processes"], flush=True)
-        print(f"criu dump: {harness.dump(w.pid, work / 'img'):.2f} s", flush=True)
-        w.reap_after_dump()
-        pid, secs = harness.restore(work / "img")
-        w.adopt(pid)
-        print(f"criu restore: {secs:.2f} s, new host pid {pid}", flush=True)
-        restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
-        restored.restore_all(None)
-        restored.unlock_all()
-        time.sleep(0.3)
+        for cycle in (1, 2):           # the second capture is of the restored tree (criu made its namespaces)
+            stage = GpuStage.for_tree(w.tree())
+            stage.lock_all(2000)
+            stage.checkpoint_all()
+            record = stage.record()
+            print(f"[{cycle}] GPU checkpointed:", record["processes"], flush=True)
+            print(f"[{cycle}] criu dump: {harness.dump(w.pid, work / f'img{cycle}'):.2f} s", flush=True)
+            w.reap_after_dump()
+            pid, secs = harness.restore(work / f"img{cycle}")
+            w.adopt(pid)
+            print(f"[{cycle}] criu restore: {secs:.2f} s, new host pid {pid}", flush=True)
+            restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+            restored.restore_all(None)
+            restored.unlock_all()
+            size = w.log.stat().st_size
+            time.sleep(2.5)
+            print(f"[{cycle}] heartbeats (GPU counter) in 2.5 s after restore:",
+                  w.log.read_text(errors="replace")[size:].count("hb "), flush=True)
         (ctl / "verify").touch()
         print("after restore:", w.wait_for(r"^DATA (OK|BAD).*$", timeout=60).group(0), flush=True)
         print("rc", w.wait_exit(30))
