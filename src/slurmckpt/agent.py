@@ -50,6 +50,7 @@ class Agent:
     last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
     store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
     store_wait_s = 120.0                 # Config.store_wait_s
+    reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -163,6 +164,8 @@ class Agent:
         except OSError:
             pass
         self.cgroup.remove()
+        if self.reporter:                  # its AdminComment may still be on its way to slurmctld
+            self.reporter.flush()
         if self.events:
             self.events.stopped()
 

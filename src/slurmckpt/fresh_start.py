@@ -138,6 +138,7 @@ class FailureReporter:
         self.notice: str | None = None
         self.annotations = 0
         self.epoch: tuple[int, bool | None, str] = (0, None, "unknown")     # (epoch, final, trigger)
+        self.sending: list[threading.Thread] = []                          # annotations on their way
 
     def epoch_began(self, epoch: int, final: bool | None, trigger: str) -> None:
         self.epoch = (epoch, final, trigger)
@@ -212,9 +213,20 @@ class FailureReporter:
             except Exception as e:  # noqa: BLE001 - informs only; the job goes on either way
                 log.error("could not annotate job %d: %s", self.job, e)
         if self.background:     # off the op's path: slurmctld may be slow, the wrapper waits for the reply
-            threading.Thread(target=send, name="annotate", daemon=True).start()
+            thread = threading.Thread(target=send, name="annotate", daemon=True)
+            thread.start()
+            self.sending.append(thread)
         else:
             send()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for the annotations still on their way to slurmctld: the agent is about to exit, and a
+        daemon thread dies with it. A failed final capture ends the program at once (its SIGTERM is passed
+        on), so the agent exits right after it recorded the failure."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.sending:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.sending = [t for t in self.sending if t.is_alive()]
 
 
 def coordinator_verdict(m: dict) -> dict:

@@ -33,27 +33,30 @@ def app_steps(job) -> list[str]:
 
 def test_a_refused_final_capture_is_named_by_the_fresh_start_its_admin_comment_and_status() -> None:
     """The program holds a unix stream socket to a process outside the job, so every capture is refused
-    (ipc.py). Requeued mid-run, the final capture fails; the new run's first output line names that capture
-    (epoch, rank) and the refusal, the program starts from step 0 once and runs to its end, sacct's
-    AdminComment carries the same reason, and `slurmckpt status` (root and the job's user) shows it; the
-    job's user sees the failed final capture in `slurmckpt status` already before the job runs again."""
+    (ipc.py). Requeued mid-run (and held), the final capture fails; the new run's first output line names
+    that capture (epoch, rank) and the refusal, the program starts from step 0 once and runs to its end,
+    sacct's AdminComment carries the same reason, and `slurmckpt status` (root and the job's user) shows it;
+    the job's user sees the failed final capture, in the store's record and in AdminComment, in `slurmckpt
+    status` already before the job runs again."""
     wd = workdir(USER, "freshstart-refused")
     with outside_listener(wd / "outside.sock"):
         job = submit(USER, wd, "#!/bin/bash\n"
                      f"python3 tethered.py --connect outside.sock --steps {STEPS} --sleep 0.5\n",
                      "-J", "freshstart-refused", "--checkpoint-interval=10m")
         job.wait_output(r"tethered step 3\n")
-        job.requeue()
-        # before the job runs again (the kill sequence, then cred_expire): the failed final capture is news
+        run("scontrol", "requeuehold", str(job.id))      # held: the failed final capture is news before the rerun
         pending: list[str] = []
 
         def status_names_it() -> bool:
             pending.append(run(CLI, "status", str(job.id), user=USER).stdout)
-            return "the final capture at epoch" in pending[-1]
-        job.wait_for(status_names_it, "slurmckpt status to show the failed final capture", timeout=60)
+            return "the final capture at epoch" in pending[-1] and "AdminComment: slurmckpt: the final" in pending[-1]
+        job.wait_for(status_names_it, "slurmckpt status to show the failed final capture, its AdminComment too",
+                     timeout=60)
+        job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
         assert "starting from the beginning" not in job.text(), "the job restarted before status was read"
         assert re.search(r"AdminComment: slurmckpt: the final capture at epoch \d+ failed on rank batch\.0: "
                          r".*outside\.sock", pending[-1]), pending[-1]
+        run("scontrol", "release", str(job.id))
         job.wait_for(lambda: "starting from the beginning" in job.text() and "tethered PASS" in job.text()
                      and job.state() == "COMPLETED", "the second run to complete", timeout=300)
         lines = job.text().splitlines()

@@ -137,6 +137,22 @@ def test_a_failed_final_capture_is_recorded_and_annotated_an_interval_one_only_r
     assert len(notes.sent) == 1 and failures(store)[0].seen_by == "agent"
 
 
+def test_an_annotation_still_on_its_way_is_sent_before_the_agent_exits(tmp_path: Path) -> None:
+    """A failed final capture ends the program at once, so its agent exits right after recording it: the
+    AdminComment, sent off the op's path by a daemon thread, is waited for at shutdown, not lost with it."""
+    slow = Notes()
+
+    def annotate(job: int, text: str) -> str:
+        time.sleep(0.5)                                  # slurmctld answering slowly
+        return slow(job, text)
+    r = FailureReporter(_store(tmp_path), 43, "batch.0", "node1", annotate=annotate, background=True)
+    r.capture_failed(2, "check", "refused", True, "sigterm")
+    assert slow.sent == [], "sent off the op's path"
+    r.flush(timeout_s=10)
+    assert [text for _, text in slow.sent] == ["slurmckpt: the final capture at epoch 2 failed on rank batch.0: refused"]
+    assert r.sending == []
+
+
 def test_the_agent_caps_what_it_sends_to_slurmctld(tmp_path: Path) -> None:
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
