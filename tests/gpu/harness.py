@@ -198,3 +198,22 @@ def fresh_dir(path: Path) -> Path:
 
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def heartbeats(w: "Workload", seconds: float = 2.5) -> int:
+    """`hb` lines the workload prints in `seconds` from now (workload_hold.py bumps a GPU counter for each)."""
+    size = w.log.stat().st_size
+    time.sleep(seconds)
+    return w.log.read_text(errors="replace")[size:].count("hb ")
+
+
+def verify_data(w: "Workload", ctl: Path) -> str:
+    """workload_hold.py recomputes its checksum and ends: its `DATA OK|BAD` line."""
+    (ctl / "verify").touch()
+    return w.wait_for(r"^DATA (OK|BAD).*$", timeout=60).group(0)
+
+
+def report_failure(w: "Workload", e: Exception) -> int:
+    print(f"FAILED: {type(e).__name__}: {e}"[:3000], flush=True)
+    print(w.text()[-1500:])
+    return 1

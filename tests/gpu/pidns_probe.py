@@ -7,7 +7,6 @@ options (e.g. for the namespace's mounts) come from SLURMCKPT_CRIU_EXTRA (tests/
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,18 +39,12 @@ def main() -> int:
             restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
             restored.restore_all(None)
             restored.unlock_all()
-            size = w.log.stat().st_size
-            time.sleep(2.5)
-            print(f"[{cycle}] heartbeats (GPU counter) in 2.5 s after restore:",
-                  w.log.read_text(errors="replace")[size:].count("hb "), flush=True)
-        (ctl / "verify").touch()
-        print("after restore:", w.wait_for(r"^DATA (OK|BAD).*$", timeout=60).group(0), flush=True)
+            print(f"[{cycle}] heartbeats (GPU counter) in 2.5 s after restore:", harness.heartbeats(w), flush=True)
+        print("after restore:", harness.verify_data(w, ctl), flush=True)
         print("rc", w.wait_exit(30))
         return 0
     except Exception as e:  # noqa: BLE001 - an experiment reports
-        print(f"FAILED: {type(e).__name__}: {e}"[:3000], flush=True)
-        print(w.text()[-1500:])
-        return 1
+        return harness.report_failure(w, e)
     finally:
         w.kill()
 

@@ -134,10 +134,8 @@ def main() -> int:
             restored.restore_all(None)
             restored.unlock_all()
             print(f"[ns{generation}] GPU restore + unlock: {time.monotonic() - t:.2f} s", flush=True)
-            size = w.log.stat().st_size
-            time.sleep(2.5)
-            beats = w.log.read_text(errors="replace")[size:].count("hb ")
-            print(f"[ns{generation}] heartbeats (GPU counter) in 2.5 s after restore: {beats}", flush=True)
+            print(f"[ns{generation}] heartbeats (GPU counter) in 2.5 s after restore: {harness.heartbeats(w)}",
+                  flush=True)
             if generation == 2:
                 break
             stage = GpuStage.for_tree([host])
@@ -159,13 +157,10 @@ def main() -> int:
                 print("[ns1] criu dump 2 FAILED:", " | ".join(lines)[:700], flush=True)
                 return 1
             time.sleep(0.2)                    # the dump killed the namespace's tree, its init included
-        (ctl / "verify").touch()
-        print("after restore:", w.wait_for(r"^DATA (OK|BAD).*$", timeout=60).group(0), flush=True)
+        print("after restore:", harness.verify_data(w, ctl), flush=True)
         return 0
     except Exception as e:  # noqa: BLE001 - an experiment reports
-        print(f"FAILED: {type(e).__name__}: {e}"[:3000], flush=True)
-        print(w.text()[-1500:])
-        return 1
+        return harness.report_failure(w, e)
     finally:
         for holder, init in started:
             if init:
