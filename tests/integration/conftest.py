@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -19,6 +20,26 @@ def cluster() -> None:
         f"no usable node: {sinfo.stdout}"
     plug = open("/etc/slurm/plugstack.conf").read()
     assert "slurmckpt_spank.so" in plug, "the SPANK plugin is not in plugstack.conf"
+
+
+TEST_USERS = ("ckptuser1", "ckptuser2")
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """Each test starts on an empty queue: a job a failed test left running (a hung workload, a held job)
+    would hold the nodes the next tests wait for and fail them too."""
+    yield
+    left = subprocess.run(["squeue", "-h", "-o", "%i", "-u", ",".join(TEST_USERS)], capture_output=True,
+                          text=True).stdout.split()
+    if not left:
+        return
+    for user in TEST_USERS:
+        subprocess.run(["scancel", f"--user={user}"], capture_output=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and subprocess.run(
+            ["squeue", "-h", "-o", "%i", "-u", ",".join(TEST_USERS)], capture_output=True, text=True).stdout.strip():
+        time.sleep(1)
 
 
 _matrix = Matrix()

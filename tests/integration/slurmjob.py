@@ -24,6 +24,7 @@ def task_cgroups(job_id: int) -> list[TaskCgroup]:
     from slurmckpt.task_cgroup import TaskCgroup, default_root
     return [TaskCgroup(p, tree) for p in sorted(default_root().glob(f"{job_id}.*")) if (tree := TreeName.parse(p.name))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
+AGENT_LOGS = Path("/var/log/slurmckpt")
 
 
 CONFIG = Path("/etc/slurmckpt/slurmckpt.yaml")
@@ -123,7 +124,17 @@ class Job:
                 return
             time.sleep(1)
         raise AssertionError(f"job {self.id}: timed out after {timeout}s waiting for {what}; state "
-                             f"{self.state()}; output tail:\n" + "\n".join(self.text().splitlines()[-25:]))
+                             f"{self.state()}; output tail:\n" + "\n".join(self.text().splitlines()[-25:])
+                             + self.agent_log_tails())
+
+    def agent_log_tails(self, lines: int = 12) -> str:
+        """The last lines of each of this job's agent logs on this host: what a timed-out wait could not see
+        in the job's output (CI keeps only the test report)."""
+        out = []
+        for log in sorted(AGENT_LOGS.glob(f"agent-{self.id}.*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"\n--- {log.name} (last {len(tail)} lines):\n" + "\n".join(tail))
+        return "".join(out)
 
     def wait_output(self, pattern: str, count: int = 1, timeout: float = 240) -> None:
         self.wait_for(lambda: len(re.findall(pattern, self.text())) >= count, f"{count}x {pattern!r}", timeout)
