@@ -243,15 +243,15 @@ class Agent:
         env = {str(k): str(v) for k, v in env.items()}
         if any("\0" in a for a in [*argv, *env, *env.values(), cwd]) or any("=" in k or not k for k in env):
             raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
-        # CUDA refuses to work in a PID namespace that sees the host's /proc, and a private /proc would need
-        # CRIU to restore a mount namespace: GPU tasks run in the host's (docs/limitations.md).
         if self.ident.step == "batch" and self.ident.restart_count and self.restored is None:
             self._fresh_start_notice()      # said (AdminComment) even if the wrapper did not ask
-        own_pidns = not uses_gpus(env)
+        # CUDA refuses to work in a PID namespace that sees the host's /proc: a GPU tree gets a mount
+        # namespace too, with its own /proc, which criu dumps and restores (docs/gpu.md, "Own PID namespace").
+        own_mntns = uses_gpus(env)
         creds = self._task_credentials()
         self._place_with_slurm()
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
-                         init_home(self.config.run_dir, self._task_name, creds), own_pidns)
+                         init_home(self.config.run_dir, self._task_name, creds), own_mntns)
         self.pipeline.root_pid = pid
         log.info("launched %s as pid %d", argv[0], pid)
         return {"pid": pid}

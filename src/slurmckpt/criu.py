@@ -18,21 +18,27 @@ MIN_VERSION = (4, 1)
 # --ext-unix-sk: sockets to daemons outside (syslog, nscd); --file-locks;
 # --manage-cgroups=ignore: the tree lives in our freezer cgroup, which the agent manages itself.
 COMMON = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
+# A tree with its own mount namespace (a GPU task: launch.py): every mount of its slave copy of the node's
+# is the node's own, so external (criu cannot dump the driver's or the image store's mounts); the restore
+# builds the namespace again on the node's root (without --root, criu 4.2 stops at "mnt: BUG").
+MNTNS_DUMP = ["--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters"]
+MNTNS_RESTORE = [*MNTNS_DUMP, "--root", "/"]
 
 
 @dataclass(frozen=True)
 class InheritedFd:
     """A resource the restored tree keeps using from outside (stdio pipe to srun, the output file)."""
-    key: str        # criu's id: pipe:[123], socket:[45], or a path without the leading '/'
+    key: str        # criu's id: pipe:[123], socket:[45], file[MNT:INO] or a path without the leading '/'
     fd: int         # the fd, in the process that runs criu, that stands in for it
 
 
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False) -> float: ...
+             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
+             mntns: bool = False) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: list[int] = ()) -> int: ...
+                tcp_close: list[int] = (), mntns: bool = False) -> int: ...
 
 
 @dataclass
@@ -54,14 +60,17 @@ class CriuDriver:
         return p.returncode == 0, (p.stdout + p.stderr).strip()
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
-             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False) -> float:
+             ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
+             mntns: bool = False) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
         ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
         socket whose peer stays outside (the PMI socket, pmi.py), handed in again at the restore. `link_remap`:
         files held by a removed name that has another name (sem_open's) are linked to link_remap.N for the
-        dump (shm_files.py puts those links back before the restore)."""
-        args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON]
+        dump (shm_files.py puts those links back before the restore). `mntns`: the tree has its own mount
+        namespace (MNTNS_DUMP)."""
+        args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON,
+                *(MNTNS_DUMP if mntns else [])]
         for res in external or []:
             args += ["--external", res]
         if ghost_limit:
@@ -76,7 +85,7 @@ class CriuDriver:
 
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: list[int] = ()) -> int:
+                tcp_close: list[int] = (), mntns: bool = False) -> int:
         """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
         `join(pid)` places the criu process (whose cgroups the restored tree inherits); by default it joins
         `freezer`. `tcp_close`: socket inodes (at dump) of TCP connections restored closed (our criu patch
@@ -84,7 +93,7 @@ class CriuDriver:
         pidfile = pidfile or images / "restore.pid"
         pidfile.unlink(missing_ok=True)        # criu refuses an existing pidfile
         args = ["restore", "-D", str(images), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
-                *COMMON]
+                *COMMON, *(MNTNS_RESTORE if mntns else [])]
         for item in inherit:
             args += ["--inherit-fd", f"fd[{item.fd}]:{item.key}"]
         for ino in tcp_close:

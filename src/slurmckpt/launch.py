@@ -19,6 +19,8 @@ from slurmckpt.errors import PermissionDenied, SlurmckptError
 from slurmckpt.task_cgroup import TaskCgroup
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000
 _LIMITS = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}
 
 
@@ -47,29 +49,58 @@ class Credentials:
                    tuple(limits))
 
 
-def unshare_pid_namespace() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWPID) != 0:
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)}")
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare_namespaces(own_mntns: bool) -> None:
+    """A new PID namespace for the children of the caller and, with `own_mntns`, a mount namespace of its
+    own: a slave copy of the node's (mounts made on the node later still appear in it, none of its own
+    leave it), where the tree's init mounts its own /proc."""
+    libc = _libc()
+    _check(libc.unshare(CLONE_NEWPID | (CLONE_NEWNS if own_mntns else 0)), "unshare")
+    if own_mntns:
+        _check(libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+
+
+def mount_own_proc() -> None:
+    """In PID 1 of the new namespaces: /proc shows this PID namespace (CUDA reads /proc/<its own pid>)."""
+    _check(_libc().mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+
+
+def append_only(fds: list[int]) -> None:
+    """Regular files among `fds` (Slurm's output files) written in append mode: criu then checks no size
+    when it reopens them through the fds a restore hands in (the file grew since the capture)."""
+    for fd in fds:
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        except OSError:
+            continue
 
 
 def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials,
-               init_path: str, cgroup: TaskCgroup, home: str, own_pidns: bool = True) -> int:
-    """Fork an intermediate that joins the task cgroup and a new PID namespace, whose child (PID 1 there)
-    becomes the job user and execs the init. The intermediate exits, so the init re-parents to the nearest
-    subreaper: the wrapper. Returns the init's host PID."""
+               init_path: str, cgroup: TaskCgroup, home: str, own_mntns: bool = False) -> int:
+    """Fork an intermediate that joins the task cgroup and a new PID namespace (and, with `own_mntns`, a
+    mount namespace: GPU tasks), whose child (PID 1 there) becomes the job user and execs the init. The
+    intermediate exits, so the init re-parents to the nearest subreaper: the wrapper. Returns the init's
+    host PID."""
     rfd, wfd = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
         try:
             os.close(rfd)
             cgroup.add(os.getpid())
-            if own_pidns:
-                unshare_pid_namespace()
+            unshare_namespaces(own_mntns)
             init_pid = os.fork()
             if init_pid == 0:
-                _become_task(argv, env, cwd, stdio, creds, init_path, home, own_pidns)   # never returns
+                _become_task(argv, env, cwd, stdio, creds, init_path, home, own_mntns)   # never returns
             os.write(wfd, str(init_pid).encode())
             os._exit(0)
         except BaseException as e:  # noqa: BLE001 - report through the pipe, never return into the agent
@@ -117,13 +148,12 @@ def _require_root_dir(path: str, fix: bool = False) -> None:
 
 
 def init_command(creds: Credentials, init_path: str, argv: list[str], home: str, cwd: str,
-                 env_fd: int, own_pidns: bool) -> list[str]:
-    """The job's user. In its own PID namespace the init alone also holds CAP_SYS_ADMIN and
-    CAP_DAC_OVERRIDE (ambient; its child drops every capability before exec): CRIU's parasite needs them in
-    a PID namespace's init to mount that namespace's /proc in the root-owned home. A tree in the host PID
-    namespace needs none."""
+                 env_fd: int) -> list[str]:
+    """The job's user. The init alone also holds CAP_SYS_ADMIN and CAP_DAC_OVERRIDE (ambient; its child
+    drops every capability before exec): CRIU's parasite needs them in a PID namespace's init to mount that
+    namespace's /proc in the root-owned home."""
     groups = ",".join(str(g) for g in creds.groups)
-    caps = "-all,+sys_admin,+dac_override" if own_pidns else "-all"
+    caps = "-all,+sys_admin,+dac_override"
     return [SETPRIV, f"--reuid={creds.uid}", f"--regid={creds.gid}",
             f"--groups={groups}" if groups else "--clear-groups",
             f"--inh-caps={caps}", f"--ambient-caps={caps}",
@@ -145,12 +175,15 @@ def env_memfd(env: dict[str, str]) -> int:
 ENV_FD = 3     # where init finds the workload's environment
 
 
-def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str, home: str, own_pidns: bool) -> None:
+def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str, home: str, own_mntns: bool) -> None:
     """In the forked child (root): session, stdio, limits, then exec setpriv -> init with a fixed
     environment. The user's cwd and environment are handed to init's child, which uses them without
     privileges; root never chdirs into the user's directory."""
     try:
         os.setsid()
+        if own_mntns:
+            mount_own_proc()
+            append_only(stdio[:3])
         memfd = env_memfd(env)
         for target, fd in enumerate(stdio[:3]):
             os.dup2(fd, target, inheritable=True)
@@ -162,7 +195,7 @@ def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str, home
             except (ValueError, OSError):
                 pass
         os.chdir("/")
-        command = init_command(creds, init_path, argv, home, cwd, ENV_FD, own_pidns)
+        command = init_command(creds, init_path, argv, home, cwd, ENV_FD)
         os.execve(command[0], command, PRIVILEGED_ENV)
     except BaseException as e:  # noqa: BLE001
         try:

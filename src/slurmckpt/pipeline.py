@@ -136,8 +136,8 @@ class RankPipeline:
 
     def finish(self, epoch: int) -> None:
         """After COMMIT of a final capture: the tree dies (killed while frozen, so it runs no further).
-        Every process of the cgroup, not only the root: a GPU task runs in the host PID namespace, where the
-        init's death does not take the tree with it."""
+        Every process of the cgroup, not only the root: one that left the tree's PID namespace (a
+        setns'd helper) does not die with its init."""
         self.cgroup.kill_all()
         self.done = []
 
@@ -214,15 +214,21 @@ def _record(p: RankPipeline, epoch: int) -> None:
     stdio = [t for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t]
     outputs = {t.link for t in stdio if t.regular}
     replay = p.replay
+    view = proctree.MountView() if replay else proctree.mount_view(p.root_pid)
+    script = [] if replay or p.step != "batch" else _batch_script_fds(pids, p.store.job, view)
     p.record = {
         "kind": "replay" if replay else "image",
-        "stdio": [{"fd": t.fd, "link": t.link, "key": t.criu_key, "regular": t.regular, "size": t.size}
+        "stdio": [{"fd": t.fd, "link": t.link, "key": view.key(t), "regular": t.regular, "size": t.size}
                   for t in stdio],
+        # a GPU tree's own mount namespace: what it holds through the node's mounts is handed in again
+        "mntns": view.inside is not None,
+        "external_files": sorted({k for k in [view.key(t) for t in stdio] + [e["key"] for e in script]
+                                  if k.startswith("file[")}),
         "truncate": [] if replay else [{"path": k, "size": t.size, "ino": t.ino}
                                        for k, t in proctree.written_files(pids, outputs).items()],
         # The batch shell reads its script from the node's spool (<SlurmdSpoolDir>/jobNNNNN/slurm_script),
         # which is elsewhere on another node: restored from the new start's script fd (same content).
-        "batch_script": [] if replay or p.step != "batch" else _batch_script_fds(pids, p.store.job),
+        "batch_script": script,
         "processes": len(pids), "node": socket.gethostname(), "uid": p.creds.uid,
         "gpu": p.gpu_record,
         # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
@@ -239,15 +245,15 @@ def _record(p: RankPipeline, epoch: int) -> None:
 SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
 
 
-def _batch_script_fds(pids: list[int], job: int) -> list[dict]:
+def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[dict]:
     """The tree's fds on this job's spooled batch script: criu key and file position (bash reads its
     script through such an fd as it goes; the restored one must continue where it was)."""
     found: dict[str, int] = {}
     for pid in pids:
         for t in proctree.open_files(pid):
             m = SCRIPT_RE.search(t.link)
-            if m and int(m.group(1)) == job and t.criu_key not in found:
-                found[t.criu_key] = proctree.fd_position(pid, t.fd)
+            if m and int(m.group(1)) == job and view.key(t) not in found:
+                found[view.key(t)] = proctree.fd_position(pid, t.fd)
     return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
 
 
@@ -276,8 +282,10 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
                                                freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
-                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]],
-                                               link_remap=any(e["removed"] for e in p.record["shm_files"]))
+                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]]
+                                               + p.record["external_files"],
+                                               link_remap=any(e["removed"] for e in p.record["shm_files"]),
+                                               mntns=p.record["mntns"])
         shm_files.note_remaps(p.record["shm_files"], rdir)
         shm_files.remove_links(p.creds, p.record["shm_files"])     # put back by the restore, on any node
         if not p.final and p.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen

@@ -81,21 +81,47 @@ class FdTarget:
     dev: int = 0
     ino: int = 0
     path_only: bool = False      # an O_PATH descriptor: it grants neither read nor write
+    mnt_id: int = 0              # the mount it was opened through (fdinfo)
 
     @property
     def criu_key(self) -> str:
         return self.link.lstrip("/") if self.link.startswith("/") else self.link
 
 
+@dataclass(frozen=True)
+class MountView:
+    """The mounts of a tree that has a mount namespace of its own (GPU tasks: launch.py), None for one in
+    the node's. A file the tree holds through a mount outside its namespace (Slurm's output files and
+    /dev/null, opened by slurmstepd) is not in criu's view of the tree's mounts: it is dumped as external
+    (`file[MNT:INO]`, hex) and handed in again at the restore under that key."""
+    inside: frozenset[int] | None = None
+
+    def key(self, t: FdTarget) -> str:
+        """criu's key for the file behind `t`: its path, or its external id when it lies outside."""
+        if self.inside is not None and t.link.startswith("/") and not t.link.startswith("/memfd:") \
+                and t.mnt_id not in self.inside:
+            return f"file[{t.mnt_id:x}:{t.ino:x}]"
+        return t.criu_key
+
+
+def mount_view(root_pid: int) -> MountView:
+    """How criu will see the mounts of the tree rooted at `root_pid` (see MountView)."""
+    if procfs.namespace(root_pid, "mnt") == procfs.namespace("self", "mnt"):
+        return MountView()
+    return MountView(frozenset(int(line.split()[0]) for line in procfs.mountinfo(root_pid) if line.strip()))
+
+
 def fd_target(pid: int, fd: int) -> FdTarget | None:
     try:
         link = procfs.fd_link(pid, fd)
         st = procfs.fd_stat(pid, fd)
-        flags = int(procfs.fdinfo(pid, fd)["flags"], 8)
+        info = procfs.fdinfo(pid, fd)
+        flags = int(info["flags"], 8)
+        mnt_id = int(info.get("mnt_id", 0))
     except (OSError, KeyError, ValueError):
         return None
     return FdTarget(fd, link, stat.S_ISREG(st.st_mode), st.st_size, (flags & os.O_ACCMODE) != os.O_RDONLY,
-                    st.st_dev, st.st_ino, bool(flags & O_PATH))
+                    st.st_dev, st.st_ino, bool(flags & O_PATH), mnt_id)
 
 
 O_PATH = 0o10000000

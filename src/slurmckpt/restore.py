@@ -51,7 +51,8 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=p.step, rank=p.rank) from err
     inherit, seen = [], set()
     for entry in manifest["stdio"]:
-        if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))):
+        if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))
+                                        or entry["key"].startswith("file[")):
             continue
         seen.add(entry["key"])
         inherit.append(InheritedFd(entry["key"], stdio[entry["fd"]]))
@@ -79,7 +80,8 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         hold.before_restore()
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
             pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
-                                   join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []))
+                                   join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []),
+                                   mntns=manifest.get("mntns", False))
     except BaseException:
         hold.release()
         _quietly(shm_files.remove_links, p.creds, manifest.get("shm_files", []))

@@ -136,8 +136,7 @@ class Wrapper:
 
     def _reap_children(self, timeout_s: float) -> None:
         """Leave no zombie behind: one that outlived its parent in the tree was re-parented here, and as a
-        zombie it keeps its session id (the tree root's pid) busy, which a restore needs free (GPU tasks
-        run in the host PID namespace)."""
+        zombie it keeps its session id (the tree root's pid) busy."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -247,8 +246,7 @@ class Wrapper:
                               sorted(added.items())) + " (gpu_growth_defaults; docs/gpu.md)")
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
-            if not uses_gpus(env):     # in its own PID namespace: no shared memory with the node's ranks
-                env = pmi.rank_env(env)
+            env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks
             argv = pmi.attach_argv(argv)
         reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd())
         if relay:

@@ -134,10 +134,20 @@ gpu_cycle() {  # NAME JOBID: periodic capture, requeue mid-run, restore, run to 
     waitout "$n" 'committed \(interval\)|FAILED|refused|ABORTED' $((end - SECONDS)) || return
     echo "[$((SECONDS - T0))s] $n: $(grep -E 'committed \(interval\)|FAILED|refused|ABORTED' "$H/$n.out" | head -2)"
     view "$id" "($n) before the requeue"
-    echo "[$((SECONDS - T0))s] $n: requeue at $(grep -c '^step ' "$H/$n.out") step lines"; scontrol requeue "$id"
+    local old; old=$(cat "$(taskcg "$id")/cgroup.procs" 2>/dev/null)
+    echo "[$((SECONDS - T0))s] $n: requeue (held) at $(grep -c '^step ' "$H/$n.out") step lines"
+    scontrol requeuehold "$id"
+    # the restore must not need the old host pids: they are taken before the job is released
+    for _ in $(seq 60); do [ "$(jstate "$id")" = PENDING ] && break; sleep 1; done
+    for _ in $(seq 30); do busy=""; for p in $old; do [ -e /proc/$p ] && busy=1; done; [ -z "$busy" ] && break; sleep 1; done
+    echo "[$((SECONDS - T0))s] $n: held; the tree's old host pids: $(echo $old)"
+    "$PY" tests/gpu/take_pids.py "$OUT/taken-pids" $old
+    scontrol release "$id"
     waitout "$n" 'restored from checkpoint epoch|FAILED|fresh|beginning' $((end - SECONDS))
     echo "[$((SECONDS - T0))s] $n: $(grep -E 'restored from checkpoint epoch|FAILED|fresh' "$H/$n.out" | head -3)"
     sleep 2; view "$id" "($n) after the restore"
+    for p in $old; do echo "  old pid $p now: $(cat /proc/$p/comm 2>/dev/null || echo free)"; done
+    for p in $(cat "$(taskcg "$id")/cgroup.procs" 2>/dev/null); do echo "  restored $p: $(grep NSpid /proc/$p/status)"; done
     waitout "$n" '^DONE' $((end - SECONDS)); echo "[$((SECONDS - T0))s] $n: state '$(jstate "$id")'"
   } > "$OUT/cycle-$n.txt" 2>&1
 }
@@ -205,6 +215,7 @@ for j in $GPU_JOBS; do
 done
 [ "${RS_LARGE:-1}" = 1 ] && { say "L: job $L"; cat "$OUT/cycle-L.txt"; rm -f "$OUT/cycle-L.txt"; }
 squeue; scancel -u "$DEVICE_USER"
+[ -f "$OUT/taken-pids" ] && xargs -r kill < "$OUT/taken-pids"
 echo "--- slurmd.log errors"; grep -iE "error|rmdir|unable" /var/log/slurm/slurmd.log | tail -8
 tar -czf "$OUT/real-slurm-logs.tar.gz" -C / "${H#/}" var/log/slurm var/log/slurmckpt 2>/dev/null
 # what comes back from the machine is capped (16 MiB a file): the agent logs and slurmd's log alone then

@@ -1,11 +1,14 @@
 """The `slurmckpt` CLI against a live job (manual checkpoint, inspect, doctor) and a `--gres=gpu` job (fake
-GPU devices in CI: the job's tree runs in the host PID namespace like every GPU job, and is restored)."""
+GPU devices in CI: the job's tree runs in its own PID and mount namespace like every GPU job, and is
+restored)."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import run, submit, task_cgroups, workdir
+from tests.support.pids import take
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from zdtm import expected_lines  # noqa: E402
@@ -38,16 +41,40 @@ def test_manual_checkpoint_then_inspect_then_requeue_via_cli() -> None:
     assert job.restarts() == 1
 
 
-def test_gres_gpu_job_is_checkpointed_in_host_pid_namespace_and_restored() -> None:
+def test_gres_gpu_job_has_its_own_proc_and_restores_while_its_old_host_pids_are_taken() -> None:
+    """A task with a GPU (CUDA_VISIBLE_DEVICES) runs in its own PID namespace with its own /proc (a mount
+    namespace of its own, which criu dumps and restores, Slurm's output file handed in as external).
+    Requeued and held until every old host pid of its tree is held by another process, it is restored
+    anyway, captured again, and its output equals an uninterrupted run's."""
     wd = workdir(USER, "gres")
     job = submit(USER, wd, "#!/bin/bash\necho \"gpus=$CUDA_VISIBLE_DEVICES\"\n"
+                 "echo \"own /proc: shell pid $$, $(ls /proc | grep -c '^[0-9]') processes\"\n"
                  "python3 zdtm.py --steps 200 --sleep 0.2 --tag g --data d.txt\n",
                  "--gres=gpu:1", "-w", "node1", "--checkpoint-interval=10s")
     job.wait_output(r"committed \(interval\)")
-    job.requeue()
-    job.wait_output(r"restored from checkpoint epoch")
-    assert job.wait_done() == "COMPLETED"
-    assert job.app_lines() == ["gpus=0", *expected_lines("g", 200)]
+    old = [pid for cg in task_cgroups(job.id) for pid in cg.pids()]
+    assert len(old) >= 3, old           # init, the batch shell, python
+    run("scontrol", "requeuehold", str(job.id))
+    job.wait_for(lambda: job.state() == "PENDING" and not any(Path(f"/proc/{p}").exists() for p in old),
+                 "the held job's old tree to be gone", 120)
+    sleepers = [take(pid) for pid in old]
+    try:
+        assert all(sleepers), f"could not take every old host pid {old}: {sleepers}"
+        run("scontrol", "release", str(job.id))
+        job.wait_output(r"restored from checkpoint epoch")
+        job.wait_output(r"committed \(interval\)", 1 + job.text().count("committed (interval)"), timeout=120)
+        assert job.wait_done() == "COMPLETED"
+        assert all(s.poll() is None for s in sleepers), "a sleep holding an old pid died"
+    finally:
+        for s in filter(None, sleepers):
+            s.kill()
+            s.wait()
+    lines = job.app_lines()
+    assert lines[0] == "gpus=0", lines[:2]
+    m = re.fullmatch(r"own /proc: shell pid (\d+), (\d+) processes", lines[1])
+    assert m and m.group(1) == "2" and int(m.group(2)) < 10, lines[1]       # the node has hundreds
+    assert lines[2:] == expected_lines("g", 200)
+    assert job.restarts() == 1
 
 
 def test_checkpoint_of_a_job_not_under_slurmckpt_is_refused_and_the_job_lives() -> None:

@@ -86,13 +86,14 @@ class Engine:
     restored: dict[str, bytes] | None = None
     restored_from: Path | None = None
 
-    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False) -> float:
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
+             mntns=False) -> float:
         for name, data in self.files.items():
             (images / name).write_bytes(data)
         (images / "dump.log").write_text("criu dump log\n")
         return 0.0
 
-    def restore(self, images, inherit, *, freezer, pidfile=None, join=None, tcp_close=()) -> int:
+    def restore(self, images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False) -> int:
         self.restored_from = images
         self.restored = {p.name: p.read_bytes() for p in images.iterdir() if p.name.endswith(".img")}
         return os.getpid()

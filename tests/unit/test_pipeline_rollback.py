@@ -94,7 +94,8 @@ class FakeEngine:
     fail: bool = False
     ghost_limit: int = -1
 
-    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False):
+    def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
+             mntns=False):
         self.journal.events.append("dump")
         self.ghost_limit = ghost_limit
         if self.fail:
@@ -232,7 +233,7 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
     restored: list[subprocess.Popen] = []
 
-    def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=()):
+    def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
         restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
         p.cgroup.members = [q.pid for q in restored]
         return restored[0].pid
