@@ -165,7 +165,7 @@ def run_raw(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     env_fd = env_memfd({"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
     argv = ["unshare", "--pid", "--fork", "setsid",
             *init_command(creds, cfg.init_path, workload(args, ready), init_home(cfg.run_dir, f"bench.{tag}", creds),
-                          "/tmp", env_fd, True)]
+                          "/tmp", env_fd)]
     devnull = os.open("/dev/null", os.O_RDWR)
     unshare = subprocess.Popen(argv, stdin=devnull, stdout=devnull, stderr=devnull, cwd="/tmp",
                                start_new_session=True, pass_fds=[env_fd])
