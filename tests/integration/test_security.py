@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import socket
 import sys
+from pathlib import Path
 
 from tests.integration.slurmjob import run, submit, workdir
 
 PY = sys.executable
+FAKE_JOB = 990001
 
 
 def _agent_and_attacker(user: str, job_uid_user: str, attack: str) -> list:
     """Start the real agent for a job owned by `job_uid_user` (as the shim would), then run `attack`
     (python code using `ch`, a slurmckpt Channel to the agent) as `user`, the agent's parent process."""
     job_pw, pw = pwd.getpwnam(job_uid_user), pwd.getpwnam(user)
+    for old in Path("/var/lib/slurmckpt/images").glob(f"*/{FAKE_JOB}"):
+        shutil.rmtree(old)      # an earlier run's epochs: the attacks choose epoch numbers themselves
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -26,7 +31,7 @@ def _agent_and_attacker(user: str, job_uid_user: str, attack: str) -> list:
             ours.close()
             fd = theirs.detach()
             os.set_inheritable(fd, True)
-            os.execv(PY, [PY, "-m", "slurmckpt", "agent", "--fd", str(fd), "--job", "990001", "--step", "batch",
+            os.execv(PY, [PY, "-m", "slurmckpt", "agent", "--fd", str(fd), "--job", str(FAKE_JOB), "--step", "batch",
                           "--rank", "0", "--uid", str(job_pw.pw_uid), "--gid", str(job_pw.pw_gid),
                           "--restart-count", "1"])
         theirs.close()
