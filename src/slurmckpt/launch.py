@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import re
 import resource
 import stat
 import sys
@@ -20,7 +21,7 @@ from slurmckpt.task_cgroup import TaskCgroup
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x40000, 0x80000
 _LIMITS = {name: getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}
 
 
@@ -66,7 +67,27 @@ def unshare_namespaces(own_mntns: bool) -> None:
     libc = _libc()
     _check(libc.unshare(CLONE_NEWPID | (CLONE_NEWNS if own_mntns else 0)), "unshare")
     if own_mntns:
+        # A copy of a mount that is only a slave where the agent runs (a node or job namespace below the
+        # host's: job_container/tmpfs, the test cluster) would be the slave of a peer group criu cannot
+        # see from here ("has unreachable sharing"): those copies are made private. The others become
+        # slaves of the agent's shared mounts, which criu can see.
+        for target in slave_only_mount_points(procfs.mountinfo("self")):
+            libc.mount(None, os.fsencode(target), None, MS_PRIVATE, None)    # best effort: the dump says
         _check(libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+
+
+def slave_only_mount_points(mountinfo: list[str]) -> list[str]:
+    """Mount points of `mountinfo` lines (proc(5)) that receive propagation from a master but share with
+    no peer group of their own."""
+    out = []
+    for line in mountinfo:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 7:
+            continue
+        optional = fields[6:fields.index("-")]
+        if any(o.startswith("master:") for o in optional) and not any(o.startswith("shared:") for o in optional):
+            out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return out
 
 
 def mount_own_proc() -> None:

@@ -88,3 +88,14 @@ def test_pid_1_of_the_new_namespaces_sees_its_own_proc_and_the_node_keeps_its_ow
     assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     assert Path("/proc/self/mountinfo").read_text() == before        # nothing leaked into the node's namespace
     assert out.read_text() == "xy"                                   # appended, not written at offset 0
+
+
+def test_copies_of_mounts_that_only_receive_propagation_are_the_ones_made_private() -> None:
+    mountinfo = [
+        "24 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw",
+        "153 24 0:4 / /run/netns rw master:1 - tmpfs tmpfs rw",
+        "160 24 0:50 / /var/lib/slurmckpt/images rw shared:7 master:3 - fuse.glusterfs srv:/v rw",
+        "161 24 0:51 / /mnt/with\\040space rw master:9 - tmpfs tmpfs rw",
+        "162 24 0:52 / /scratch rw - xfs /dev/sdb rw",
+    ]
+    assert launch.slave_only_mount_points(mountinfo) == ["/run/netns", "/mnt/with space"]
