@@ -13,7 +13,6 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from queue import Full, Queue
 from typing import BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import xxhash
@@ -126,8 +125,7 @@ class Zstd:
             if len(out) != raw:
                 raise ValueError(f"a frame unpacks to {len(out)} bytes, its index says {raw}")
             return out
-        workers = min(os.cpu_count() or 1, MAX_UNPACKERS)
-        _in_order(workers, read_ahead(_frames(src), 2 * workers), unpack, sink.write)
+        _in_order(min(os.cpu_count() or 1, MAX_UNPACKERS), _frames(src), unpack, sink.write)
 
     def compressible(self, sample: bytes) -> bool:
         """Whether compressing is worth its CPU: random pages (encrypted data, noise) are stored raw."""
@@ -177,47 +175,6 @@ def _frames(src: BinaryIO) -> Iterator[tuple[bytes, int]]:
         if tag != b"SCK1" or raw > FRAME or stored > FRAME + FRAME // 64 + 1024:
             raise ValueError("bad frame index")
         yield exact(stored), raw
-
-
-def read_ahead(items: Iterator[T], depth: int) -> Iterator[T]:
-    """`items` produced by a thread of their own, up to `depth` ahead of the consumer: reading the store (a
-    network file system's round trips) overlaps writing the unpacked bytes. The producer's exception is
-    raised where the item it failed on would have been; a consumer that stops early stops the producer."""
-    queue: Queue = Queue(maxsize=max(1, depth))
-    stop = threading.Event()
-    done = object()
-
-    def offer(entry: tuple) -> bool:
-        while not stop.is_set():
-            try:
-                queue.put(entry, timeout=0.1)
-                return True
-            except Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not offer((item, None)):
-                    return
-            offer((done, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            offer((done, e))
-
-    thread = threading.Thread(target=produce, name="slurmckpt-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = queue.get()
-            if item is done:
-                if error is not None:
-                    raise error
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _in_order(workers: int, items: Iterable[T], work: Callable[[T], bytes], out: Callable[[bytes], object]) -> None:
