@@ -43,8 +43,10 @@ if [ "${SLURMCKPT_SKIP_BESIDE:-0}" != 1 ]; then
   echo "== Slurm 24.11 suite and docker-slurm test running beside the host suite (logs: $LOGS)"
 fi
 t0=$SECONDS
-# shellcheck disable=SC2086  # HOST_IGNORE: --ignore=FILE options (the files the 24.11 cluster runs instead)
-"$PYTHON" -m pytest -v --durations=25 ${PYTEST_ARGS:-} ${HOST_IGNORE:-} tests/integration
+# HOST_IGNORE: --ignore=FILE and --deselect=ID options (what the 24.11 cluster runs instead), some quoted
+eval "host_ignore=(${HOST_IGNORE:-})"
+# shellcheck disable=SC2086  # PYTEST_ARGS: options as the developer typed them
+"$PYTHON" -m pytest -v --durations=25 ${PYTEST_ARGS:-} "${host_ignore[@]}" tests/integration
 rc=$?
 echo "== host cluster's integration suite (Slurm $(sinfo -V | awk '{print $2}')): exit $rc in $((SECONDS - t0)) s"
 
