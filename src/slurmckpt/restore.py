@@ -46,7 +46,7 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         return None, manifest
     _truncate_written_files(manifest["truncate"], p.creds)
     try:
-        shm_files.put_back(p.creds, manifest.get("shm_files", []), rdir)
+        shm_files.put_back(p.creds, manifest.get("shm_files", []), rdir, key)
     except PermissionDenied as err:
         raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=p.step, rank=p.rank) from err
     inherit, seen = [], set()

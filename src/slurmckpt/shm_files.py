@@ -14,6 +14,9 @@ capture it holds what the tree wrote since, not what it held at the cut. So:
   opens it by that name. The names criu used are read from the images after the dump (criu_images.py);
 - restore: as the user, each file is written back under its name (created if missing, only ever a regular
   file of the user), and the link_remap names are linked to it; criu removes those once it opened them.
+  Ranks of one node that share a segment (ipc_pair.py's ring) each saved it at the cut; it is written back
+  once per restore of the node, by the first rank: the others find the ranks restored before them already
+  writing to it.
 
 Files of other users are left to criu (by name, as without slurmckpt); files with no name left (nlink 0) are
 criu's ghost files (ghost.py). The copy is made while the tree is frozen, so a big segment lengthens the
@@ -22,12 +25,14 @@ stall (at the speed of a memory copy); it is restored exactly, so it is not refu
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmckpt import asuser, criu_images, procfs
+from slurmckpt import asuser, criu_images, netlock, procfs
 from slurmckpt.launch import Credentials
 
 SHM_DIR = "/dev/shm"
@@ -111,23 +116,32 @@ def note_remaps(entries: list[dict], images: Path) -> None:
                 e["links"].append(remap)
 
 
-def put_back(creds: Credentials, entries: list[dict], images: Path) -> None:
+def put_back(creds: Credentials, entries: list[dict], images: Path, key: str | None = None,
+             lock_dir: Path | None = None) -> None:
     """Before criu restores: as the user, each file written back under its name and linked under the names
     criu will open. Only a regular file of the user is written (created if missing, never through a
-    symlink); PermissionDenied names the file otherwise."""
+    symlink); PermissionDenied names the file otherwise. With `key` (netlock.restore_key: this restore of
+    the job on this node) a file is written back once per restore: ranks of one node that share a segment
+    each saved the same bytes at the cut, and the ranks restored first already write to it again (a second
+    write-back would put old slots under their new counters)."""
+    lock_dir = lock_dir or netlock.LOCK_DIR
     for e in entries:
-        with open(images / e["data"], "rb") as src:
-            def write_back(e: dict = e, src_fd: int = src.fileno()) -> None:
+        marker = lock_dir / f"{key}.shm.{hashlib.sha1(e['name'].encode()).hexdigest()[:16]}" if key else None
+        with open(images / e["data"], "rb") as src, (netlock.node_lock(lock_dir) if marker else nullcontext()):
+            content = marker is None or not marker.exists()
+
+            def write_back(e: dict = e, src_fd: int = src.fileno(), content: bool = content) -> None:
                 fd = os.open(e["name"], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, e["mode"])
                 try:
                     st = os.fstat(fd)
                     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                         raise OSError(errno.EPERM, "not a regular file of the job's user", e["name"])
-                    os.ftruncate(fd, 0)
-                    while block := os.read(src_fd, 1 << 20):
-                        view = memoryview(block)
-                        while view:
-                            view = view[os.write(fd, view):]
+                    if content:
+                        os.ftruncate(fd, 0)
+                        while block := os.read(src_fd, 1 << 20):
+                            view = memoryview(block)
+                            while view:
+                                view = view[os.write(fd, view):]
                 finally:
                     os.close(fd)
                 for link in e["links"]:
@@ -137,6 +151,8 @@ def put_back(creds: Credentials, entries: list[dict], images: Path) -> None:
                         pass
                     os.link(e["name"], link)
             asuser.run_as_user(creds, write_back, f"cannot put back {e['name']} for the restore")
+            if marker is not None and content:
+                marker.write_text("put back\n")
 
 
 def remove_links(creds: Credentials, entries: list[dict]) -> None:
