@@ -40,7 +40,8 @@ TESTS_2411_ONLY_IDS ?= $(IT)/test_checkpoint_restore.py::test_preemption_capture
   $(IT)/test_checkpoint_restore.py::test_walltime_capture_and_requeue_without_user_signal \
   $(IT)/test_store.py::test_capture_over_quota_is_refused_job_runs_on_and_restores_the_previous_commit \
   $(IT)/test_cli_and_gres.py::test_manual_checkpoint_then_inspect_then_requeue_via_cli \
-  '$(IT)/test_signals.py::test_requeue_sigterm_never_reaches_a_program_that_handles_it[proctrack/linuxproc]'
+  '$(IT)/test_signals.py::test_requeue_sigterm_never_reaches_a_program_that_handles_it[proctrack/linuxproc]' \
+  $(IT)/test_mpi.py::test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it
 TESTS_2411 ?= $(TESTS_2411_ONLY) $(TESTS_2411_ONLY_IDS) $(TESTS_BOTH)
 TESTS_BOTH ?= $(IT)/test_launch_form.py \
   $(IT)/test_checkpoint_restore.py::test_requeue_twice_resumes_mid_run_with_exact_output \

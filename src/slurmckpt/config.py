@@ -83,7 +83,8 @@ class Config:
     requeue_wait_s: float = _key(600.0, "How long a task whose final capture committed waits for Slurm to take "
                                  "the job down.")
     gpu_lock_timeout_ms: int = _key(500, "Timeout of one GPU lock round, in milliseconds.")
-    gpu_lock_rounds: int = _key(8, "Lock rounds tried before a GPU job's epoch aborts.")
+    gpu_lock_rounds: int = _key(8, "Lock rounds tried before an epoch aborts (a GPU lock timed out on work in "
+                                   "flight, or a rank was frozen inside a PMI exchange).")
     gpu_growth_defaults: bool = _key(True, "GPU tasks get XLA_PYTHON_CLIENT_PREALLOCATE=false and "
                                      "TF_FORCE_GPU_ALLOW_GROWTH=true unless the job set a memory variable of that "
                                      "framework itself (docs/gpu.md, \"Frameworks that preallocate\").")

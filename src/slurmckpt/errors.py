@@ -5,8 +5,8 @@ from __future__ import annotations
 class SlurmckptError(Exception):
     """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known.
 
-    `retryable`: the same operation may succeed if tried again. Only LockContended sets it; a lock round
-    (coordinator/server.py, barrier/lock_round.py) retries on that and on nothing else."""
+    `retryable`: the same operation may succeed if tried again. Only LockContended and ExchangeInFlight set
+    it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those and on nothing else."""
 
     retryable = False
 
@@ -17,7 +17,7 @@ class SlurmckptError(Exception):
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Whether `exc` is typed retryable (LockContended); never decided from an error's text."""
+    """Whether `exc` is typed retryable (LockContended, ExchangeInFlight); never decided from its text."""
     return isinstance(exc, SlurmckptError) and exc.retryable
 
 
@@ -42,6 +42,15 @@ class LockContended(SlurmckptError):
 
 class CaptureError(SlurmckptError):
     """A capture stage failed; the previous commit stays valid."""
+
+
+class ExchangeInFlight(CaptureError):
+    """The frozen tree is inside a request/answer exchange with a process the restore replaces (slurmstepd's
+    PMI server has read a rank's request and not answered yet): captured now, the restored rank would wait
+    forever for an answer the next step never got the request for. Every rank thaws, the exchange ends in
+    milliseconds, and the lock round is tried again."""
+
+    retryable = True
 
 
 class RestoreError(SlurmckptError):

@@ -3,6 +3,7 @@
     SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (footprint.py)
     PREPARE   refuse unrestorable state (capture_checks.py) -> reserve room in the store and staging
               (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
+              -> no PMI exchange under way (else thaw and retry the round, pmi.py)
               ... barrier: all READY ...
     CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
               -> (final only) persist: compress staging into the store, rank.json
@@ -258,13 +259,19 @@ def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> li
 
 
 def _pmi_socket(p: RankPipeline, pids: list[int]) -> list[dict]:
-    """The task's PMI socket to slurmstepd, if the tree holds it: criu key; idle, or the capture is refused
-    (bytes in flight would be lost with the old slurmstepd)."""
+    """The task's PMI socket to slurmstepd, if the tree holds it: criu key (idle: checked in PREPARE, and
+    the tree has stayed frozen since)."""
     key = f"socket:[{p.pmi_ino}]"
     if p.pmi_fd < 0 or not any(t.link == key for pid in pids for t in proctree.open_files(pid)):
         return []
-    pmi.require_idle(p.pmi_fd, p.step, p.rank)
     return [{"key": key, "ino": p.pmi_ino}]
+
+
+def _pmi_between_exchanges(p: RankPipeline, epoch: int) -> None:
+    """After the freeze: no PMI exchange under way, or the round is tried again (pmi.require_no_exchange).
+    A replayed batch step is not frozen and not imaged: nothing to check."""
+    if p.pmi_fd >= 0 and not p.replay:
+        pmi.require_no_exchange(p.pmi_fd, p.pmi_ino, p.cgroup.pids(), p.step, p.rank)
 
 
 def _gpu_checkpoint(p: RankPipeline, epoch: int) -> None:
@@ -366,6 +373,7 @@ PREPARE_STAGES = (
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
     Stage("freeze", _freeze, undo=_thaw),
+    Stage("pmi-idle", _pmi_between_exchanges),
 )
 CAPTURE_STAGES = (
     Stage("record", _record, undo=_discard_images, discards=True),

@@ -10,9 +10,10 @@ holds exactly the socket it would hold without slurmckpt.
 At a capture that socket is dumped as an external resource (`--external unix[INO]`) and at the restore the
 new step's socket (the requeued task's own `PMI_FD`) takes its place (`--inherit-fd`): the new slurmstepd
 serves what MPICH still asks after MPI_Init (barrier and finalize in MPI_Finalize, abort) once the agent
-has opened it with the PMI-1 `init` the program sent to the old one (`reinit`). A capture is refused while
-bytes are in flight on it (a PMI exchange in progress), since those would be lost. Only the PMI-1 wire
-protocol is replayed (docs/mpi.md).
+has opened it with the PMI-1 `init` the program sent to the old one (`reinit`). A capture is not taken
+while a PMI exchange is under way (bytes in flight on the socket, or a thread waiting for slurmstepd's
+answer): the lock round thaws and tries again (`require_no_exchange`). Only the PMI-1 wire protocol is
+replayed (docs/mpi.md).
 """
 from __future__ import annotations
 
@@ -29,12 +30,21 @@ import termios
 import threading
 import time
 
-from slurmckpt.errors import CaptureError, ProtocolError, RestoreError
+from slurmckpt import procfs
+from slurmckpt.errors import ExchangeInFlight, ProtocolError, RestoreError
 
 PMI_FD = "PMI_FD"                        # Slurm's mpi/pmi2 plugin (and hydra) name the socket here
 HANDOVER = "SLURMCKPT_PMI_HANDOVER"      # abstract socket name the helper in the tree fetches it from
 SIOCOUTQ = 0x5411                         # TIOCOUTQ: bytes sent and not yet read by the peer
 HANDOVER_TIMEOUT_S = 60.0
+# Syscalls a PMI client waits for slurmstepd's answer in (MPICH's simple PMI and Slurm's libpmi2 block in
+# read() on the socket; the fd is the first argument of each), by machine.
+WAIT_SYSCALLS = {
+    "x86_64": {0: "read", 17: "pread64", 19: "readv", 45: "recvfrom", 47: "recvmsg", 295: "preadv",
+               299: "recvmmsg", 327: "preadv2"},
+    "aarch64": {63: "read", 65: "readv", 67: "pread64", 69: "preadv", 207: "recvfrom", 212: "recvmsg",
+                243: "recvmmsg", 286: "preadv2"},
+}
 
 
 # Every CPU task runs in its own PID namespace, so ranks of one node cannot reach each other's shared memory
@@ -112,13 +122,43 @@ def reinit(fd: int, timeout_s: float = 10.0) -> None:
         raise RestoreError(f"slurmstepd refused the PMI init on the new step's socket: {answer!r}")
 
 
-def require_idle(fd: int, step: str, rank: int) -> None:
+def waiting_for_answer(pids: list[int], ino: int, machine: str | None = None) -> tuple[int, int, str] | None:
+    """(pid, tid, syscall) of a thread of `pids` blocked reading the PMI socket `ino`, or None.
+
+    Such a rank sent a request that slurmstepd has already read (so no byte is in flight) and waits for the
+    answer: a PMI barrier or fence in MPI_Init or MPI_Finalize, a KVS get. Captured there, the restored rank
+    would wait for an answer from the new slurmstepd, which never got the request. Read from
+    /proc/PID/task/TID/syscall of the frozen tree; the fd number is checked against the socket's inode."""
+    calls = WAIT_SYSCALLS.get(machine or os.uname().machine, {})
+    key = f"socket:[{ino}]"
+    for pid in pids:
+        for tid in procfs.threads(pid):
+            blocked = procfs.blocked_syscall(pid, tid)
+            if blocked is None or blocked[0] not in calls:
+                continue
+            try:
+                if procfs.fd_link(pid, blocked[1][0]) == key:
+                    return pid, tid, calls[blocked[0]]
+            except OSError:
+                continue
+    return None
+
+
+def require_no_exchange(fd: int, ino: int, pids: list[int], step: str, rank: int) -> None:
+    """The frozen tree is between PMI exchanges: nothing in flight on the socket, no thread waiting for an
+    answer. ExchangeInFlight (retryable: the coordinator thaws every rank and tries the round again) if not."""
     unread, unsent = bytes_in_flight(fd)
     if unread or unsent:
-        raise CaptureError(f"the rank's PMI connection to slurmstepd has bytes in flight ({unread} unread, "
-                           f"{unsent} queued for slurmstepd): a PMI exchange (MPI_Init, MPI_Finalize, a "
-                           "name lookup) is in progress and would be lost; the next capture tries again",
-                           step=step, rank=rank)
+        raise ExchangeInFlight(f"the rank's PMI connection to slurmstepd has bytes in flight ({unread} unread, "
+                               f"{unsent} queued for slurmstepd): a PMI exchange (MPI_Init, MPI_Finalize, a "
+                               "name lookup) is in progress", step=step, rank=rank)
+    waiting = waiting_for_answer(pids, ino)
+    if waiting:
+        pid, tid, call = waiting
+        raise ExchangeInFlight(f"thread {tid} of pid {pid} waits in {call}() for slurmstepd's answer to a PMI "
+                               "request (a barrier in MPI_Init or MPI_Finalize): captured now, the restored "
+                               "rank would wait for an answer the next step never gets the request for",
+                               step=step, rank=rank)
 
 
 class Handover:

@@ -135,6 +135,27 @@ def namespace(pid: int | str, kind: str) -> int:
     return os.stat(path(pid, "ns", kind)).st_ino
 
 
+
+def threads(pid: int) -> list[int]:
+    """The process's thread ids; [] if it is gone."""
+    try:
+        return [int(n) for n in os.listdir(path(pid, "task"))]
+    except OSError:
+        return []
+
+
+def blocked_syscall(pid: int, tid: int) -> tuple[int, list[int]] | None:
+    """(syscall number, its six arguments) the thread is blocked in, from /proc/PID/task/TID/syscall; None
+    when it runs, is not in a syscall, or is gone. A thread stopped by the freezer still shows the syscall
+    it sleeps in (checked on cgroup v1 and v2)."""
+    try:
+        fields = _text(pid, "task", str(tid), "syscall").split()
+    except OSError:
+        return None
+    if len(fields) < 7 or not fields[0].lstrip("-").isdigit() or int(fields[0]) < 0:
+        return None                       # "running", or -1 (not in a syscall)
+    return int(fields[0]), [int(a, 16) for a in fields[1:7]]
+
 # ---- file descriptors and mappings -------------------------------------------------------------------------
 def fds(pid: int) -> list[int]:
     """The process's open fd numbers; [] if it is gone."""

@@ -122,3 +122,42 @@ def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted
     exactly once and the ring's checksum equals an uninterrupted run's."""
     job = mpich_ring_requeued_twice("mpich-2n", "-N2 -n2", "-N2", "-n2", "-w", "node1,node2")
     assert job.text().count("srun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
+
+
+def pmi_barrier_lines(job: Job) -> tuple[list[int], list[str]]:
+    lines = job.app_lines()
+    return [int(l.split()[1]) for l in lines if re.fullmatch(r"step \d+", l)], sorted(
+        l for l in lines if re.fullmatch(r"rank \d final [0-9a-f]{16}", l))
+
+
+@pytest.mark.coverage(program="PMI-1 client (Python, 2 ranks, barrier)", package="slurm (mpi/pmi2)",
+                      launcher="srun --mpi=pmi2", nodes=1)
+def test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it() -> None:
+    """Two ranks that speak PMI-1 to slurmstepd themselves: rank 0 waits 30 s in a PMI barrier for rank 1.
+    A checkpoint then would hold a request the next slurmstepd never gets (the restored rank would wait
+    forever), so every capture in that time thaws, retries, and aborts naming the waiting thread. After the
+    barrier a capture commits; requeued, both ranks are restored, finish and PMI-finalize on the new step:
+    every step is printed once and each rank's checksum equals an uninterrupted run's."""
+    wd = workdir(USER, "pmi-barrier")
+    ref_job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -n2 python3 pmi_barrier.py 0 300\n",
+                     "-J", "pmi-ref", "-n2", "-N1")
+    assert ref_job.wait_done(timeout=120) == "COMPLETED", ref_job.text()[-2000:]
+    ref_steps, ref = pmi_barrier_lines(ref_job)
+    assert ref_steps == list(range(1, 301)) and len(ref) == 2, ref_job.text()[-2000:]
+    job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -n2 python3 pmi_barrier.py 30 300\necho srun exit $?\n",
+                 "-J", "pmi-barrier", "-n2", "-N1", "--checkpoint-interval=10s")
+    job.wait_output(r"ABORTED \(rank 0\.0, node [^,]+, stage pmi-idle\): thread \d+ of pid \d+ waits in read\(\) "
+                    r"for slurmstepd's answer", timeout=120)
+    assert "rank 1 passed the barrier" not in job.text(), "the barrier ended before a capture was tried"
+    job.wait_output("rank 1 passed the barrier", timeout=60)
+    commits = len(re.findall(r"committed \(interval\)", job.text()))
+    job.wait_output(r"committed \(interval\)", commits + 1, timeout=60)
+    assert not re.search(r"rank \d final", job.text()), "the ranks ended before the requeue"
+    job.requeue()
+    job.wait_output(r"0\.1\]: restored from checkpoint epoch", timeout=240)
+    job.wait_output(r"0\.0\]: restored from checkpoint epoch", timeout=60)
+    assert job.wait_done(timeout=300) == "COMPLETED", job.text()[-3000:]
+    steps, result = pmi_barrier_lines(job)
+    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
+    assert result == ref, (result, ref)
+    assert job.text().count("srun exit 0") == 1 and job.restarts() == 1, job.text()[-3000:]

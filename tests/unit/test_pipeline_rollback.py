@@ -116,7 +116,8 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
-    assert [s.name for s in PREPARE_STAGES] == ["check", "space", "gpu-lock", "gpu-checkpoint", "freeze"]
+    assert [s.name for s in PREPARE_STAGES] == ["check", "space", "gpu-lock", "gpu-checkpoint", "freeze",
+                                                "pmi-idle"]
     assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "persist"]
 
 
@@ -157,6 +158,32 @@ def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> Non
     with pytest.raises(GpuError):
         p.prepare(1)
     assert "freeze" not in j.events and j.events[-1] == "gpu-unlock"
+
+
+def test_a_rank_frozen_inside_a_pmi_exchange_thaws_and_says_to_try_again(tmp_path: Path) -> None:
+    """The tree's rank waits for slurmstepd's answer to a PMI request when it is frozen: PREPARE fails with
+    a retryable error and undoes everything (thawed, GPUs resumed and unlocked), so the coordinator's next
+    lock round can find it between exchanges."""
+    import socket
+    from tests.support.pmi_client import waiting_client
+    from slurmckpt.errors import ExchangeInFlight, is_retryable
+    theirs, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = waiting_client(theirs)
+    try:
+        stepd.recv(64)
+        p, j, _ = make(tmp_path)
+        p.cgroup.members = [child.pid]
+        p.pmi_fd, p.pmi_ino = theirs.fileno(), os.fstat(theirs.fileno()).st_ino
+        with pytest.raises(ExchangeInFlight) as e:
+            p.prepare(1)
+        assert is_retryable(e.value) and p.failed_stage == "pmi-idle"
+        assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "thaw", "gpu-resume", "gpu-unlock"]
+        assert p.cgroup.state() == "THAWED"
+    finally:
+        child.kill()
+        child.wait()
+        theirs.close()
+        stepd.close()
 
 
 def test_capture_without_prepare_is_refused(tmp_path: Path) -> None:

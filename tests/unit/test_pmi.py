@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from slurmckpt import pmi
-from slurmckpt.errors import CaptureError, ProtocolError, RestoreError
+from slurmckpt import pmi, procfs
+from slurmckpt.errors import ExchangeInFlight, ProtocolError, RestoreError, is_retryable
+from tests.support.pmi_client import waiting_client
 
 
 def test_the_helper_gets_the_wrappers_socket_at_the_number_pmi_fd_names() -> None:
@@ -65,20 +66,65 @@ def test_only_a_unix_stream_socket_is_a_pmi_socket() -> None:
 
 
 def test_a_capture_is_refused_while_pmi_bytes_are_in_flight() -> None:
-    """Unread answers from slurmstepd, or requests it has not read yet, would be lost with the old step."""
+    """Unread answers from slurmstepd, or requests it has not read yet, would be lost with the old step: the
+    error is typed retryable (the lock round thaws and tries again)."""
     ours, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ino = os.fstat(ours.fileno()).st_ino
     try:
-        pmi.require_idle(ours.fileno(), "0", 1)
+        pmi.require_no_exchange(ours.fileno(), ino, [], "0", 1)
         stepd.send(b"cmd=barrier_out\n")
-        with pytest.raises(CaptureError, match="16 unread"):
-            pmi.require_idle(ours.fileno(), "0", 1)
+        with pytest.raises(ExchangeInFlight, match="16 unread") as e:
+            pmi.require_no_exchange(ours.fileno(), ino, [], "0", 1)
+        assert is_retryable(e.value)
         ours.recv(64)
         ours.send(b"cmd=finalize\n")
-        with pytest.raises(CaptureError, match=r"0 unread, [1-9]\d* queued for slurmstepd"):
-            pmi.require_idle(ours.fileno(), "0", 1)
+        with pytest.raises(ExchangeInFlight, match=r"0 unread, [1-9]\d* queued for slurmstepd"):
+            pmi.require_no_exchange(ours.fileno(), ino, [], "0", 1)
     finally:
         ours.close()
         stepd.close()
+
+
+def test_a_rank_waiting_for_slurmstepds_answer_is_found_through_its_threads_syscall() -> None:
+    """slurmstepd has read the request, so nothing is in flight, but the rank waits for the answer (a PMI
+    barrier in MPI_Finalize): the check names the thread and the syscall and is retryable. Once answered,
+    the same tree passes; a thread blocked reading another fd is not taken for one."""
+    theirs, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ino = os.fstat(theirs.fileno()).st_ino
+    child = waiting_client(theirs)
+    try:
+        assert stepd.recv(64) == b"cmd=barrier_in\n"
+        assert pmi.bytes_in_flight(theirs.fileno()) == (0, 0)
+        assert pmi.waiting_for_answer([child.pid], ino) == (child.pid, child.pid, "read")
+        with pytest.raises(ExchangeInFlight, match=rf"thread {child.pid} of pid {child.pid} waits in read\(\)") as e:
+            pmi.require_no_exchange(theirs.fileno(), ino, [child.pid], "0", 1)
+        assert is_retryable(e.value)
+        other, _peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        assert pmi.waiting_for_answer([child.pid], os.fstat(other.fileno()).st_ino) is None
+        other.close()
+        _peer.close()
+        stepd.send(b"cmd=barrier_out\n")
+        assert child.wait(10) == 0
+        pmi.require_no_exchange(theirs.fileno(), ino, [child.pid], "0", 1)
+    finally:
+        child.kill()
+        child.wait()
+        theirs.close()
+        stepd.close()
+
+
+def test_syscall_numbers_are_read_as_the_thread_reports_them(tmp_path) -> None:
+    """/proc/PID/task/TID/syscall: a number and six hex arguments while blocked; "running" or -1 otherwise."""
+    task = tmp_path / "5" / "task" / "6"
+    task.mkdir(parents=True)
+    with procfs.rooted(tmp_path):
+        for text, expect in [("0 0x3 0x7f 0x400 0x0 0x0 0x0 0x7ffc 0x7f1\n", (0, [3, 0x7f, 0x400, 0, 0, 0])),
+                             ("running\n", None), ("-1 0x7ffc 0x7f1\n", None)]:
+            (task / "syscall").write_text(text)
+            assert procfs.blocked_syscall(5, 6) == expect
+        assert procfs.blocked_syscall(5, 7) is None          # gone
+        assert procfs.threads(5) == [6]
+    assert pmi.WAIT_SYSCALLS["aarch64"][63] == "read" and pmi.WAIT_SYSCALLS["x86_64"][0] == "read"
 
 
 def _stepd(sock: socket.socket, answer: bytes | None, seen: list[bytes]) -> None:
