@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterator, Protocol
 
 from slurmckpt import validate
-from slurmckpt.errors import CriuError, StorageError
+from slurmckpt.errors import CriuError, StorageError, is_retryable
 from slurmckpt.instance import store_lock
 from slurmckpt.slurm.comment import one_line
 from slurmckpt.storage import JobStore, atomic_write_json
@@ -149,11 +149,15 @@ class FailureReporter:
 
     @contextmanager
     def recorded(self, epoch: int, phase: str, pipeline: Pipeline) -> Iterator[None]:
-        """A capture phase run here that fails is recorded before the coordinator hears of it."""
+        """A capture phase run here that fails is recorded before the coordinator hears of it; a retryable
+        one (a lock round the coordinator tries again) is not: its final verdict is recorded if it stands."""
         pipeline.failed_stage = ""
         try:
             yield
         except Exception as e:
+            if is_retryable(e):
+                log.info("%s of epoch %d: %s; the coordinator tries the round again", phase, epoch, e)
+                raise
             _, final, trigger = self.epoch if self.epoch[0] == epoch else (epoch, None, "unknown")
             self.capture_failed(epoch, pipeline.failed_stage or phase, reason_of(e), final, trigger)
             raise

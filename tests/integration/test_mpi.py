@@ -135,9 +135,10 @@ def pmi_barrier_lines(job: Job) -> tuple[list[int], list[str]]:
 def test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it() -> None:
     """Two ranks that speak PMI-1 to slurmstepd themselves: rank 0 waits 30 s in a PMI barrier for rank 1.
     A checkpoint then would hold a request the next slurmstepd never gets (the restored rank would wait
-    forever), so every capture in that time thaws, retries, and aborts naming the waiting thread. After the
-    barrier a capture commits; requeued, both ranks are restored, finish and PMI-finalize on the new step:
-    every step is printed once and each rank's checksum equals an uninterrupted run's."""
+    forever), so every capture in that time thaws, retries, and aborts naming the waiting thread (one line
+    per capture, not one per round). After the barrier a capture commits; requeued, both ranks are
+    restored, finish and PMI-finalize on the new step: every step is printed once and each rank's checksum
+    equals an uninterrupted run's."""
     wd = workdir(USER, "pmi-barrier")
     ref_job = submit(USER, wd, "#!/bin/bash\nsrun --mpi=pmi2 -n2 python3 pmi_barrier.py 0 300\n",
                      "-J", "pmi-ref", "-n2", "-N1")
@@ -149,6 +150,7 @@ def test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_af
     job.wait_output(r"ABORTED \(rank 0\.0, node [^,]+, stage pmi-idle\): thread \d+ of pid \d+ waits in read\(\) "
                     r"for slurmstepd's answer", timeout=120)
     assert "rank 1 passed the barrier" not in job.text(), "the barrier ended before a capture was tried"
+    assert "prepare of epoch" not in job.text(), "each retried lock round reached the job's output"
     job.wait_output("rank 1 passed the barrier", timeout=60)
     commits = len(re.findall(r"committed \(interval\)", job.text()))
     job.wait_output(r"committed \(interval\)", commits + 1, timeout=60)

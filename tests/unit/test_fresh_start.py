@@ -179,6 +179,23 @@ def test_recorded_phase_names_the_failed_stage_keeps_the_error_and_knows_the_epo
     assert [x.epoch for x in failures(store)] == [7]
 
 
+def test_a_lock_round_the_coordinator_retries_is_not_recorded_its_verdict_is(tmp_path: Path) -> None:
+    """A retryable failure (a rank frozen inside a PMI exchange) is one round of several: the agent records
+    nothing and annotates nothing; the coordinator's verdict, when the rounds run out, is recorded once."""
+    from slurmckpt.errors import ExchangeInFlight
+    store, notes = _store(tmp_path), Notes()
+    r = _reporter(store, notes)
+    pipeline = SimpleNamespace(failed_stage="")
+    r.epoch_began(9, True, "sigterm")
+    with pytest.raises(ExchangeInFlight):
+        with r.recorded(9, "prepare", pipeline):
+            pipeline.failed_stage = "pmi-idle"
+            raise ExchangeInFlight("thread 5 of pid 5 waits in read() for slurmstepd's answer")
+    assert failures(store) == [] and notes.sent == []
+    r.capture_failed(9, "pmi-idle", "thread 5 of pid 5 waits in read()", True, "sigterm", seen_by="coordinator")
+    assert [(f.epoch, f.stage, f.seen_by) for f in failures(store)] == [(9, "pmi-idle", "coordinator")]
+
+
 def test_fresh_start_line_prefers_restore_failures_then_the_agent_s_refusal_then_the_store(tmp_path: Path) -> None:
     store, notes = _store(tmp_path), Notes()
     record(store, _failure(3, reason="socket"))

@@ -8,7 +8,7 @@ from typing import Callable
 
 from slurmckpt import validate
 from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, error_kind, open_challenge
-from slurmckpt.errors import ProtocolError
+from slurmckpt.errors import ProtocolError, is_retryable
 
 log = logging.getLogger("slurmckpt.coordinator.client")
 
@@ -88,7 +88,9 @@ class RankClient:
                     reply = self.handler(kind, epoch, msg) or {}
                     self.send({"type": REPLIES[kind], "epoch": epoch, **reply})
                 except Exception as e:  # reported to the coordinator, which aborts the epoch
-                    log.error("%s of epoch %d failed: %s", kind, epoch, e)
+                    # a retryable failure is one lock round of several: only the coordinator's verdict is news
+                    log.log(logging.INFO if is_retryable(e) else logging.ERROR, "%s of epoch %d failed: %s",
+                            kind, epoch, e)
                     stage = getattr(e, "context", {}).get("stage") or kind    # the pipeline stage, if known
                     self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": str(stage)[:64],
                                "error": str(e), "error_kind": error_kind(e)})

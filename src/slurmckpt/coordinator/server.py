@@ -161,7 +161,7 @@ class Coordinator:
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
         same round. Bounded by `lock_rounds`. Retried only when the failing rank typed its error retryable
-        (`error_kind`, errors.LockContended), never because of what the error's text says."""
+        (`error_kind`: errors.LockContended, errors.ExchangeInFlight), never because of the error's text."""
         if final in self._wanted:   # every rank's SIGTERM asks for the same final capture: one serves all
             return {"status": "skipped", "reason": reason, "why": "a capture of the same kind is under way"}
         if final and time.monotonic() - self._final_tried < FINAL_QUIET_S:
@@ -247,7 +247,7 @@ class Coordinator:
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
             await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
         except EpochFailed as e:
-            log.error("epoch %d aborted: %s", epoch, e)
+            log.log(logging.INFO if e.error_kind == "retryable" else logging.ERROR, "epoch %d aborted: %s", epoch, e)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
                           error_kind=e.error_kind)
             self._note_abort(result, await self._abort(parts, epoch, timeouts.abort_after(phase)))
