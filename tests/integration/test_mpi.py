@@ -130,8 +130,8 @@ def pmi_barrier_lines(job: Job) -> tuple[list[int], list[str]]:
         l for l in lines if re.fullmatch(r"rank \d final [0-9a-f]{16}", l))
 
 
-@pytest.mark.coverage(program="PMI-1 client (Python, 2 ranks, barrier)", package="slurm (mpi/pmi2)",
-                      launcher="srun --mpi=pmi2", nodes=1)
+@pytest.mark.coverage(program="PMI-1 client (Python, 2 ranks) waiting in slurmstepd's PMI barrier",
+                      package="slurm-wlm-basic-plugins", launcher="srun --mpi=pmi2", nodes=1)
 def test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it() -> None:
     """Two ranks that speak PMI-1 to slurmstepd themselves: rank 0 waits 30 s in a PMI barrier for rank 1.
     A checkpoint then would hold a request the next slurmstepd never gets (the restored rank would wait
