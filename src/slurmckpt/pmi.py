@@ -37,13 +37,16 @@ PMI_FD = "PMI_FD"                        # Slurm's mpi/pmi2 plugin (and hydra) n
 HANDOVER = "SLURMCKPT_PMI_HANDOVER"      # abstract socket name the helper in the tree fetches it from
 SIOCOUTQ = 0x5411                         # TIOCOUTQ: bytes sent and not yet read by the peer
 HANDOVER_TIMEOUT_S = 60.0
-# Syscalls a PMI client waits for slurmstepd's answer in (MPICH's simple PMI and Slurm's libpmi2 block in
-# read() on the socket; the fd is the first argument of each), by machine.
-WAIT_SYSCALLS = {
+# Syscalls of a PMI client inside an exchange, by machine: it blocks in read() for slurmstepd's answer (MPICH's
+# simple PMI and Slurm's libpmi2 do), or is frozen on its way out of the write() of its request. The fd is
+# the first argument of each.
+EXCHANGE_SYSCALLS = {
     "x86_64": {0: "read", 17: "pread64", 19: "readv", 45: "recvfrom", 47: "recvmsg", 295: "preadv",
-               299: "recvmmsg", 327: "preadv2"},
+               299: "recvmmsg", 327: "preadv2",
+               1: "write", 18: "pwrite64", 20: "writev", 44: "sendto", 46: "sendmsg"},
     "aarch64": {63: "read", 65: "readv", 67: "pread64", 69: "preadv", 207: "recvfrom", 212: "recvmsg",
-                243: "recvmmsg", 286: "preadv2"},
+                243: "recvmmsg", 286: "preadv2",
+                64: "write", 66: "writev", 68: "pwrite64", 206: "sendto", 211: "sendmsg"},
 }
 
 
@@ -123,13 +126,13 @@ def reinit(fd: int, timeout_s: float = 10.0) -> None:
 
 
 def waiting_for_answer(pids: list[int], ino: int, machine: str | None = None) -> tuple[int, int, str] | None:
-    """(pid, tid, syscall) of a thread of `pids` blocked reading the PMI socket `ino`, or None.
+    """(pid, tid, syscall) of a thread of `pids` in a read or write on the PMI socket `ino`, or None.
 
     Such a rank sent a request that slurmstepd has already read (so no byte is in flight) and waits for the
     answer: a PMI barrier or fence in MPI_Init or MPI_Finalize, a KVS get. Captured there, the restored rank
     would wait for an answer from the new slurmstepd, which never got the request. Read from
     /proc/PID/task/TID/syscall of the frozen tree; the fd number is checked against the socket's inode."""
-    calls = WAIT_SYSCALLS.get(machine or os.uname().machine, {})
+    calls = EXCHANGE_SYSCALLS.get(machine or os.uname().machine, {})
     key = f"socket:[{ino}]"
     for pid in pids:
         for tid in procfs.threads(pid):
@@ -155,10 +158,11 @@ def require_no_exchange(fd: int, ino: int, pids: list[int], step: str, rank: int
     waiting = waiting_for_answer(pids, ino)
     if waiting:
         pid, tid, call = waiting
-        raise ExchangeInFlight(f"thread {tid} of pid {pid} waits in {call}() for slurmstepd's answer to a PMI "
-                               "request (a barrier in MPI_Init or MPI_Finalize): captured now, the restored "
-                               "rank would wait for an answer the next step never gets the request for",
-                               step=step, rank=rank)
+        doing = (f"waits in {call}() for slurmstepd's answer to a PMI request" if "read" in call or "recv" in call
+                 else f"is sending a PMI request in {call}(), and will wait for slurmstepd's answer")
+        raise ExchangeInFlight(f"thread {tid} of pid {pid} {doing} (a barrier in MPI_Init or MPI_Finalize): "
+                               "captured now, the restored rank would wait for an answer the next step never "
+                               "gets the request for", step=step, rank=rank)
 
 
 class Handover:

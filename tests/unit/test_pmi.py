@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -113,6 +116,27 @@ def test_a_rank_waiting_for_slurmstepds_answer_is_found_through_its_threads_sysc
         stepd.close()
 
 
+def test_a_rank_inside_the_write_of_its_request_is_found_too() -> None:
+    """A thread in write() on the PMI socket is inside an exchange as well (frozen on its way out of sending a
+    request, or blocked because slurmstepd is not reading): found and named as sending."""
+    theirs, stepd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = theirs.fileno()
+    child = subprocess.Popen([sys.executable, "-c", f"import os; os.write({fd}, b'x' * (64 << 20))"], pass_fds=(fd,))
+    try:
+        deadline = time.monotonic() + 10
+        while (found := pmi.waiting_for_answer([child.pid], os.fstat(fd).st_ino)) is None:
+            assert time.monotonic() < deadline, "the child never blocked writing to its PMI socket"
+            time.sleep(0.02)
+        assert found == (child.pid, child.pid, "write")
+        with pytest.raises(ExchangeInFlight, match=r"queued for slurmstepd"):     # what it sent is still queued
+            pmi.require_no_exchange(fd, os.fstat(fd).st_ino, [child.pid], "0", 1)
+    finally:
+        child.kill()
+        child.wait()
+        theirs.close()
+        stepd.close()
+
+
 def test_syscall_numbers_are_read_as_the_thread_reports_them(tmp_path) -> None:
     """/proc/PID/task/TID/syscall: a number and six hex arguments while blocked; "running" or -1 otherwise."""
     task = tmp_path / "5" / "task" / "6"
@@ -124,7 +148,7 @@ def test_syscall_numbers_are_read_as_the_thread_reports_them(tmp_path) -> None:
             assert procfs.blocked_syscall(5, 6) == expect
         assert procfs.blocked_syscall(5, 7) is None          # gone
         assert procfs.threads(5) == [6]
-    assert pmi.WAIT_SYSCALLS["aarch64"][63] == "read" and pmi.WAIT_SYSCALLS["x86_64"][0] == "read"
+    assert pmi.EXCHANGE_SYSCALLS["aarch64"][63] == "read" and pmi.EXCHANGE_SYSCALLS["x86_64"][0] == "read"
 
 
 def _stepd(sock: socket.socket, answer: bytes | None, seen: list[bytes]) -> None:
