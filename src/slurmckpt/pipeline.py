@@ -1,7 +1,8 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
     SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (footprint.py)
-    PREPARE   refuse unrestorable state (capture_checks.py) -> reserve room in the store and staging
+    PREPARE   refuse unrestorable state (capture_checks.py) -> no PMI exchange under way (cheap early look)
+              -> reserve room in the store and staging
               (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
               -> no PMI exchange under way (else thaw and retry the round, pmi.py)
               ... barrier: all READY ...
@@ -369,6 +370,10 @@ def _persist_final(p: RankPipeline, epoch: int) -> None:
 
 PREPARE_STAGES = (
     Stage("check", capture_checks.check_restorable),
+    # the same PMI check on the running tree: a rank that sits in a long PMI barrier is sent back before its
+    # GPU checkpoint, which each retried round would otherwise repeat (seconds per GiB); the check after the
+    # freeze is the one that counts
+    Stage("pmi-precheck", _pmi_between_exchanges),
     Stage("space", rank_images.reserve, undo=rank_images.release, discards=True),
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),

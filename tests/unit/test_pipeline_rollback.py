@@ -116,8 +116,8 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
-    assert [s.name for s in PREPARE_STAGES] == ["check", "space", "gpu-lock", "gpu-checkpoint", "freeze",
-                                                "pmi-idle"]
+    assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint",
+                                                "freeze", "pmi-idle"]
     assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "persist"]
 
 
@@ -160,10 +160,12 @@ def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> Non
     assert "freeze" not in j.events and j.events[-1] == "gpu-unlock"
 
 
-def test_a_rank_frozen_inside_a_pmi_exchange_thaws_and_says_to_try_again(tmp_path: Path) -> None:
-    """The tree's rank waits for slurmstepd's answer to a PMI request when it is frozen: PREPARE fails with
-    a retryable error and undoes everything (thawed, GPUs resumed and unlocked), so the coordinator's next
-    lock round can find it between exchanges."""
+@pytest.mark.parametrize("enters", ["before", "at-freeze"])
+def test_a_rank_inside_a_pmi_exchange_is_sent_back_to_try_again(tmp_path: Path, enters: str) -> None:
+    """The tree's rank waits for slurmstepd's answer to a PMI request: PREPARE fails with a retryable error
+    so that the coordinator's next lock round can find it between exchanges. Already waiting when PREPARE
+    starts: sent back before any GPU work or freeze. Entering the exchange just before the freeze: caught
+    after it, and everything is undone (thawed, GPUs resumed and unlocked)."""
     import socket
     from tests.support.pmi_client import waiting_client
     from slurmckpt.errors import ExchangeInFlight, is_retryable
@@ -172,12 +174,21 @@ def test_a_rank_frozen_inside_a_pmi_exchange_thaws_and_says_to_try_again(tmp_pat
     try:
         stepd.recv(64)
         p, j, _ = make(tmp_path)
-        p.cgroup.members = [child.pid]
+        if enters == "before":
+            p.cgroup.members = [child.pid]
+        else:                          # the tree looks idle until the freeze
+            p.cgroup.members = []
+            freeze = p.cgroup.freeze
+            p.cgroup.freeze = lambda: (setattr(p.cgroup, "members", [child.pid]), freeze())[1]
         p.pmi_fd, p.pmi_ino = theirs.fileno(), os.fstat(theirs.fileno()).st_ino
         with pytest.raises(ExchangeInFlight) as e:
             p.prepare(1)
-        assert is_retryable(e.value) and p.failed_stage == "pmi-idle"
-        assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "thaw", "gpu-resume", "gpu-unlock"]
+        assert is_retryable(e.value)
+        if enters == "before":
+            assert p.failed_stage == "pmi-precheck" and j.events == []
+        else:
+            assert p.failed_stage == "pmi-idle"
+            assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "thaw", "gpu-resume", "gpu-unlock"]
         assert p.cgroup.state() == "THAWED"
     finally:
         child.kill()
