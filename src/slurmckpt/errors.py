@@ -5,9 +5,8 @@ from __future__ import annotations
 class SlurmckptError(Exception):
     """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known.
 
-    `retryable`: the same operation may succeed if tried again. Only LockContended, ExchangeInFlight and
-    TaskEnded set it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those and on
-    nothing else."""
+    `retryable`: the same operation may succeed if tried again. Only LockContended and ExchangeInFlight set
+    it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those and on nothing else."""
 
     retryable = False
 
@@ -18,7 +17,7 @@ class SlurmckptError(Exception):
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Whether `exc` is typed retryable (LockContended, ExchangeInFlight, TaskEnded); never from its text."""
+    """Whether `exc` is typed retryable (LockContended, ExchangeInFlight); never decided from its text."""
     return isinstance(exc, SlurmckptError) and exc.retryable
 
 
@@ -43,13 +42,6 @@ class LockContended(SlurmckptError):
 
 class CaptureError(SlurmckptError):
     """A capture stage failed; the previous commit stays valid."""
-
-
-class TaskEnded(CaptureError):
-    """The task's program has exited, and its wrapper has not yet told the coordinator (it does so as soon
-    as it reaps it): the coordinator tries the round again, and then leaves that rank out as completed."""
-
-    retryable = True
 
 
 class ExchangeInFlight(CaptureError):

@@ -28,7 +28,7 @@ from typing import Callable
 
 from slurmckpt import asuser, capture_checks, ghost, ipc, netlock, pmi, procfs, proctree, rank_images, shm_files
 from slurmckpt.criu import CheckpointEngine
-from slurmckpt.errors import CaptureError, SlurmckptError, TaskEnded
+from slurmckpt.errors import CaptureError, SlurmckptError
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.launch import Credentials
@@ -146,7 +146,7 @@ class RankPipeline:
     # ---- internals -------------------------------------------------------------------------------------
     def _require_tree(self) -> None:
         if not self.root_pid or not procfs.exists(self.root_pid):
-            raise TaskEnded("no running task tree to capture: the task has ended", step=self.step, rank=self.rank)
+            raise CaptureError("no running task tree to capture", step=self.step, rank=self.rank)
 
     def _run(self, stages: tuple[Stage, ...], epoch: int) -> None:
         for stage in stages:

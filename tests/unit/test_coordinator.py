@@ -15,7 +15,7 @@ from slurmckpt.coordinator.protocol import (MAX_LINE, VERSION, LineReader, Seale
                                             parse_line)
 from slurmckpt.coordinator.server import Coordinator
 from slurmckpt.cuda.stage import GpuUnsupportedError
-from slurmckpt.errors import LockContended, ProtocolError, SlurmckptError, TaskEnded
+from slurmckpt.errors import LockContended, ProtocolError, SlurmckptError
 
 TIMEOUT = 10
 
@@ -452,35 +452,6 @@ def test_gpu_lock_rounds_retry_until_every_rank_locks_in_one_round(job):
     assert res["status"] == "aborted" and res["lock_rounds"] == 2
 
 
-def test_a_task_that_ended_just_before_the_capture_is_left_out_as_completed(job):
-    """A rank's task exits while the coordinator already sends PREPARE (its wrapper has not said so yet):
-    the rank answers TaskEnded, the round is tried again, and by then the wrapper's "exited" has come, so
-    the capture commits the other rank and records this one as completed; once every task has ended, a
-    capture is skipped, not aborted."""
-    job.coord.lock_backoff_s = 0.05
-
-    class Ending(FakeRank):
-        def handle(self, kind, epoch, message=None):
-            if kind in ("size", "prepare"):
-                self.got.append((kind, epoch))
-                self.client.event("exited", exit_code=0)       # the wrapper reaps the task meanwhile
-                raise TaskEnded("no running task tree to capture: the task has ended")
-            return super().handle(kind, epoch, message)
-
-    ok = job.rank("0.0")
-    ending = Ending(job, "0.1")
-    job.ranks.append(ending)
-    job.coord.expected["0"] = 2
-    wait_for(lambda: "0.1" in job.coord.ranks)
-    res = job.epoch()
-    assert res["status"] == "committed" and res["lock_rounds"] == 2, res
-    assert ending.commands() == ["prepare", "abort"] and ok.commands().count("prepare") == 2
-    assert job.committer.calls[-1][1]["0.1"]["kind"] == "completed"
-    job.coord.completed["0.0"] = {"kind": "completed", "node": "node-0.0", "exit_code": 0}
-    res = job.epoch()
-    assert res["status"] == "skipped" and res["why"] == "every rank's task has ended", res
-
-
 @pytest.mark.parametrize("error", [
     RuntimeError("gpu lock of pid 7 failed: CUDA_ERROR_NOT_READY"),        # a bug's text that says "lock"
     GpuUnsupportedError(["pid 7 uses CUDA IPC: nothing was locked"]),
@@ -509,7 +480,7 @@ def test_a_failed_prepare_whose_text_says_lock_is_not_retried(job, error):
 
 def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):
     """error_kind is checked like every field of a reply: a value outside protocol.ERROR_KINDS is refused
-    (the rank is dropped), and "retryable" on a phase after PREPARE is no reason to retry."""
+    (the rank is dropped), and "retryable" on a phase other than PREPARE is no reason to retry."""
     job.coord.lock_backoff_s = 0.01
 
     class Contended(FakeRank):

@@ -197,20 +197,6 @@ def test_a_rank_inside_a_pmi_exchange_is_sent_back_to_try_again(tmp_path: Path, 
         stepd.close()
 
 
-def test_a_task_that_has_ended_is_reported_as_such_and_retryable(tmp_path: Path) -> None:
-    """The task's root process is gone (its program ended) when PREPARE comes: TaskEnded, typed retryable
-    (the coordinator's next round leaves the rank out as completed), with nothing frozen."""
-    import subprocess
-    from slurmckpt.errors import TaskEnded, is_retryable
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    p, j, _ = make(tmp_path)
-    p.root_pid = gone.pid
-    with pytest.raises(TaskEnded, match="the task has ended") as e:
-        p.prepare(1)
-    assert is_retryable(e.value) and j.events == []
-
-
 def test_capture_without_prepare_is_refused(tmp_path: Path) -> None:
     p, _, _ = make(tmp_path)
     with pytest.raises(CaptureError):

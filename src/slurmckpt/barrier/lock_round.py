@@ -98,7 +98,7 @@ class LockRound:
     sleep: Callable[[float], None] = time.sleep
     random: Callable[[], float] = _random.random
     concurrently: Callable[[Sequence[Callable[[], None]]], list[Outcome]] = run_in_threads
-    retryable: Callable[[BaseException], bool] = is_retryable      # typed: see errors.SlurmckptError
+    retryable: Callable[[BaseException], bool] = is_retryable      # typed: LockContended, ExchangeInFlight
     context: dict = field(default_factory=dict)
 
     def backoff(self, round_index: int) -> float:

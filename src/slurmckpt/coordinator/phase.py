@@ -19,7 +19,7 @@ def rank_list(parts: list[RankConn], limit: int = 8) -> str:
 
 
 class EpochFailed(Exception):
-    """`error_kind` (protocol.ERROR_KINDS): "retryable" only for a rank's failed SIZE or PREPARE that said so."""
+    """`error_kind` (protocol.ERROR_KINDS): "retryable" only for a rank's failed PREPARE that said so."""
 
     def __init__(self, rank: str, stage: str, error: str, node: str = "?", error_kind: str = "fatal") -> None:
         super().__init__(f"rank {rank} (node {node}) failed in {stage}: {error}")
@@ -88,8 +88,7 @@ class RankConn:
         if barrier.future.done() or msg.get("epoch") != epoch:
             return
         if msg["type"] == "failed" and msg.get("phase") == command:
-            # retried only before anything is captured: a lock (PREPARE), a task that just ended (SIZE, PREPARE)
-            kind = msg.get("error_kind", "fatal") if command in ("size", "prepare") else "fatal"
+            kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
             barrier.fail(index, EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
                                             self.node, kind))
         elif msg["type"] == reply:

@@ -20,9 +20,8 @@ COMMANDS = {"size", "prepare", "capture", "resume", "finish", "abort", "welcome"
 EVENTS = {"hello", "sized", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
 
 # What a `failed` reply says of its error, as a kind and never as text: "retryable" (errors.LockContended, a
-# GPU lock that timed out on work in flight, errors.ExchangeInFlight, a rank frozen inside a PMI exchange, or
-# errors.TaskEnded, a task that ended before its wrapper said so: the coordinator tries the round again) or
-# "fatal".
+# GPU lock that timed out on work in flight, or errors.ExchangeInFlight, a rank frozen inside a PMI exchange:
+# the coordinator tries the lock round again) or "fatal".
 ERROR_KINDS = ("fatal", "retryable")
 
 

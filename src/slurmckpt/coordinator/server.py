@@ -161,7 +161,7 @@ class Coordinator:
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
         same round. Bounded by `lock_rounds`. Retried only when the failing rank typed its error retryable
-        (`error_kind`: errors.LockContended, ExchangeInFlight, TaskEnded), never because of the error's text."""
+        (`error_kind`: errors.LockContended, errors.ExchangeInFlight), never because of the error's text."""
         if final in self._wanted:   # every rank's SIGTERM asks for the same final capture: one serves all
             return {"status": "skipped", "reason": reason, "why": "a capture of the same kind is under way"}
         if final and time.monotonic() - self._final_tried < FINAL_QUIET_S:
@@ -202,12 +202,9 @@ class Coordinator:
         return epoch
 
     async def _attempt(self, reason: str, final: bool) -> dict:
-        # a rank whose task has ended is recorded as completed, never asked to capture again
-        parts = [r for name, r in self.ranks.items() if name not in self.completed]
+        parts = list(self.ranks.values())
         result = {"epoch": self.next_epoch, "reason": reason, "final": final, "ranks": len(parts)}
         t0 = time.monotonic()
-        if not parts and self.completed:
-            return {**result, "status": "skipped", "why": "every rank's task has ended"}
         if not parts:
             return {**result, "status": "aborted", "error": "no rank registered"}
         try:
