@@ -41,6 +41,14 @@ def test_manual_checkpoint_then_inspect_then_requeue_via_cli() -> None:
     assert job.restarts() == 1
 
 
+def started(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None if there is none."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def test_gres_gpu_job_has_its_own_proc_and_restores_while_its_old_host_pids_are_taken() -> None:
     """A task with a GPU (CUDA_VISIBLE_DEVICES) runs in its own PID namespace with its own /proc (a mount
     namespace of its own, which criu dumps and restores, Slurm's output file handed in as external).
@@ -52,14 +60,18 @@ def test_gres_gpu_job_has_its_own_proc_and_restores_while_its_old_host_pids_are_
                  "python3 zdtm.py --steps 200 --sleep 0.2 --tag g --data d.txt\n",
                  "--gres=gpu:1", "-w", "node1", "--checkpoint-interval=10s")
     job.wait_output(r"committed \(interval\)")
-    old = [pid for cg in task_cgroups(job.id) for pid in cg.pids()]
+    old = {pid: started(pid) for cg in task_cgroups(job.id) for pid in cg.pids()}
     assert len(old) >= 3, old           # init, the batch shell, python
     run("scontrol", "requeuehold", str(job.id))
-    job.wait_for(lambda: job.state() == "PENDING" and not any(Path(f"/proc/{p}").exists() for p in old),
+    # gone: no process with that pid and start time (pid_max is 32768 here: another may reuse a pid at once)
+    job.wait_for(lambda: job.state() == "PENDING" and all(started(p) != t for p, t in old.items()),
                  "the held job's old tree to be gone", 120)
-    sleepers = [take(pid) for pid in old]
+    held = {pid: take(pid) for pid in old}
+    sleepers = [s for s in held.values() if s is not None]
     try:
-        assert all(sleepers), f"could not take every old host pid {old}: {sleepers}"
+        # each old pid is held, by a sleep of ours or by whatever process reused it first
+        free = [p for p, s in held.items() if s is None and started(p) is None]
+        assert not free, f"could not take old host pid(s) {free}"
         run("scontrol", "release", str(job.id))
         job.wait_output(r"restored from checkpoint epoch")
         job.wait_output(r"committed \(interval\)", 1 + job.text().count("committed (interval)"), timeout=120)
