@@ -47,8 +47,8 @@ class CaptureError(SlurmckptError):
 class ExchangeInFlight(CaptureError):
     """The frozen tree is inside a request/answer exchange with a process the restore replaces (slurmstepd's
     PMI server has read a rank's request and not answered yet): captured now, the restored rank would wait
-    forever for an answer the next step never got the request for. Every rank thaws, the exchange ends in
-    milliseconds, and the lock round is tried again."""
+    forever for an answer the next step never got the request for. Every rank thaws and the lock round is
+    tried again: most exchanges end in milliseconds, a barrier only when every rank has reached it."""
 
     retryable = True
 
