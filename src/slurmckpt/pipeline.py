@@ -5,6 +5,7 @@
               -> reserve room in the store and staging
               (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
               -> no PMI exchange under way (else thaw and retry the round, pmi.py)
+              -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
               ... barrier: all READY ...
     CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
               -> (final only) persist: compress staging into the store, rank.json
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, capture_checks, ghost, ipc, netlock, pmi, procfs, proctree, rank_images, shm_files
+from slurmckpt import (asuser, capture_checks, ghost, ipc, netlock, output_pipes, pmi, procfs, proctree,
+                       rank_images, shm_files)
 from slurmckpt.criu import CheckpointEngine
 from slurmckpt.errors import CaptureError, SlurmckptError
 from slurmckpt.footprint import Footprint, measure as measure_footprint
@@ -275,6 +277,13 @@ def _pmi_between_exchanges(p: RankPipeline, epoch: int) -> None:
         pmi.require_no_exchange(p.pmi_fd, p.pmi_ino, p.cgroup.pids(), p.step, p.rank)
 
 
+def _drain_output(p: RankPipeline, epoch: int) -> None:
+    """After the freeze: what the tree wrote to its stdio pipes has been read by slurmstepd, so the batch
+    rank's output snapshot (CAPTURE, after the barrier) can hold it (output_pipes.py)."""
+    if not p.replay:
+        output_pipes.wait_drained(p.creds, [pid for pid in (p.wrapper_pid, p.root_pid) if pid])
+
+
 def _gpu_checkpoint(p: RankPipeline, epoch: int) -> None:
     p.gpu_record = p.gpu.checkpoint()
 
@@ -336,7 +345,7 @@ def _snapshot_output(p: RankPipeline, epoch: int) -> None:
     p.record["outputs"] = outputs
 
 
-def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
+def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
     """Every step rank is frozen by now; what they wrote before still travels through slurmstepd and srun
     to the batch output file. Wait until the file stops growing, so the snapshot holds all of it."""
     def size() -> int:
@@ -379,6 +388,7 @@ PREPARE_STAGES = (
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_restore_after_capture),
     Stage("freeze", _freeze, undo=_thaw),
     Stage("pmi-idle", _pmi_between_exchanges),
+    Stage("drain-output", _drain_output),
 )
 CAPTURE_STAGES = (
     Stage("record", _record, undo=_discard_images, discards=True),

@@ -117,7 +117,7 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
     assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint",
-                                                "freeze", "pmi-idle"]
+                                                "freeze", "pmi-idle", "drain-output"]
     assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "persist"]
 
 
