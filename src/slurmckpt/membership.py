@@ -150,10 +150,11 @@ class Membership:
         if self.supervisor:
             self.supervisor.reaped(pid, code)
 
-    def close(self, exit_code: int) -> None:
-        """The task ran to its end: the coordinator records its exit code (a later capture restores it as
-        completed)."""
-        self.event("exited", exit_code=exit_code)
+    def close(self, exit_code: int, completed: bool = True) -> None:
+        """The task ended. Ended by itself (`completed`), the coordinator records its exit code (a later
+        capture restores it as completed); ended by a SIGTERM the wrapper passed on, it only leaves the job."""
+        if completed:
+            self.event("exited", exit_code=exit_code)
         self.stop()
 
     def stop(self) -> None:

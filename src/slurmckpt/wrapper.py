@@ -57,6 +57,9 @@ class Wrapper:
         self.agent_gone = False
         self.ending = False                  # the task is done: the agent channel is closed on purpose
         self.awaiting_requeue = False        # a coordinated fallback asked Slurm to restart the job
+        # the wrapper passed Slurm's SIGTERM on to the tree (no capture was possible): its end that follows
+        # is no completion of the program
+        self.passed_sigterm_on = False
         self.tree_procs: str | None = None     # the tree's cgroup.procs: ends the tree if the agent is gone
         self.schedule: Schedule | None = None
         self.pending: list[int] = []
@@ -316,6 +319,7 @@ class Wrapper:
         if sig == signal.SIGCHLD:
             return
         if sig == signal.SIGTERM and self.agent_gone:
+            self.passed_sigterm_on = True
             self._signal_tree(signal.SIGTERM)     # no capture possible here: end like a plain Slurm task
             self.trigger("sigterm", True)          # (the job's final epoch aborts: previous commit stays)
         elif sig == signal.SIGTERM:
@@ -436,6 +440,7 @@ class Wrapper:
         script, the task's program) does, and the kernel then kills the whole namespace: so the other
         processes get it first and up to `grace_s` to act on it (their own handlers), the root child and
         the init after. Slurm's SIGKILL after KillWait bounds it all."""
+        self.passed_sigterm_on = True
         pids = self._tree_pids()
         top = {self.root_pid, *proctree.children_map().get(self.root_pid, [])} if self.root_pid else set()
         rest = [p for p in pids if p not in top]
@@ -448,7 +453,10 @@ class Wrapper:
     def _exit(self, status: int) -> int:
         if self.agent_gone:                 # nobody else ends what is left of the tree
             self._signal_tree(signal.SIGKILL)
-        self.member.close(status)
+        # A program ended by the SIGTERM passed on here is not recorded as completed (a later capture would
+        # restore the rank as that exit code while its peers restore mid-run): it just leaves the job, a
+        # capture without it cannot commit, and the previous commit stays the one restored.
+        self.member.close(status, completed=not self.passed_sigterm_on)
         for t in self.relays:
             t.join(5)
         return status

@@ -62,8 +62,8 @@ class FakeMember:
     def reaped(self, pid: int, code: int) -> None:
         pass
 
-    def close(self, status: int) -> None:
-        self.closed.append(status)
+    def close(self, status: int, completed: bool = True) -> None:
+        self.closed.append((status, completed))
 
     def stop(self) -> None:
         pass
@@ -328,7 +328,31 @@ def test_the_task_ending_without_an_agent_kills_what_is_left_of_the_tree(make, t
     procs.write_text(f"{tree.pid}\n")
     w.tree_procs = str(procs)
     assert w._exit(5) == 5
-    assert tree.wait(5) == -signal.SIGKILL and w.member.closed == [5]
+    assert tree.wait(5) == -signal.SIGKILL and w.member.closed == [(5, True)]
+
+
+def test_a_program_ended_by_the_sigterm_passed_on_is_not_reported_as_completed(make, tree, tmp_path: Path):
+    """Recorded as completed, a later capture would restore that rank as its exit code while its peers
+    restore mid-run: after the wrapper passed SIGTERM on, the task only leaves the job."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w = make()
+    w.root_pid, w.agent_gone, w.tree_procs = tree.pid, True, str(procs)
+    w._on_signal(signal.SIGTERM)
+    assert tree.wait(5) == -signal.SIGTERM
+    w._exit(143)
+    assert w.member.closed == [(143, False)]
+
+
+def test_after_a_failed_final_capture_the_program_is_not_reported_as_completed(make, tree, tmp_path: Path):
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w = make()
+    w.root_pid, w.tree_procs = tree.pid, str(procs)
+    w._pass_sigterm_on(grace_s=0.5)
+    assert tree.wait(5) == -signal.SIGTERM
+    w._exit(143)
+    assert w.member.closed == [(143, False)]
 
 
 # ---- commands from the coordinator ----------------------------------------------------------------------
