@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from slurmckpt.cuda.driver import load_driver, result_name  # noqa: E402
+from slurmckpt.cuda.driver import GpuDriverError, load_driver, result_name  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PROGRAMS = {
@@ -40,7 +40,6 @@ PROGRAMS = {
                                 "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONFAULTHANDLER": "1"}),
     "torch": ("workload_train.py", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONFAULTHANDLER": "1"}),
 }
-STATES = {0: "RUNNING", 1: "LOCKED", 2: "CHECKPOINTED", 3: "FAILED"}
 PTRACE_CONT, PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 17, 0x4206, 0x4207
 WALL = 0x40000000
 T0 = time.monotonic()
@@ -81,11 +80,12 @@ def read(path: str) -> str:
 
 
 class Cuda:
-    """The driver's checkpoint calls, each with a watchdog (a call on a stopped process hangs on driver 580)."""
+    """The driver's checkpoint calls (slurmckpt.cuda.driver), each with a watchdog (a call on a stopped
+    process hangs on driver 580), answered as text: the state, "ok", or the CUresult's name."""
 
     def __init__(self) -> None:
-        self.lib = load_driver()._lib
-        self.rtid_fn = getattr(self.lib, "cuCheckpointProcessGetRestoreThreadId", None)
+        self.driver = load_driver()
+        self.rtid_fn = getattr(self.driver._lib, "cuCheckpointProcessGetRestoreThreadId", None)
         if self.rtid_fn is not None:
             self.rtid_fn.argtypes, self.rtid_fn.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_int
 
@@ -93,17 +93,19 @@ class Cuda:
     def timed(fn, timeout: float) -> str:
         box: list[str] = []
         t = time.monotonic()
-        th = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+
+        def answer() -> None:
+            try:
+                box.append(fn())
+            except GpuDriverError as e:
+                box.append(e.result)
+        th = threading.Thread(target=answer, daemon=True)
         th.start()
         th.join(timeout)
         return f"{box[0] if box else f'HANG (no answer in {timeout:.0f} s)'} [{time.monotonic() - t:.2f}s]"
 
     def state(self, pid: int, timeout: float = 10) -> str:
-        def call() -> str:
-            out = ctypes.c_int(-1)
-            rc = self.lib.cuCheckpointProcessGetState(pid, ctypes.pointer(out))
-            return STATES.get(out.value, str(out.value)) if rc == 0 else result_name(rc)
-        return self.timed(call, timeout)
+        return self.timed(lambda: self.driver.state(pid).name, timeout)
 
     def restore_tid(self, pid: int, timeout: float = 10) -> str:
         if self.rtid_fn is None:
@@ -118,11 +120,10 @@ class Cuda:
     def op(self, name: str, pid: int, timeout: float = 60) -> str:
         def call() -> str:
             if name == "lock":
-                args = (ctypes.c_uint * 16)(10_000)          # CUcheckpointLockArgs: timeoutMs first
-                rc = self.lib.cuCheckpointProcessLock(pid, ctypes.cast(args, ctypes.c_void_p))
+                self.driver.lock(pid, timeout_ms=10_000)
             else:
-                rc = getattr(self.lib, f"cuCheckpointProcess{name.capitalize()}")(pid, None)
-            return "ok" if rc == 0 else result_name(rc)
+                getattr(self.driver, name)(pid)
+            return "ok"
         return self.timed(call, timeout)
 
 
