@@ -13,7 +13,7 @@ from slurmckpt.cuda.driver import GpuDriverError, ProcessState
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.errors import LockContended
-from slurmckpt.cuda.procscan import find_cuda_pids, frozen_reason, ns_pid, unsupported_reasons
+from slurmckpt.cuda.procscan import condition, find_cuda_pids, frozen_reason, ns_pid, unsupported_reasons
 from slurmckpt.cuda.stage import (GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage,
                                   PipelineGpu)
 
@@ -48,6 +48,8 @@ class FakeProc:
         (d / "status").write_text(f"Name:\t{comm}\nState:\t{state}\nNSpid:\t"
                                   + "\t".join(map(str, nspid or (pid,))) + "\n")
         (d / "comm").write_text(comm + "\n")
+        (d / "stat").write_text(f"{pid} ({comm}) {state[0]} 1 " + "0 " * 20 + "\n")
+        (d / "task" / str(pid)).mkdir(parents=True)
         return pid
 
 
@@ -344,6 +346,18 @@ def test_adopt_refuses_a_process_that_is_not_checkpointed(proc, driver):
         GpuStage.adopt_restored(driver, record, [70])
     with pytest.raises(GpuStateError, match="no process with namespace pid 1"):
         GpuStage.adopt_restored(driver, record, [])
+
+
+def test_a_restored_process_whose_gpu_state_cannot_be_read_is_described(proc, driver):
+    """When the driver cannot answer for a restored process, the error says whether the process is gone or
+    what state it and its threads are in, and how many NVIDIA fds it holds."""
+    record = {"processes": [{"pid": 5, "ns_pid": 3, "initial": "RUNNING"}], "gpus": []}
+    proc.add(71, nspid=(71, 3))                    # alive, but unknown to the driver
+    with pytest.raises(GpuStateError) as e:
+        GpuStage.adopt_restored(driver, record, [71])
+    assert "GPU state of restored process 71 unreadable (CUDA_ERROR_OPERATING_SYSTEM)" in str(e.value)
+    assert "process 71 (python3) state S, threads Sx1, 4 /dev/nvidia* fds" in str(e.value)
+    assert condition(72) == "process 72 is gone"
 
 
 def test_ns_pid_reads_the_innermost_namespace(proc):

@@ -70,6 +70,25 @@ def inherited_gpu_mappings(pid: int) -> str:
             "multiprocessing_context='spawn' or 'forkserver'")
 
 
+def condition(pid: int) -> str:
+    """One line on what a process is doing now, for an error about it: gone, or its state, threads by state
+    and /dev/nvidia* fds (a restored process that died or stopped before its GPU restore tells apart here)."""
+    try:
+        st = procfs.stat(pid)
+        states: dict[str, int] = {}
+        for tid in procfs.threads(pid):
+            try:
+                s = procfs.stat(tid).state
+            except OSError:
+                continue
+            states[s] = states.get(s, 0) + 1
+        nvidia = sum(1 for link in procfs.fd_links(pid) if link.startswith("/dev/nvidia"))
+    except OSError:
+        return f"process {pid} is gone"
+    threads = " ".join(f"{k}x{v}" for k, v in sorted(states.items()))
+    return f"process {pid} ({st.comm}) state {st.state}, threads {threads}, {nvidia} /dev/nvidia* fds"
+
+
 def find_cuda_pids(pids: Sequence[int], driver: GpuDriver | None = None) -> list[int]:
     """The pids of `pids` holding CUDA state, in the given order. The /proc scan needs no libcuda; with a
     driver, each candidate is confirmed with GetState (NO_CUDA: dropped; a vanished pid: dropped)."""

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_inventory
-from slurmckpt.cuda.procscan import (find_cuda_pids, frozen_reason, inherited_gpu_mappings, maps_nvidia, ns_pid,
-                                     process_environ, unsupported_reasons)
+from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_gpu_mappings, maps_nvidia,
+                                     ns_pid, process_environ, unsupported_reasons)
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError, LockContended
 from slurmckpt.gpu import GpuUse
@@ -147,7 +147,11 @@ class GpuStage:
                 raise GpuStateError(f"restored tree has no process with namespace pid {item['ns_pid']}",
                                     **(context or {}))
             _refuse_frozen(host, cgroup_root, context)
-            state = driver.state(host)
+            try:
+                state = driver.state(host)
+            except GpuDriverError as e:
+                raise GpuStateError(f"GPU state of restored process {host} unreadable ({e.result}): "
+                                    f"{condition(host)}", pid=host, **(context or {})) from e
             if state is not ProcessState.CHECKPOINTED:
                 raise GpuStateError(f"restored process {host} is {state.name}, expected CHECKPOINTED",
                                     pid=host, **(context or {}))
