@@ -309,6 +309,10 @@ class Agent:
         self.reporter.capture_failed(**coordinator_verdict(m))
         return {}
 
+    def op_tree_fate(self, m: dict, fds: list[int]) -> dict:
+        """Asked by the wrapper when its tree has ended: whether this agent killed it, and why."""
+        return {"killed_for": self.pipeline.killed_for}
+
     def op_size(self, m: dict, fds: list[int]) -> dict:
         self._epoch_began(m)
         with self.reporter.recorded(_epoch(m), "size", self.pipeline):

@@ -73,6 +73,7 @@ class RankPipeline:
     stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
     ghost_limit_max: int = 256 << 20                       # Config.ghost_limit_max (ghost.py)
+    killed_for: str = ""                                   # why this agent killed the tree (GPU state lost)
     ghost_limit: int = 0                                   # criu --ghost-limit for this epoch's dump (record)
     # IP addresses of the job's other nodes (agent.py asks Slurm): TCP to them is the job's own
     job_addresses: Callable[[], set[str]] = field(default=lambda: set())
@@ -147,6 +148,9 @@ class RankPipeline:
 
     # ---- internals -------------------------------------------------------------------------------------
     def _require_tree(self) -> None:
+        if self.killed_for:
+            raise CaptureError(f"nothing to capture: the task's tree was killed ({self.killed_for})",
+                               step=self.step, rank=self.rank)
         if not self.root_pid or not procfs.exists(self.root_pid):
             raise CaptureError("no running task tree to capture", step=self.step, rank=self.rank)
 
@@ -179,7 +183,7 @@ class RankPipeline:
             raise CaptureError(f"stage {stage} failed: {failure}; then {undo}", epoch=epoch) from failure
 
     def _rollback(self, epoch: int, keep_images: bool) -> None:
-        errors = []
+        errors, gpu_lost = [], False
         for stage in reversed(self.done):
             if stage.undo is None or (keep_images and stage.discards):
                 continue
@@ -187,9 +191,23 @@ class RankPipeline:
                 stage.undo(self, epoch)
             except Exception as e:  # keep undoing: a tree left frozen is worse than a logged error
                 errors.append(f"{stage.name}: {e}")
+                gpu_lost = gpu_lost or bool(getattr(e, "stuck", None))    # cuda.stage.GpuRollbackError
         self.done = []
+        if gpu_lost:
+            errors.append(self._kill_tree_without_gpu(epoch))
         if errors:
             raise CaptureError("rollback incomplete: " + "; ".join(errors), epoch=epoch)
+
+    def _kill_tree_without_gpu(self, epoch: int) -> str:
+        """A process the GPU rollback could not bring back has lost its GPU state: run on, it would crash or
+        compute on without it, and a later capture would commit that. The tree is killed (the wrapper then
+        leaves the job without an exit code, so no capture commits without this rank) and never captured
+        again; the previous commit stays the one restored."""
+        self.killed_for = f"a process lost its GPU state in epoch {epoch}"
+        log.error("killing the task's tree: %s", self.killed_for, extra={"step": self.step, "rank": self.rank})
+        self.cgroup.kill_all()
+        return ("the task was killed: it cannot run on without its GPU state; the previous checkpoint stays "
+                "the one restored (scontrol requeue restores it)")
 
 
 # ---- capture stages ------------------------------------------------------------------------------------

@@ -453,13 +453,26 @@ class Wrapper:
     def _exit(self, status: int) -> int:
         if self.agent_gone:                 # nobody else ends what is left of the tree
             self._signal_tree(signal.SIGKILL)
-        # A program ended by the SIGTERM passed on here is not recorded as completed (a later capture would
-        # restore the rank as that exit code while its peers restore mid-run): it just leaves the job, a
-        # capture without it cannot commit, and the previous commit stays the one restored.
-        self.member.close(status, completed=not self.passed_sigterm_on)
+        killed_for = self._killed_by_agent()
+        if killed_for:
+            say(self.env, f"the task was killed by slurmckpt ({killed_for}); the previous checkpoint stays the "
+                          f"one restored: scontrol requeue {self.env.job_id} restores it")
+        # A program ended by the SIGTERM passed on here, or killed by its agent, is not recorded as completed
+        # (a later capture would restore the rank as that exit code while its peers restore mid-run): it
+        # just leaves the job, a capture without it cannot commit, and the previous commit stays the one
+        # restored.
+        self.member.close(status, completed=not (self.passed_sigterm_on or killed_for))
         for t in self.relays:
             t.join(5)
         return status
+
+    def _killed_by_agent(self) -> str:
+        if self.agent_gone:
+            return ""
+        try:
+            return str(self.call("tree_fate").get("killed_for") or "")
+        except SlurmckptError:
+            return ""
 
 
 def _running(pid: int) -> bool:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from slurmckpt.cuda.stage import GpuRollbackError
 from slurmckpt.errors import CaptureError, CriuError, GpuError
 from slurmckpt.gpu import GpuUse
 from slurmckpt.identity import TreeName
@@ -151,6 +153,30 @@ def test_a_failure_whose_undo_fails_too_is_reported_with_both(tmp_path: Path) ->
         p.capture(1)
     assert str(e.value).startswith("stage dump failed: injected criu failure; then rollback incomplete: ")
     assert "injected gpu-resume failure" in str(e.value) and p.failed_stage == "dump"
+
+
+def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_captured_again(
+        tmp_path: Path) -> None:
+    """The GPU restore after a periodic dump fails and its rollback leaves a process without GPU state: the
+    tree is killed (run on, it would crash or a later capture would commit it), the error says so, and every
+    later capture of this rank is refused."""
+    p, j, _ = make(tmp_path)
+    child = subprocess.Popen(["sleep", "60"])
+    p.cgroup.members, p.root_pid = [child.pid], child.pid
+
+    def lost() -> None:
+        j.events.append("gpu-resume")
+        raise GpuRollbackError("GPU rollback failed", {child.pid: "NO_CUDA"})
+    p.gpu.resume = lost
+    p.prepare(1)
+    p.capture(1, final=False)
+    with pytest.raises(CaptureError) as e:
+        p.resume(1)
+    assert child.wait(5) == -9
+    assert "(its GPU state is lost)" in str(e.value) and "the task was killed" in str(e.value)
+    assert p.killed_for == "a process lost its GPU state in epoch 1"
+    with pytest.raises(CaptureError, match="nothing to capture: the task's tree was killed"):
+        p.prepare(2)
 
 
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:

@@ -355,6 +355,18 @@ def test_after_a_failed_final_capture_the_program_is_not_reported_as_completed(m
     assert w.member.closed == [(143, False)]
 
 
+def test_a_tree_its_agent_killed_is_not_reported_as_completed(make, said):
+    """An agent that killed the tree (a process lost its GPU state) says so when asked: the task only
+    leaves the job, and the job's stderr says why and how to restore the previous checkpoint."""
+    w = make({"tree_fate": {"killed_for": "a process lost its GPU state in epoch 3"}})
+    w._exit(137)
+    assert w.member.closed == [(137, False)]
+    assert any("killed by slurmckpt (a process lost its GPU state in epoch 3)" in m for m in said)
+    w = make()
+    w._exit(0)
+    assert w.member.closed == [(0, True)] and w.agent.ops() == ["tree_fate"]
+
+
 # ---- commands from the coordinator ----------------------------------------------------------------------
 def test_commands_go_to_the_agent_and_track_the_final_capture(make):
     w = make({"capture": {"ok": True, "kind": "image", "bytes": 10}})
