@@ -5,6 +5,9 @@ process dies), criu restore -d in the host PID namespace under its own pid, GPU 
 it runs on; /proc is read at each step. MODE is how the restored process waits for its GPU restore:
 
   thawed   as slurmckpt's agent does: criu leaves every thread running, then GetState / Restore / Unlock
+  inplace  a periodic capture, three times: criu dump --leave-running between GPU checkpoint and GPU
+           restore, the process is not killed (variant -freeze: in a cgroup v2 frozen around the dump, as the
+           agent does)
   stopped  as CRIU's cuda_plugin does: criu restore --leave-stopped; only the driver's restore thread
            (cuCheckpointProcessGetRestoreThreadId, read before the dump) is let run, through ptrace, for
            GetState / Restore / Unlock; then the whole process is continued
@@ -17,12 +20,17 @@ faulthandler tracebacks in its log, dmesg; (2) the driver's restore thread stuck
 step; 'stopped' working where 'thawed' fails points at (1) and is the fix to build.
 
     python3 tests/gpu/jax_restore_probe.py WORKDIR [CASE...]   (default: jax-thawed jax-stopped torch-thawed torch-stopped)
+
+A CASE may end in -1cpu (the program pinned to one CPU, as Slurm's cpuset pins a one-CPU job) and/or -user
+(the program runs as $PROBE_USER, default ckptgpu) and/or -pidns (pid 1 of its own PID + mount namespace). tests/gpu/probe_in_slurm.sh runs the probe inside a
+Slurm job.
 """
 from __future__ import annotations
 
 import collections
 import ctypes
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -197,8 +205,9 @@ def reaped(pid: int) -> str | None:
     """The exit of `pid` (our child: the restored root re-parents to this subreaper) if it ended, else None."""
     try:
         got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return "not our child / already reaped"
+    except ChildProcessError:     # not our child (the namespace's init under unshare): alive while /proc has it
+        return None if os.path.exists(f"/proc/{pid}/stat") and read(f"/proc/{pid}/stat").split(") ")[-1][:1] != "Z" \
+            else "gone (not our child)"
     if got != pid:
         return None
     if os.WIFSIGNALED(status):
@@ -238,12 +247,58 @@ def cuda_state(pid: int) -> str:
     return cuda.state(pid, 5)
 
 
+def in_place(w: harness.Workload, pid: int, images: Path, freeze: bool) -> None:
+    """A periodic capture as the agent takes it, three times: (lock + checkpoint done), [cgroup v2 freeze],
+    criu dump --leave-running [--freeze-cgroup], [thaw], GPU restore + unlock; the program must run on."""
+    cg = Path("/sys/fs/cgroup") / f"probe-{images.name}"
+    if freeze:
+        cg.mkdir(exist_ok=True)
+        (cg / "cgroup.procs").write_text(str(pid))
+    for cycle in (1, 2, 3):
+        if cycle > 1:
+            say(f"  [{cycle}] lock: {cuda.op('lock', pid)}; checkpoint: {cuda.op('checkpoint', pid)}")
+        extra = []
+        if freeze:
+            (cg / "cgroup.freeze").write_text("1")
+            while "frozen 1" not in (cg / "cgroup.events").read_text():
+                time.sleep(0.002)
+            extra = ["--freeze-cgroup", str(cg)]
+        img = images.with_name(f"{images.name}-{cycle}")
+        img.mkdir(parents=True, exist_ok=True)
+        t = time.monotonic()
+        p = harness.criu("dump", "-t", str(pid), "-D", str(img), "-o", "dump.log", "-v2", *harness.CRIU_OPTS,
+                         "--leave-running", *extra)
+        say(f"  [{cycle}] criu dump --leave-running{' (frozen)' if freeze else ''}: rc {p.returncode}, "
+            f"{time.monotonic() - t:.2f} s")
+        if freeze:
+            (cg / "cgroup.freeze").write_text("0")
+        end = reaped(pid)
+        say(f"  [{cycle}] after the dump: {'process ' + end if end else 'alive'}; GetState {cuda_state(pid)}")
+        if end:
+            return
+        say(f"  [{cycle}] restore: {cuda.op('restore', pid)}; state {cuda_state(pid)}; "
+            f"unlock: {cuda.op('unlock', pid)}")
+        runs_on(w, pid, f"[{cycle}] in place")
+
+
 def case(name: str, work: Path) -> None:
-    prog, mode = name.split("-")
+    prog, mode, *variant = name.split("-")
     script, env = PROGRAMS[prog]
     say(f"=== {name}")
-    w = harness.Workload([sys.executable, str(HERE / script), "--steps", "100000", "--sleep", "0.05"],
-                         work / f"{name}.log", env=env)
+    # variant 1cpu: one CPU, as Slurm's cpuset gives a job without --cpus-per-task; user: the program runs as
+    # $PROBE_USER (default ckptgpu), as a job's does, the probe's CUDA and criu calls stay root's
+    pin = ["taskset", "-c", "0"] if "1cpu" in variant else []
+    if "user" in variant:
+        pw = pwd.getpwnam(os.environ.get("PROBE_USER", "ckptgpu"))
+        pin += ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"]
+        env = {**env, "HOME": "/tmp"}
+        work.chmod(0o755)                              # criu reopens the log as the restored program
+        (work / f"{name}.log").touch()
+        os.chown(work / f"{name}.log", pw.pw_uid, pw.pw_gid)
+    # variant pidns: the program is pid 1 of its own PID + mount namespace, as a slurmckpt task's tree is (criu
+    # needs SLURMCKPT_CRIU_EXTRA="--ext-mount-map auto --enable-external-sharing --enable-external-masters")
+    w = harness.Workload([*pin, sys.executable, str(HERE / script), "--steps", "100000", "--sleep", "0.05"],
+                         work / f"{name}.log", env=env, ns="pid+proc+fds" if "pidns" in variant else "none")
     try:
         w.wait_for(r"^step 20 ", timeout=180)
         pid = w.pid
@@ -253,6 +308,9 @@ def case(name: str, work: Path) -> None:
         view("running", pid, rtid)
         say(f"  lock: {cuda.op('lock', pid)}; checkpoint: {cuda.op('checkpoint', pid)}; state {cuda_state(pid)}")
         view("checkpointed", pid, rtid)
+        if mode == "inplace":
+            in_place(w, pid, work / name, freeze="freeze" in variant)
+            return
         img = work / f"{name}-img"
         say(f"  criu dump: {harness.dump(pid, img):.2f} s; "
             f"dump.log warnings: {sum('Warn' in ln for ln in (img / 'dump.log').read_text().splitlines())}")

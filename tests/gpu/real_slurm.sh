@@ -58,10 +58,11 @@ chown -R "$DEVICE_USER": "$H"
 TORCH_ENV=CUBLAS_WORKSPACE_CONFIG=:4096:8
 JAX_ENV="XLA_FLAGS=--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 declare -A PROG=([G]=workload_train.py [J]=workload_jax.py [C]=workload_cupy.py [P]="workload_graph_loader.py --mp spawn"
-                 [K]=workload_jax.py [Q]=workload_jax.py)
-# K and Q: JAX variants for the RS_ALLOW_JAX experiment (no CUDA graphs; XLA's platform allocator)
+                 [K]=workload_jax.py [Q]=workload_jax.py [W]=workload_jax.py)
+# K, Q and W: JAX variants for the RS_ALLOW_JAX experiment (no CUDA graphs; XLA's platform allocator; 8 CPUs)
 declare -A ENVS=([G]=$TORCH_ENV [J]=$JAX_ENV [C]="" [P]=$TORCH_ENV [K]="$JAX_ENV --xla_gpu_enable_command_buffer="
-                 [Q]=XLA_PYTHON_CLIENT_ALLOCATOR=platform)
+                 [Q]=XLA_PYTHON_CLIENT_ALLOCATOR=platform [W]=$JAX_ENV)
+declare -A SBATCH_MORE=([W]=--cpus-per-task=8)   # W: J with 8 CPUs instead of Slurm's default one
 GPU_STEPS=${GPU_STEPS:-200}
 
 say "uninterrupted reference runs (beside, outside Slurm, as the user)"
@@ -159,7 +160,7 @@ D=$(sub -J rsD -o D.out --mem=1G --checkpoint-interval=10s --wrap "$PY workload_
 (cd "$H" && runuser -u "$DEVICE_USER" -- "$PY" workload_devices.py --steps 1 > "$H/ref/D.out" 2>&1)
 declare -A ID
 for j in $GPU_JOBS; do
-  ID[$j]=$(sub -J "rs$j" -o "$j.out" --mem=24G --gres=gpu:1 --checkpoint-interval=10s \
+  ID[$j]=$(sub -J "rs$j" -o "$j.out" --mem=24G --gres=gpu:1 --checkpoint-interval=10s ${SBATCH_MORE[$j]:-} \
            --export="ALL${ENVS[$j]:+,${ENVS[$j]}}" --wrap "$PY ${PROG[$j]} --steps $GPU_STEPS --sleep 0.1")
 done
 echo "jobs: A=$A M=$M D=$D $(for j in $GPU_JOBS; do printf '%s=%s ' "$j" "${ID[$j]}"; done)"
