@@ -140,8 +140,9 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
             reasons.append(f"pid {pid} is an MPS client: MPS is not supported by the CUDA checkpoint API")
         if framework_of(pid) == "jax":
             reasons.append(f"pid {pid} runs JAX, whose GPU state does not survive a checkpoint with driver 580 (seen "
-                           f"on an H200: the driver's restore after a capture drops it and the program crashes); "
-                           f"the job runs on without checkpoints (docs/gpu.md)")
+                           f"on an H200: in its own PID namespace, as slurmckpt runs GPU tasks, a criu dump of a JAX "
+                           f"process drops its GPU state and the program crashes); the job runs on without "
+                           f"checkpoints (docs/gpu.md)")
         if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
             reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
