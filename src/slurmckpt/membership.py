@@ -152,7 +152,8 @@ class Membership:
 
     def close(self, exit_code: int, completed: bool = True) -> None:
         """The task ended. Ended by itself (`completed`), the coordinator records its exit code (a later
-        capture restores it as completed); ended by a SIGTERM the wrapper passed on, it only leaves the job."""
+        capture restores it as completed); ended by a SIGTERM the wrapper passed on, or killed by its agent
+        (its GPU state was lost), it only leaves the job."""
         if completed:
             self.event("exited", exit_code=exit_code)
         self.stop()
