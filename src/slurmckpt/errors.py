@@ -44,6 +44,12 @@ class CaptureError(SlurmckptError):
     """A capture stage failed; the previous commit stays valid."""
 
 
+class TaskEnded(CaptureError):
+    """The task's tree has ended (its program exited, its rank is leaving the job): a periodic capture that
+    raced that end has nothing to capture here, and the next one goes on without the rank. Not news to the
+    user, unlike every other aborted capture."""
+
+
 class ExchangeInFlight(CaptureError):
     """The frozen tree is inside a request/answer exchange with a process the restore replaces (slurmstepd's
     PMI server has read a rank's request and not answered yet): captured now, the restored rank would wait

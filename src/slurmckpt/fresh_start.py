@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterator, Protocol
 
 from slurmckpt import validate
-from slurmckpt.errors import CriuError, StorageError, is_retryable
+from slurmckpt.errors import CriuError, StorageError, TaskEnded, is_retryable
 from slurmckpt.instance import store_lock
 from slurmckpt.slurm.comment import one_line
 from slurmckpt.storage import JobStore, atomic_write_json
@@ -159,6 +159,9 @@ class FailureReporter:
                 log.info("%s of epoch %d: %s; the coordinator tries the round again", phase, epoch, e)
                 raise
             _, final, trigger = self.epoch if self.epoch[0] == epoch else (epoch, None, "unknown")
+            if isinstance(e, TaskEnded) and final is not True:   # a periodic capture raced the task's end
+                log.info("%s of epoch %d: %s", phase, epoch, e)
+                raise
             self.capture_failed(epoch, pipeline.failed_stage or phase, reason_of(e), final, trigger)
             raise
 

@@ -30,7 +30,7 @@ from typing import Callable
 from slurmckpt import (asuser, capture_checks, ghost, ipc, netlock, output_pipes, pmi, procfs, proctree,
                        rank_images, shm_files)
 from slurmckpt.criu import CheckpointEngine
-from slurmckpt.errors import CaptureError, SlurmckptError
+from slurmckpt.errors import CaptureError, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.launch import Credentials
@@ -152,7 +152,7 @@ class RankPipeline:
             raise CaptureError(f"nothing to capture: the task's tree was killed ({self.killed_for})",
                                step=self.step, rank=self.rank)
         if not self.root_pid or not procfs.exists(self.root_pid):
-            raise CaptureError("no running task tree to capture", step=self.step, rank=self.rank)
+            raise TaskEnded("no running task tree to capture", step=self.step, rank=self.rank)
 
     def _run(self, stages: tuple[Stage, ...], epoch: int) -> None:
         for stage in stages:

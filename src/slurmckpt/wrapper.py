@@ -349,6 +349,8 @@ class Wrapper:
                 self.schedule.captured(result["commit_s"])
             if final and reason in ("walltime", "manual-requeue"):
                 threading.Thread(target=self._requeue, daemon=True).start()
+        elif result["status"] == "aborted" and result.get("error_kind") == "ended" and not final:
+            log.info("%s: a rank's task had just ended", abort_message(result, reason))   # the next one goes on
         elif result["status"] == "aborted":
             say(self.env, abort_message(result, reason))
             threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()

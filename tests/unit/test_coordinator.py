@@ -478,26 +478,40 @@ def test_a_failed_prepare_whose_text_says_lock_is_not_retried(job, error):
     assert ok.commands() == ["prepare", "abort"]
 
 
+def epoch_with_a_rank_failing(job, phase_name: str, error: Exception) -> dict:
+    """One epoch of a job whose only rank, 0.0, raises `error` when told `phase_name`."""
+    class Failing(FakeRank):
+        def handle(self, kind, epoch, message=None):
+            if kind == phase_name:
+                self.got.append((kind, epoch))
+                raise error
+            return super().handle(kind, epoch, message)
+
+    job.ranks.append(Failing(job, "0.0"))
+    wait_for(lambda: "0.0" in job.coord.ranks)
+    return job.epoch()
+
+
 def test_retryable_kind_counts_only_for_prepare_and_must_be_known(job):
     """error_kind is checked like every field of a reply: a value outside protocol.ERROR_KINDS is refused
     (the rank is dropped), and "retryable" on a phase other than PREPARE is no reason to retry."""
     job.coord.lock_backoff_s = 0.01
-
-    class Contended(FakeRank):
-        def handle(self, kind, epoch, message=None):
-            if kind == "capture":
-                self.got.append((kind, epoch))
-                raise LockContended("not a lock phase")
-            return super().handle(kind, epoch, message)
-
-    job.ranks.append(Contended(job, "0.0"))
-    wait_for(lambda: "0.0" in job.coord.ranks)
-    res = job.epoch()
+    res = epoch_with_a_rank_failing(job, "capture", LockContended("not a lock phase"))
     assert res["status"] == "aborted" and res["lock_rounds"] == 1 and res["error_kind"] == "fatal", res
     assert job.ranks[0].commands().count("prepare") == 1
     with pytest.raises(ProtocolError, match="error_kind"):
         phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x", "error_kind": "maybe"})
     assert phase.check_reply({"type": "failed", "epoch": 1, "phase": "prepare", "error": "x"})   # older ranks
+
+
+def test_a_rank_whose_task_just_ended_aborts_the_epoch_as_ended(job):
+    """A rank whose tree ended as the capture began (TaskEnded) aborts the epoch with error_kind "ended", on
+    whichever phase it fails: the ranks keep such a periodic abort to themselves, and no round is retried."""
+    from slurmckpt.errors import TaskEnded
+    res = epoch_with_a_rank_failing(job, "prepare", TaskEnded("no running task tree to capture"))
+    assert res["status"] == "aborted" and res["error_kind"] == "ended" and res["lock_rounds"] == 1, res
+    assert job.ranks[0].commands().count("prepare") == 1
+    assert phase.check_reply({"type": "failed", "epoch": 1, "phase": "size", "error": "x", "error_kind": "ended"})
 
 
 # ---- framing and sealing (protocol.LineReader / Sealer) ---------------------------------------------------

@@ -196,6 +196,26 @@ def test_a_lock_round_the_coordinator_retries_is_not_recorded_its_verdict_is(tmp
     assert [(f.epoch, f.stage, f.seen_by) for f in failures(store)] == [(9, "pmi-idle", "coordinator")]
 
 
+def test_a_periodic_capture_that_found_the_task_ended_is_not_recorded_a_final_one_is(tmp_path: Path) -> None:
+    """TaskEnded in a periodic (or not yet known) epoch is the program's normal end racing the interval:
+    nothing recorded, nothing annotated. In a final capture it is recorded like any failure."""
+    from slurmckpt.errors import TaskEnded
+    store, notes = _store(tmp_path), Notes()
+    r = _reporter(store, notes)
+    pipeline = SimpleNamespace(failed_stage="")
+    for epoch, final in ((3, False), (4, None)):
+        r.epoch_began(epoch, final, "interval")
+        with pytest.raises(TaskEnded):
+            with r.recorded(epoch, "size", pipeline):
+                raise TaskEnded("no running task tree to capture")
+    assert failures(store) == [] and notes.sent == []
+    r.epoch_began(5, True, "sigterm")
+    with pytest.raises(TaskEnded):
+        with r.recorded(5, "prepare", pipeline):
+            raise TaskEnded("no running task tree to capture")
+    assert [(f.epoch, f.final) for f in failures(store)] == [(5, True)]
+
+
 def test_fresh_start_line_prefers_restore_failures_then_the_agent_s_refusal_then_the_store(tmp_path: Path) -> None:
     store, notes = _store(tmp_path), Notes()
     record(store, _failure(3, reason="socket"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.cuda.stage import GpuRollbackError
-from slurmckpt.errors import CaptureError, CriuError, GpuError
+from slurmckpt.errors import CaptureError, CriuError, GpuError, TaskEnded
 from slurmckpt.gpu import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
@@ -175,8 +175,22 @@ def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_cap
     assert child.wait(5) == -9
     assert "(its GPU state is lost)" in str(e.value) and "the task was killed" in str(e.value)
     assert p.killed_for == "a process lost its GPU state in epoch 1"
-    with pytest.raises(CaptureError, match="nothing to capture: the task's tree was killed"):
+    with pytest.raises(CaptureError, match="nothing to capture: the task's tree was killed") as e:
         p.prepare(2)
+    assert not isinstance(e.value, TaskEnded)       # a killed tree is news to the user, unlike an ended one
+
+
+def test_a_tree_that_ended_is_typed_ended_before_anything_is_touched(tmp_path: Path) -> None:
+    """The program exited (its rank is leaving the job): SIZE and PREPARE raise TaskEnded, whose periodic
+    abort the ranks keep to themselves, and nothing was locked or frozen."""
+    p, j, _ = make(tmp_path)
+    child = subprocess.Popen(["true"])
+    child.wait()
+    p.cgroup.members, p.root_pid = [], child.pid
+    for phase in (p.size, p.prepare):
+        with pytest.raises(TaskEnded, match="no running task tree"):
+            phase(1)
+    assert j.events == []
 
 
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:

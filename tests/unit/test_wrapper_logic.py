@@ -239,6 +239,18 @@ def test_a_failed_final_capture_passes_slurms_sigterm_on_to_the_tree(make, said,
     assert any("passing Slurm's SIGTERM on to the program" in line for line in said)
 
 
+def test_a_periodic_capture_that_raced_a_tasks_end_is_not_news_a_final_one_is(make, said):
+    """error_kind "ended" (a rank's tree ended as the capture began): a periodic epoch aborted so prints
+    nothing and reports nothing (the next capture goes on without the rank); a final one is said as any."""
+    w = make()
+    ended = {"status": "aborted", "epoch": 4, "stage": "size", "rank": "0.1", "error": "no running task tree to "
+             "capture", "error_kind": "ended"}
+    w._epoch_result(ended, "interval", False)
+    assert not any("ABORTED" in line for line in said) and w.agent.ops() == []
+    w._epoch_result(ended, "manual-requeue", True)
+    assert any("epoch 4 (manual-requeue) ABORTED" in line for line in said)
+
+
 def test_sigterm_passed_on_reaches_the_root_child_only_after_the_others(make, tmp_path: Path):
     """The namespace init ends with its root child and takes every process with it, so the root child
     (and the init) get the passed-on SIGTERM only once the others have ended (or after the grace)."""

@@ -88,7 +88,9 @@ class RankConn:
         if barrier.future.done() or msg.get("epoch") != epoch:
             return
         if msg["type"] == "failed" and msg.get("phase") == command:
-            kind = msg.get("error_kind", "fatal") if command == "prepare" else "fatal"   # a lock is in PREPARE
+            kind = msg.get("error_kind", "fatal")
+            if kind == "retryable" and command != "prepare":      # a lock is in PREPARE only
+                kind = "fatal"
             barrier.fail(index, EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
                                             self.node, kind))
         elif msg["type"] == reply:

@@ -10,7 +10,7 @@ import json
 import secrets
 
 from slurmckpt import validate
-from slurmckpt.errors import ProtocolError, is_retryable
+from slurmckpt.errors import ProtocolError, TaskEnded, is_retryable
 
 VERSION = 2         # 2: the SIZE phase (size -> sized) before PREPARE
 MAX_LINE = 64 * 1024
@@ -21,12 +21,13 @@ EVENTS = {"hello", "sized", "ready", "captured", "failed", "done", "exited", "tr
 
 # What a `failed` reply says of its error, as a kind and never as text: "retryable" (errors.LockContended, a
 # GPU lock that timed out on work in flight, or errors.ExchangeInFlight, a rank frozen inside a PMI exchange:
-# the coordinator tries the lock round again) or "fatal".
-ERROR_KINDS = ("fatal", "retryable")
+# the coordinator tries the lock round again), "ended" (errors.TaskEnded: a rank's tree ended as the capture
+# began; ranks say nothing of such a periodic capture) or "fatal".
+ERROR_KINDS = ("fatal", "retryable", "ended")
 
 
 def error_kind(exc: BaseException) -> str:
-    return "retryable" if is_retryable(exc) else "fatal"
+    return "retryable" if is_retryable(exc) else "ended" if isinstance(exc, TaskEnded) else "fatal"
 
 
 _BLOCK = 64                     # SHA-256 block size, for the HMAC pads (RFC 2104)
