@@ -83,7 +83,7 @@ Architecture: $ARCH
 Maintainer: slurmckpt developers <dev@slurmckpt.invalid>
 Section: admin
 Priority: optional
-Depends: python3 (>= 3.11), python3-click (>= 8), python3-yaml (>= 6), python3-xxhash (>= 3), python3-psutil (>= 5.9), python3-zstandard (>= 0.20), slurm-client, $LIBSLURM (>= $SLURM_VER), $LIBSLURM (<< $next_micro~)
+Depends: python3 (>= 3.11), python3-click (>= 8), python3-yaml (>= 6), python3-xxhash (>= 3), python3-psutil (>= 5.9), python3-zstandard (>= 0.20), slurm-client, iproute2, $LIBSLURM (>= $SLURM_VER), $LIBSLURM (<< $next_micro~)
 Suggests: criu (>= 4.1), prometheus-node-exporter
 Installed-Size: $(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)
 Homepage: https://slurmckpt.invalid

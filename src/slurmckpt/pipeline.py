@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from slurmckpt import (asuser, capture_checks, ghost, ipc, netlock, output_pipes, pmi, procfs, proctree,
-                       rank_images, shm_files)
+                       rank_images, shm_files, tcp_ports)
 from slurmckpt.criu import CheckpointEngine
 from slurmckpt.errors import CaptureError, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
@@ -259,6 +259,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch)),
         "pmi": [] if replay else _pmi_socket(p, pids),
+        "tcp_listen": [] if replay else tcp_ports.listening(pids),     # freed of TIME_WAIT before a restore
         **({} if replay else capture_checks.tcp_leaving_the_node(p, pids)),
     }
     rank_images.staged(p, epoch)

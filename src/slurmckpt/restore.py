@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images, shm_files
+from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images, shm_files, tcp_ports
 from slurmckpt.criu import InheritedFd
 from slurmckpt.errors import PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.launch import Credentials
@@ -76,6 +76,7 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
     hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
                           f"slurmckpt job {p.store.job}")
+    tcp_ports.free(manifest.get("tcp_listen", []))     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
