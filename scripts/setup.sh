@@ -213,9 +213,12 @@ step_python() {
   chmod -R a+rX "$SLURMCKPT_PREFIX"
   ln -sfn "$SLURMCKPT_VENV/bin/slurmckpt" /usr/local/bin/slurmckpt
   if [ -f "$REPO/pyproject.toml" ]; then
-    local b; for b in slurmckpt slurmckpt-wrap; do
+    local b; for b in slurmckpt slurmckpt-wrap slurmckpt-srun; do
       [ -x "$SLURMCKPT_VENV/bin/$b" ] || die "$SLURMCKPT_VENV/bin/$b missing after pip install (pyproject.toml [project.scripts])"
     done
+    # the srun an MPI launcher in a batch step finds first (config srun_standin_dir; docs/mpi.md)
+    install -d -m 0755 "$SLURMCKPT_VENV/libexec/slurmckpt/standin"
+    ln -sfn "$SLURMCKPT_VENV/bin/slurmckpt-srun" "$SLURMCKPT_VENV/libexec/slurmckpt/standin/srun"
   fi
   step_done
 }

@@ -51,6 +51,7 @@ class Agent:
     store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
     store_wait_s = 120.0                 # Config.store_wait_s
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
+    token_unmatched = False              # a relayed srun's step token that no committed epoch holds
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -176,17 +177,22 @@ class Agent:
                 "restart_count": i.restart_count, "node": socket.gethostname()}
 
     def op_plan(self, m: dict, fds: list[int]) -> dict:
-        """What this task should do: the committed epochs that hold it, newest first."""
-        me = rank_name(self.ident.step, self.ident.rank)
+        """What this task should do: the committed epochs that hold it, newest first. A step whose srun the
+        batch wrapper ran for a restored MPI launcher (`token`, srun_relay.py) takes the name of the step
+        that captured the daemons, whatever step id Slurm gave it now: reply `step`."""
         try:
             why_not = self._not_restorable()
             epochs = [] if why_not is not None else self.store.committed()
+            self._adopt_step(m.get("token"), epochs)
         except StorageError as e:
             why_not, epochs = str(e), []
         if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
                     **({"warning": why_not} if why_not else {}), **self._policy_plan(),
                     "tree_procs": str(self.cgroup.path / "cgroup.procs")}
+        me = rank_name(self.pipeline.step, self.ident.rank)
+        if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
+            epochs = []
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
@@ -196,7 +202,34 @@ class Agent:
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
+                "step": self.pipeline.step,
                 **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
+
+    def _adopt_step(self, token: object, epochs: list[dict]) -> None:
+        """The step of the newest committed epoch whose record at this rank carries `token` becomes this
+        task's name in the store and the job's cut. The token is the user's (the task's environment): it can
+        only pick among this job's own steps, and never the batch step."""
+        if not isinstance(token, str) or not validate.TOKEN_HEX16.fullmatch(token) or self.ident.step == "batch":
+            return
+        self.pipeline.step_token = token
+        self.token_unmatched = bool(epochs)     # its step id names nothing: no restore by it (op_plan)
+        for e in epochs:
+            for name in e["ranks"]:
+                step, rank = validate.rank_name(name)
+                if step == "batch" or rank != self.ident.rank:
+                    continue
+                try:
+                    found = self.store.read_rank_manifest(e["epoch"], step, rank).get("step_token") == token
+                except StorageError:
+                    continue
+                if found:
+                    if step != self.pipeline.step:
+                        log.info("step %s takes the name %s: its srun was run again for a restored launcher",
+                                 self.ident.step, step)
+                    self.pipeline.step = step
+                    self.reporter.rank = rank_name(step, rank)
+                    self.token_unmatched = False
+                    return
 
     def _policy_plan(self) -> dict:
         """The interval the wrapper schedules (the policy's default and minimum applied), and `disabled` when
@@ -285,6 +318,20 @@ class Agent:
             os.close(self.pipeline.pmi_fd)
         self.pipeline.pmi_fd, self.pipeline.pmi_ino = os.dup(fds[0]), ino
         return {"ino": ino}
+
+    def op_srun_standin(self, m: dict, fds: list[int]) -> dict:
+        """An srun stand-in's socket to the wrapper (srun_relay.py): dumped as external, replaced at the
+        restore. Only the fd's type and inode are read; the agent keeps no reference to it."""
+        if len(fds) != 1:
+            raise ProtocolError("srun_standin needs the stand-in's socket")
+        ino = pmi.require_unix_stream(fds[0])
+        self.pipeline.standin_inos.add(ino)
+        return {"ino": ino}
+
+    def op_standins(self, m: dict, fds: list[int]) -> dict:
+        """How many srun stand-in sockets the restore of `epoch` needs handed in."""
+        manifest = self.store.read_rank_manifest(_epoch(m), self.pipeline.step, self.ident.rank)
+        return {"count": len(manifest.get("srun_standins", []))}
 
     def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
         """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also
@@ -408,8 +455,11 @@ class Agent:
             raise StorageError(why_not or f"epoch {_epoch(m)} is not a committed checkpoint of this job")
         if self.pipeline.root_pid:
             raise PermissionDenied("a tree is already running for this task")
-        if len(fds) not in (3, 4):
-            raise ProtocolError("restore needs the 3 stdio fds (and the batch script's, for a batch step)")
+        standins = m.get("standins", 0)
+        if not (type(standins) is int and 0 <= standins <= len(fds) - 3 and len(fds) - standins in (3, 4)):
+            raise ProtocolError("restore needs the 3 stdio fds (and the batch script's, for a batch step), then "
+                                "one socket per srun stand-in")
+        fds, self.pipeline.standin_fds = fds[:len(fds) - standins], fds[len(fds) - standins:]
         init_home(self.config.run_dir, self._task_name, self._task_credentials())
         self._place_with_slurm()
         self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()

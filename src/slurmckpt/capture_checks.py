@@ -28,6 +28,7 @@ def check_restorable(p: RankPipeline, epoch: int) -> None:
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
     if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
         stdio.add(f"socket:[{p.pmi_ino}]")
+    stdio |= {f"socket:[{ino}]" for ino in p.standin_inos}    # likewise the srun stand-ins' (srun_relay.py)
     trees = ipc.job_trees(p.cgroup.other_trees(), p.cgroup.tree.job)   # the job's own, never another job's
     # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
     # to another node of the job it is too (both ends frozen at the barrier, restored on the same nodes:
@@ -68,7 +69,8 @@ def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
         raise CaptureError(f"TCP connection(s) {', '.join(to_batch)} to the batch step, which is running srun: "
                            "a batch step running srun is replayed on requeue, not restored, so its end would "
                            "start again while this one is restored (OpenMPI's mpirun starting orted through "
-                           "srun does this); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
+                           "a real srun does this: slurmckpt's srun stand-in, first in the batch step's PATH, "
+                           "avoids it); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
                            "--mca ras ^slurm`) (docs/mpi.md)",
                            step=p.step, rank=p.rank)
 
@@ -86,7 +88,8 @@ def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[in
         raise CaptureError(f"TCP connection(s) {', '.join(to_nodes)} from the batch step, which is running srun, "
                            "to ranks on other nodes of the job: a batch step running srun is replayed on "
                            "requeue, not restored, so its end would start again while the other is restored "
-                           "(OpenMPI's mpirun starting orted through srun does this) (docs/mpi.md)",
+                           "(OpenMPI's mpirun starting orted through a real srun does this: slurmckpt's srun "
+                           "stand-in, first in the batch step's PATH, avoids it) (docs/mpi.md)",
                            step=p.step, rank=p.rank)
 
 

@@ -79,6 +79,11 @@ class RankPipeline:
     job_addresses: Callable[[], set[str]] = field(default=lambda: set())
     pmi_fd: int = -1           # this start's PMI socket to slurmstepd (srun --mpi=pmi2; pmi.py), else -1
     pmi_ino: int = 0
+    # sockets of srun stand-ins to the batch wrapper (srun_relay.py): dumped as external, replaced at a
+    # restore by `standin_fds` (new sockets whose other ends the new wrapper holds)
+    standin_inos: set[int] = field(default_factory=set)
+    standin_fds: list[int] = field(default_factory=list)
+    step_token: str = ""       # a relayed srun's step: its name across restores (agent.py, plan)
     footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
     policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank_images.py)
 
@@ -259,7 +264,9 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch)),
         "pmi": [] if replay else _pmi_socket(p, pids),
+        "srun_standins": [] if replay else _standin_sockets(p, pids),
         "tcp_listen": [] if replay else tcp_ports.listening(pids),     # freed of TIME_WAIT before a restore
+        **({"step_token": p.step_token} if p.step_token else {}),
         **({} if replay else capture_checks.tcp_leaving_the_node(p, pids)),
     }
     rank_images.staged(p, epoch)
@@ -287,6 +294,14 @@ def _pmi_socket(p: RankPipeline, pids: list[int]) -> list[dict]:
     if p.pmi_fd < 0 or not any(t.link == key for pid in pids for t in proctree.open_files(pid)):
         return []
     return [{"key": key, "ino": p.pmi_ino}]
+
+
+def _standin_sockets(p: RankPipeline, pids: list[int]) -> list[dict]:
+    """The srun stand-ins' sockets to the wrapper that the tree still holds, in a fixed order (the restore
+    hands in one new socket for each)."""
+    held = {t.link for pid in pids for t in proctree.open_files(pid)}
+    return [{"key": f"socket:[{ino}]", "ino": ino} for ino in sorted(p.standin_inos)
+            if f"socket:[{ino}]" in held]
 
 
 def _pmi_between_exchanges(p: RankPipeline, epoch: int) -> None:
@@ -318,7 +333,8 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
         p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
                                                freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
-                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]]
+                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]
+                                                         + p.record["srun_standins"]]
                                                + p.record["external_files"],
                                                link_remap=any(e["removed"] for e in p.record["shm_files"]),
                                                mntns=p.record["mntns"])

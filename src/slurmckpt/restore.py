@@ -67,6 +67,11 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
             raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
                                "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
         inherit.append(InheritedFd(entry["key"], p.pmi_fd))     # the new step's, in the old one's place
+    standins = manifest.get("srun_standins", [])
+    if len(standins) != len(p.standin_fds):
+        raise RestoreError(f"the checkpoint holds {len(standins)} srun stand-in socket(s), this start handed in "
+                           f"{len(p.standin_fds)}", step=p.step, rank=p.rank)
+    inherit += [InheritedFd(e["key"], fd) for e, fd in zip(standins, p.standin_fds)]  # the new wrapper's
     if manifest.get("pmi"):
         pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
     held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,

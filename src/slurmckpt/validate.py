@@ -30,6 +30,7 @@ _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}")        # a trigger rea
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,253})")      # a node name as Slurm spells it
 _TOKEN = re.compile(r"[0-9a-f]{64}")
 _NONCE = re.compile(r"[0-9a-f]{32}")
+TOKEN_HEX16 = re.compile(r"[0-9a-f]{16}")      # a relayed srun's step token (srun_relay.py)
 
 
 def _refuse(field: str, value: object, why: str) -> ProtocolError:

@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from slurmckpt.cuda.frameworks import growth_defaults
 from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
+from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay
 from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
 
 log = logging.getLogger("slurmckpt.wrapper")
@@ -71,6 +73,8 @@ class Wrapper:
         self.pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
         if self.pmi_fd is not None:
             os.set_inheritable(self.pmi_fd, False)
+        # the batch step: an MPI launcher's srun runs here, outside the tree (srun_relay.py)
+        self.srun_relay: SrunRelay | None = None
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
         with self.agent_lock:
@@ -99,9 +103,16 @@ class Wrapper:
         signal.set_wakeup_fd(self.wake_w)
         for sig in (*FORWARDED, signal.SIGTERM, signal.SIGCHLD, CHECKPOINT_SIGNAL, REQUEUE_SIGNAL):
             signal.signal(sig, lambda s, f: self.pending.append(s))
-        plan = self.call("plan")
+        token = os.environ.get(STEP_TOKEN, "") if self.env.step != "batch" else ""
+        plan = self.call("plan", **({"token": token} if token else {}))
         if plan.get("disabled"):
             self._run_plainly(libc, str(plan["disabled"]))
+        if isinstance(plan.get("step"), str) and plan["step"] != self.env.step:   # srun run again for a
+            self.env = dataclasses.replace(self.env, step=plan["step"])          # restored launcher
+            self.member.env = self.env
+        if self.env.step == "batch":
+            self.srun_relay = SrunRelay.start(self.env.job_id, self.config.srun_standin_dir, self.call,
+                                              lambda text: say(self.env, text))
         self._apply_interval(plan)
         self.tree_procs = plan.get("tree_procs")
         self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result))
@@ -207,11 +218,31 @@ class Wrapper:
                 script = os.open(self.argv[0], os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 script = -1
+        pairs = self._standin_sockets(epoch)
         try:
-            return self.call("restore", stdio + ([script] if script >= 0 else []), epoch=epoch)
+            reply = self.call("restore", stdio + ([script] if script >= 0 else []) + [b.fileno() for _, b in pairs],
+                              epoch=epoch, **({"standins": len(pairs)} if pairs else {}))
+        except BaseException:
+            for a, _ in pairs:
+                a.close()
+            raise
         finally:
             if script >= 0:
                 os.close(script)
+            for _, b in pairs:
+                b.close()
+        for a, _ in pairs:       # the restored stand-ins ask for their srun again
+            assert self.srun_relay is not None
+            self.srun_relay.adopt(a)
+        return reply
+
+    def _standin_sockets(self, epoch: int) -> list[tuple[socket.socket, socket.socket]]:
+        """One new socket pair per srun stand-in in the checkpoint: one end replaces the stand-in's old
+        socket (criu --inherit-fd), the other is served here (srun_relay.py)."""
+        if self.env.step != "batch" or self.srun_relay is None:   # the agent refuses a checkpoint that
+            return []                                               # holds some: none handed in
+        count = int(self.call("standins", epoch=epoch).get("count", 0))
+        return [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(count)]
 
     def _shares_cut(self) -> bool:
         """Other ranks restore the same epoch: falling back alone would leave the job at no common cut."""
@@ -240,6 +271,8 @@ class Wrapper:
         if relay:
             stdio = [0] + [self._relay(fd) for fd in (1, 2)]
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
+        if self.srun_relay:
+            env = self.srun_relay.tree_env(env)
         argv = self.argv
         if uses_gpus(env) and self.config.gpu_growth_defaults:    # docs/gpu.md, "Frameworks that preallocate"
             added = growth_defaults(env)
@@ -312,6 +345,8 @@ class Wrapper:
             if pid == self.root_pid:
                 status = os.waitstatus_to_exitcode(raw)
                 status = 128 - status if status < 0 else status
+            elif self.srun_relay and self.srun_relay.reaped(pid, os.waitstatus_to_exitcode(raw)):
+                pass
             else:
                 self.member.reaped(pid, os.waitstatus_to_exitcode(raw))
 

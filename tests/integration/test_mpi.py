@@ -3,10 +3,11 @@ run under slurmckpt, requeued mid-run and compared with an uninterrupted run of 
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from tests.integration.slurmjob import Job, run, submit, workdir
+from tests.integration.slurmjob import AGENT_LOGS, Job, run, submit, workdir
 
 USER = "ckptuser1"
 # A one-node allocation: mpirun finds its own host name (the node's NodeHostname) in it and starts the ranks
@@ -57,22 +58,60 @@ def test_openmpi_mpirun_on_one_node_requeued_twice_equals_an_uninterrupted_run()
 
 
 @pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="openmpi-bin", launcher="mpirun in sbatch (orted via srun)",
-                      nodes=2, expect="refused")
-def test_mpirun_starting_orted_through_srun_is_refused_before_freezing_and_runs_on() -> None:
-    """Across two nodes mpirun in the batch step launches orted on the other node with srun (a second
-    step) and talks to it over TCP: the batch step running srun would be replayed, not restored. Every
-    capture is refused in PREPARE naming the cause, and the job completes with the uninterrupted result
-    (never restarted)."""
-    nodes, why = ["-N2"], r"the batch step, which is running srun"
+                      nodes=2)
+def test_mpirun_starting_orted_through_srun_across_two_nodes_requeued_twice_equals_an_uninterrupted_run() -> None:
+    """Across two nodes mpirun in the batch step launches orted on the other node with srun (a step of its
+    own) and talks to it over TCP: mpirun's srun is the stand-in (the real srun runs in the wrapper, outside
+    the tree), so the batch step is imaged with mpirun and its local rank, captured at one cut with the
+    orted step. The script runs a plain srun first, so mpirun's srun is step 1 while the srun run again
+    after a requeue is step 0: it restores step 1's images by its token. Requeued twice mid-run (Slurm
+    places it on the same nodes): the restored stand-in has its srun run again, whose step restores orted
+    and its rank; every step is printed exactly once, the ring's checksum equals an uninterrupted run's,
+    and mpirun exits 0."""
     wd = build("mpi-orted")
-    ref = reference(wd, "150 0")
-    job = submit(USER, wd, "#!/bin/bash\nmpirun.openmpi -np 2 ./mpi_ring 150 100\necho mpirun exit $?\n",
-                 "-J", "mpi-orted", "-n2", *nodes, "--checkpoint-interval=10s")
-    job.wait_output(r"ABORTED \(rank [\w.]+, node [^,]+, stage check\): .*" + why, timeout=120)
-    assert job.wait_done(timeout=300) == "COMPLETED", job.text()[-3000:]
+    args = "300 100"
+    ref = reference(wd, "300 0")
+    job = submit(USER, wd, f"#!/bin/bash\nsrun -N1 -n1 true\nmpirun.openmpi -np 2 ./mpi_ring {args}\n"
+                           "echo mpirun exit $?\n",
+                 "-J", "mpi-orted", "-n2", "-N2", "-w", "node1,node2", "--checkpoint-interval=10s")
+    for restart in (1, 2):
+        requeue_after_a_commit(job, 2)
+        job.wait_output(r"batch\.0\]: restored from checkpoint epoch", restart, timeout=240)
+        job.wait_output(r"srun of the restored MPI launcher started again", restart, timeout=60)
+        # orted's step writes to mpirun's /dev/null: its agent's log says what it did
+        wait_for(lambda: orted_restores(job) >= restart, 120, f"orted's step restored ({restart})", job)
+    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
     steps, result = ring_lines(job)
-    assert steps == list(range(1, 151)) and result == ref, (steps[-3:], result, ref)
-    assert "restored from checkpoint" not in job.text() and job.restarts() == 0
+    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
+    assert result == ref, (result, ref)
+    assert job.text().count("mpirun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
+    assert job.restarts() == 2 and orted_restores(job) == 2 and "launched orted" in orted_log(job)
+    assert orted_log(job).count("step 0 takes the name 1") == 2, job.agent_log_tails()
+
+
+def requeue_after_a_commit(job: Job, ranks: int) -> None:
+    """Requeue once the job's next periodic capture of `ranks` ranks committed, before the ring ended."""
+    pattern = rf"committed \(interval\): {ranks} rank"
+    job.wait_output(pattern, len(re.findall(pattern, job.text())) + 1, timeout=180)
+    assert "final " not in job.text(), "the ring ended before the requeue"
+    job.requeue()
+
+
+def orted_log(job: Job) -> str:
+    """The agent logs of the steps that ran orted (step 1 in the first run, step 0 after each restore)."""
+    logs = [AGENT_LOGS / f"agent-{job.id}.{step}.0.log" for step in (0, 1)]
+    return "".join(p.read_text() for p in logs if p.exists())
+
+
+def orted_restores(job: Job) -> int:
+    return len(re.findall(r"INFO restored epoch \d+ as pid", orted_log(job)))
+
+
+def wait_for(done, timeout_s: float, what: str, job: Job) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{job.agent_log_tails()}"
+        time.sleep(1)
 
 
 def mpich_ring_requeued_twice(name: str, srun_opts: str, *placement: str):
@@ -87,10 +126,7 @@ def mpich_ring_requeued_twice(name: str, srun_opts: str, *placement: str):
     job = submit(USER, wd, f"#!/bin/bash\nsrun --mpi=pmi2 {srun_opts} ./mpi_ring 300 100\necho srun exit $?\n",
                  "-J", name, *placement, "--checkpoint-interval=10s")
     for restart in (1, 2):
-        commits = len(re.findall(r"committed \(interval\): 3 rank", job.text())) + 1
-        job.wait_output(r"committed \(interval\): 3 rank", commits, timeout=180)
-        assert "final " not in job.text(), "the ring ended before the requeue"
-        job.requeue()
+        requeue_after_a_commit(job, 3)
         job.wait_output(r"0\.1\]: restored from checkpoint epoch", restart, timeout=240)
         job.wait_output(r"0\.0\]: restored from checkpoint epoch", restart, timeout=60)
     assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,7 +81,7 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
     a.store.ensure()
     a.instance, a.slurm_job = ME, JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {})
     a.store_note = claim(a.store, ME)
-    a.pipeline = SimpleNamespace(root_pid=None, failed_stage="")
+    a.pipeline = SimpleNamespace(root_pid=None, failed_stage="", step=a.ident.step, standin_inos=set())
     return a
 
 
@@ -261,3 +262,72 @@ def test_epoch_numbers_for_the_coordinator_are_unique_and_leased(tmp_path):
     lease = json.loads((a.store.epoch_dir(40) / ".lease").read_text())
     import time
     assert 10 + 20 + 30 < lease["expires_at"] - time.time() <= 10 + 20 + 30 + 120
+
+
+# ---- a step whose srun the batch wrapper ran again for a restored MPI launcher (srun_relay.py) ----------------
+def rank_record(store: JobStore, epoch: int, name: str, **fields) -> None:
+    step, rank = name.split(".")
+    rdir = store.rank_dir(epoch, step, int(rank))
+    rdir.mkdir(parents=True, exist_ok=True)
+    (rdir / "rank.json").write_text(json.dumps({"kind": "image", "files": {}, **fields}))
+
+
+def test_a_relayed_srun_step_takes_the_name_of_the_step_whose_record_holds_its_token(tmp_path):
+    """Slurm gave the step id 0; the newest epoch holding the token at this rank named it 1: the plan offers
+    step 1's epochs and answers step 1, and later captures and failure reports use that name."""
+    a = make_agent(tmp_path)
+    a.reporter = SimpleNamespace(rank="0.0")
+    commit(a.store, 1, {"0.0": {"kind": "completed", "exit_code": 0}, "1.0": {"kind": "image"}})
+    rank_record(a.store, 1, "1.0", step_token="0123456789abcdef")
+    plan = a.op_plan({"token": "0123456789abcdef"}, [])
+    assert plan["step"] == "1" and [c["epoch"] for c in plan["candidates"]] == [1]
+    assert a.pipeline.step == "1" and a.pipeline.step_token == "0123456789abcdef" and a.reporter.rank == "1.0"
+
+
+def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_path):
+    """A token no epoch holds: its step id names nothing, so nothing is restored by it (not the completed
+    step 0 of the earlier run). A token that is not 16 hex digits is not used at all; the batch step never
+    takes another name."""
+    a = make_agent(tmp_path)
+    a.reporter = SimpleNamespace(rank="0.0")
+    commit(a.store, 1, {"0.0": {"kind": "image"}, "1.0": {"kind": "image"}})
+    rank_record(a.store, 1, "1.0", step_token="0123456789abcdef")
+    plan = a.op_plan({"token": "fedcba9876543210"}, [])
+    assert plan["candidates"] == [] and plan["step"] == "0"
+    (tmp_path / "b").mkdir(); (tmp_path / "c").mkdir()
+    b = make_agent(tmp_path / "b")
+    b.reporter = SimpleNamespace(rank="0.0")
+    commit(b.store, 1, {"0.0": {"kind": "image"}})
+    for bad in ("../../etc", "0123456789ABCDEF", 7, ["0123456789abcdef"]):
+        plan = b.op_plan({"token": bad}, [])
+        assert [c["epoch"] for c in plan["candidates"]] == [1] and plan["step"] == "0"
+        assert getattr(b.pipeline, "step_token", "") == ""
+    c = make_agent(tmp_path / "c")
+    c.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
+    c.pipeline.step = "batch"
+    c.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
+    commit(c.store, 1, {"batch.0": {"kind": "image"}, "1.0": {"kind": "image"}})
+    rank_record(c.store, 1, "1.0", step_token="0123456789abcdef")
+    assert c.op_plan({"token": "0123456789abcdef"}, [])["step"] == "batch"
+
+
+def test_a_stand_in_socket_must_be_a_unix_stream_socket_and_a_restore_needs_one_per_stand_in(tmp_path):
+    """srun_standin takes exactly one fd, a unix stream socket, and keeps only its inode; a restore's fds are
+    the stdio (and the script) followed by exactly `standins` sockets."""
+    a = make_agent(tmp_path)
+    r, w = os.pipe()
+    with pytest.raises(ProtocolError):
+        a.op_srun_standin({}, [r])
+    with pytest.raises(ProtocolError):
+        a.op_srun_standin({}, [])
+    s1, s2 = socket.socketpair()
+    assert a.op_srun_standin({}, [s1.fileno()])["ino"] == os.fstat(s1.fileno()).st_ino
+    assert a.pipeline.standin_inos == {os.fstat(s1.fileno()).st_ino}
+    commit(a.store, 1, {"0.0": {"kind": "image"}})
+    for standins, fds in ((2, [0, 1, 2, r]), (-1, [0, 1, 2]), ("1", [0, 1, 2, r]), (1, [0, 1, 2, r, w, r]), (True, [0, 1, 2, r])):
+        with pytest.raises(ProtocolError, match="srun stand-in"):
+            a.op_restore({"epoch": 1, "standins": standins}, fds)
+    assert a.cgroup.done == []
+    for fd in (r, w):
+        os.close(fd)
+    s1.close(), s2.close()

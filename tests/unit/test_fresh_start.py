@@ -260,7 +260,7 @@ def _agent(tmp_path: Path, restart_count: int, notes: Notes, fail: str | None = 
             a.pipeline.failed_stage = "check"
             raise CaptureError(fail, step="batch", rank=0)
         return {}
-    a.pipeline = SimpleNamespace(prepare=prepare, failed_stage="")
+    a.pipeline = SimpleNamespace(prepare=prepare, failed_stage="", step=a.ident.step)
     return a
 
 

@@ -173,7 +173,7 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     a.instance, a.store_note = me, (claim(a.store, me) if me else None)
     a.cgroup = SimpleNamespace(path=tmp_path / "cg")
     a.wrapper_pid = 0
-    a.pipeline = SimpleNamespace(root_pid=None)
+    a.pipeline = SimpleNamespace(root_pid=None, step=a.ident.step)
     a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
     a.reporter = FailureReporter(a.store, 43, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                  background=False)

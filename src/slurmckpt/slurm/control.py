@@ -215,6 +215,15 @@ class PyslurmControl:
         return float(job.end_time) if job.end_time and job.time_limit else None
 
 
+SRUN = "srun"
+
+
+def user_srun() -> str:
+    """The srun the task's PATH finds: the one an MPI launcher in a batch script meant to run, which the
+    batch wrapper runs for it outside the checkpointed tree (srun_relay.py). "" if there is none."""
+    return shutil.which(SRUN) or ""
+
+
 def slurm_major() -> str | None:
     try:
         out = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, timeout=10).stdout

@@ -44,4 +44,4 @@ class TaskEnv:
 
 
 # Variables slurmckpt sets for itself; the workload never sees them.
-PRIVATE = ("SLURMCKPT_AGENT_FD", "SLURMCKPT_TASK_ARGV0", "SLURMCKPT_TASK_ARGV")
+PRIVATE = ("SLURMCKPT_AGENT_FD", "SLURMCKPT_TASK_ARGV0", "SLURMCKPT_TASK_ARGV", "SLURMCKPT_STEP_TOKEN")

@@ -1,0 +1,163 @@
+"""The srun stand-in and the wrapper's relay, on real sockets and real processes: the stand-in's request runs
+the real srun (here a small script) outside it with the stand-in's argv, environment and stdio; its exit,
+the signals between them and a restored stand-in's resend (srun_standin.py, srun_relay.py)."""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmckpt.channel import Channel
+from slurmckpt.errors import ProtocolError
+from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay, request_of
+from slurmckpt.srun_standin import RELAY, exec_real
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+class Relay:
+    """A relay whose 'real srun' is `script`, with a reaper standing in for the wrapper's waitpid loop."""
+
+    def __init__(self, tmp_path: Path, script: str) -> None:
+        fake = tmp_path / "real-srun"
+        fake.write_text("#!/bin/sh\n" + script)
+        fake.chmod(0o755)
+        self.calls: list[tuple[str, int]] = []
+        self.said: list[str] = []
+        self.relay = SrunRelay(f"slurmckpt-test-{secrets.token_hex(4)}", str(tmp_path), self._call, self.said.append)
+        self.relay.real = str(fake)
+        self.stop = False
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _call(self, op: str, fds: list[int] | None = None, **args) -> dict:
+        self.calls.append((op, len(fds or [])))
+        return {"ino": 1}
+
+    def _reap(self) -> None:
+        while not self.stop:
+            for pid in list(self.relay.sessions):
+                try:
+                    done, raw = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue
+                if done:
+                    self.relay.reaped(pid, os.waitstatus_to_exitcode(raw))
+            time.sleep(0.02)
+
+    def standin(self, argv: list[str], tmp_path: Path) -> subprocess.Popen:
+        """A stand-in process (its serve loop, as after the launcher check) sending `argv`."""
+        code = ("import os, sys; from slurmckpt.srun_standin import connect, serve; from slurmckpt.channel import "
+                f"Channel; sys.exit(serve(Channel(connect({self.relay.name!r})), {{'argv': {argv!r}, "
+                f"'env': {{'PATH': os.environ['PATH'], 'SLURM_JOB_ID': 'old'}}, 'cwd': {str(tmp_path)!r}}}))")
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={"PATH": os.environ["PATH"], "PYTHONPATH": SRC}, text=True)
+
+
+def test_the_real_srun_runs_outside_with_the_stand_ins_argv_and_stdio_and_its_exit_code_comes_back(tmp_path):
+    """The stand-in's argv (after argv[0]), its stdout and directory reach the real srun, which gets a step
+    token and the wrapper's own SLURM_* values; its socket is registered with the agent; the stand-in exits
+    with the real srun's code."""
+    os.environ["SLURM_JOB_ID"] = "new"
+    r = Relay(tmp_path, 'echo "args $* token $SLURMCKPT_STEP_TOKEN job $SLURM_JOB_ID cwd $(pwd)"; exit 3\n')
+    p = r.standin(["srun", "-N1", "orted", "-mca", "x"], tmp_path)
+    out, err = p.communicate(timeout=30)
+    r.stop = True
+    assert p.returncode == 3, err
+    m = re.fullmatch(r"args -N1 orted -mca x token ([0-9a-f]{16}) job new cwd (\S+)\n", out)
+    assert m and m.group(2) == str(tmp_path), out
+    assert r.calls == [("srun_standin", 1)] and r.relay.sessions == {}
+
+
+def test_a_signal_to_the_stand_in_reaches_the_real_srun_and_the_stand_in_dies_of_it(tmp_path):
+    """mpirun ending its srun with SIGTERM: the real srun gets it, and the stand-in ends by the same signal."""
+    marker = tmp_path / "got-term"
+    r = Relay(tmp_path, f"trap 'touch {marker}; kill $!; exit 143' TERM\nsleep 30 & wait\n")
+    p = r.standin(["srun", "orted"], tmp_path)
+    deadline = time.monotonic() + 20
+    while not r.relay.sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=30)
+    r.stop = True
+    assert marker.exists() and p.returncode in (143, -signal.SIGTERM)
+
+
+def test_a_restored_stand_in_is_asked_to_resend_and_keeps_its_token(tmp_path):
+    """After a restore the relay speaks first (resend); the request's token is kept, so the new step finds the
+    old step's images; the exit code then reaches the stand-in as before."""
+    r = Relay(tmp_path, 'echo "$SLURMCKPT_STEP_TOKEN" > token; exit 0\n')
+    ours, theirs = socket.socketpair()
+    r.relay.adopt(ours)
+    chan = Channel(theirs)
+    assert chan.recv()[0] == {"resend": True}
+    chan.send({"argv": ["srun", "orted"], "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path),
+               "token": "0123456789abcdef"}, [0, 1, 2, theirs.fileno()])
+    assert chan.recv()[0] == {"token": "0123456789abcdef"}
+    assert chan.recv()[0] == {"exit": 0}
+    r.stop = True
+    assert (tmp_path / "token").read_text() == "0123456789abcdef\n"
+    assert any("started again" in line for line in r.said)
+
+
+def test_requests_are_checked_and_their_fds_closed_when_refused(tmp_path):
+    """Four fds and well-typed argv, env and cwd, or a ProtocolError with every fd closed; a token that is
+    not 16 hex digits is replaced."""
+    good = {"argv": ["srun"], "env": {"A": "b"}, "cwd": "/"}
+    for bad in ({**good, "argv": []}, {**good, "argv": "srun"}, {**good, "env": {"A": 1}}, {**good, "cwd": 3}):
+        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
+        with pytest.raises(ProtocolError):
+            request_of(bad, fds)
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
+    with pytest.raises(ProtocolError):
+        request_of(good, fds)
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(4)]
+    assert re.fullmatch(r"[0-9a-f]{16}", request_of({**good, "token": "../../x"}, fds)[3])
+    for fd in fds:
+        os.close(fd)
+
+
+def test_another_user_cannot_have_the_relay_run_anything(tmp_path):
+    """A process of another uid that connects to the relay is closed on before a byte is read: nothing runs
+    and nothing is registered with the agent."""
+    assert os.geteuid() == 0, "run as root: the attacker is a forked child that drops to uid 65534"
+    r = Relay(tmp_path, f"touch {tmp_path}/ran\n")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + r.relay.name)
+            try:
+                Channel(s).send({"argv": ["srun"], "env": {}, "cwd": "/"}, [0, 1, 2, s.fileno()])
+                os._exit(0 if s.recv(1) == b"" else 1)      # closed on us, nothing answered
+            except (BrokenPipeError, ConnectionResetError):
+                os._exit(0)                                  # closed before the request was even sent
+        except BaseException:
+            os._exit(2)
+    _, raw = os.waitpid(pid, 0)
+    r.stop = True
+    assert os.waitstatus_to_exitcode(raw) == 0
+    time.sleep(0.2)
+    assert not (tmp_path / "ran").exists() and r.calls == []
+
+
+def test_a_stand_in_without_a_known_real_srun_says_so_and_never_runs_itself(tmp_path, monkeypatch):
+    """An srun the stand-in does not relay is the real one (exec); with no real srun known it exits with a
+    message instead of looking itself up in PATH again."""
+    with pytest.raises(SystemExit, match="the real srun is not known"):
+        exec_real(["srun", "x"], {RELAY: "n", "PATH": str(tmp_path)})
+    assert STEP_TOKEN == "SLURMCKPT_STEP_TOKEN"
