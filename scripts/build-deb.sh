@@ -45,18 +45,18 @@ install -D -m 0644 "$SPANK/proctrack_slurmckpt.so" "$STAGE/usr/lib/slurmckpt/pro
 install -D -m 0755 "$SPANK/slurmckpt-init" "$STAGE/usr/libexec/slurmckpt/slurmckpt-init"
 strip --strip-unneeded "$STAGE"/usr/lib/slurmckpt/*.so "$STAGE/usr/libexec/slurmckpt/slurmckpt-init"
 
-# 2. The Python package for /usr/bin/python3, and its three commands.
+# 2. The Python package for /usr/bin/python3, and its two commands.
 site=$STAGE/usr/lib/python3/dist-packages
 mkdir -p "$site"
 (cd "$REPO/src" && find slurmckpt -name '*.py' -print0 | xargs -0 -I{} install -D -m 0644 {} "$site/{}")
 mkdir -p "$STAGE/usr/bin"
-for cmd in "slurmckpt:slurmckpt.cli" "slurmckpt-wrap:slurmckpt.wrapper" "slurmckpt-srun:slurmckpt.srun_standin"; do
+for cmd in "slurmckpt:slurmckpt.cli" "slurmckpt-wrap:slurmckpt.wrapper"; do
   printf '#!/usr/bin/python3\nfrom %s import main\n\nmain()\n' "${cmd#*:}" >"$STAGE/usr/bin/${cmd%%:*}"
   chmod 0755 "$STAGE/usr/bin/${cmd%%:*}"
 done
 # the srun an MPI launcher in a batch step finds first (config srun_standin_dir; docs/mpi.md)
-mkdir -p "$STAGE/usr/libexec/slurmckpt/standin"
-ln -sfn /usr/bin/slurmckpt-srun "$STAGE/usr/libexec/slurmckpt/standin/srun"
+PYTHONPATH=$REPO/src /usr/bin/python3 -c 'import sys; from slurmckpt.srun_standin import install; install(*sys.argv[1:])' \
+  "$STAGE/usr/libexec/slurmckpt/standin" /usr/bin/python3 >/dev/null
 
 # 3. Man pages, built from the commands and the Config dataclass (one source).
 PYTHONPATH=$REPO/src /usr/bin/python3 -m slurmckpt.manpage "$OUT/man" >/dev/null

@@ -213,12 +213,13 @@ step_python() {
   chmod -R a+rX "$SLURMCKPT_PREFIX"
   ln -sfn "$SLURMCKPT_VENV/bin/slurmckpt" /usr/local/bin/slurmckpt
   if [ -f "$REPO/pyproject.toml" ]; then
-    local b; for b in slurmckpt slurmckpt-wrap slurmckpt-srun; do
+    local b; for b in slurmckpt slurmckpt-wrap; do
       [ -x "$SLURMCKPT_VENV/bin/$b" ] || die "$SLURMCKPT_VENV/bin/$b missing after pip install (pyproject.toml [project.scripts])"
     done
     # the srun an MPI launcher in a batch step finds first (config srun_standin_dir; docs/mpi.md)
-    install -d -m 0755 "$SLURMCKPT_VENV/libexec/slurmckpt/standin"
-    ln -sfn "$SLURMCKPT_VENV/bin/slurmckpt-srun" "$SLURMCKPT_VENV/libexec/slurmckpt/standin/srun"
+    "$SLURMCKPT_VENV/bin/python" -c 'import sys; from slurmckpt.srun_standin import install; install(*sys.argv[1:])' \
+      "$SLURMCKPT_VENV/libexec/slurmckpt/standin" "$SLURMCKPT_VENV/bin/python" >/dev/null \
+      || die "could not write the srun stand-in"
   fi
   step_done
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from slurmckpt.channel import Channel
 from slurmckpt.errors import ProtocolError
 from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay, request_of
-from slurmckpt.srun_standin import RELAY, exec_real
+from slurmckpt.srun_standin import REAL_SRUN, RELAY, exec_real, install
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -161,3 +162,24 @@ def test_a_stand_in_without_a_known_real_srun_says_so_and_never_runs_itself(tmp_
     with pytest.raises(SystemExit, match="the real srun is not known"):
         exec_real(["srun", "x"], {RELAY: "n", "PATH": str(tmp_path)})
     assert STEP_TOKEN == "SLURMCKPT_STEP_TOKEN"
+
+
+def test_the_installed_script_relays_only_under_an_mpi_launcher(tmp_path):
+    """The `srun` that install() writes: under a parent whose executable is named mpirun it starts the Python
+    stand-in, whose request reaches the relay (the relay's srun ran, its exit code came back); under any
+    other parent it execs the real srun directly, without the stand-in's variables."""
+    script = install(str(tmp_path / "standin"), sys.executable)
+    r = Relay(tmp_path, f"touch {tmp_path}/relayed; exit 5\n")
+    launcher = tmp_path / "mpirun"
+    shutil.copy("/bin/sh", launcher)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": SRC, RELAY: r.relay.name, REAL_SRUN: "/usr/bin/env"}
+    p = subprocess.run([str(launcher), "-c", f"{script} -N1 orted; echo rc=$?"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    r.stop = True
+    assert p.stdout == "rc=5\n" and (tmp_path / "relayed").exists(), p
+    p = subprocess.run(["/bin/bash", "-c", f"{script}; echo rc=$?"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.stdout.endswith("rc=0\n") and RELAY not in p.stdout and REAL_SRUN not in p.stdout, p
+    assert f"PATH={os.environ['PATH']}" in p.stdout          # /usr/bin/env ran, as the real srun
+    with pytest.raises(ValueError):
+        install(str(tmp_path / "x"), "python3; rm -rf /")
