@@ -4,6 +4,7 @@ is given array-task ids and another user's job. Each test asserts the effect tha
 from __future__ import annotations
 
 import json
+import pwd
 import re
 import sys
 import time
@@ -212,6 +213,77 @@ def test_another_user_cannot_join_drive_or_crash_a_jobs_coordinator() -> None:
         manifest = json.loads(next(STORE.glob(f"*/{job.id}/manifest.json")).read_text())
         assert all(e["reason"] == "interval" for e in manifest["epochs"]), manifest["epochs"]
         assert _coordinator_address(job.id)["port"] == address["port"], "the coordinator was restarted"
+    finally:
+        run("scancel", str(job.id), check=False)
+
+
+RELAY_ATTACK = r"""
+import json, os, socket, sys, time
+from slurmckpt.channel import Channel
+name, marker = sys.argv[1], sys.argv[2]
+out = {"uid": os.getuid()}
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    s.connect("\0" + name)
+    out["connected"] = True
+    mine, _ = socket.socketpair()
+    # a well-formed request, as the stand-in sends it: run `touch MARKER` as a step of the job, with our stdio
+    Channel(s).send({"argv": ["srun", "touch", marker], "env": {"PATH": "/usr/bin:/bin"}, "cwd": "/tmp"},
+                    [0, 1, 2, mine.fileno()])
+    t0 = time.monotonic()
+    try:
+        out["answer"] = s.recv(4096).decode(errors="replace") or "closed"
+    except ConnectionResetError:
+        out["answer"] = "closed"           # closed with our request unread
+    except OSError as e:
+        out["answer"] = type(e).__name__
+    out["seconds"] = round(time.monotonic() - t0, 2)
+except OSError as e:
+    out["connected"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def _relay_attack(node: str, user: str, name: str, marker: Path) -> dict:
+    attack = WORK_ROOT / user / "relay_attack.py"
+    attack.write_text(RELAY_ATTACK)
+    attack.chmod(0o644)
+    p = run("ip", "netns", "exec", node, "runuser", "-u", user, "--", PY, str(attack), name, str(marker),
+            timeout=60)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_another_user_cannot_have_a_jobs_srun_relay_run_a_step() -> None:
+    """The batch wrapper's srun relay (an abstract socket in the node's network namespace, which every user
+    there can reach) closes on a connection of another user before reading it: a well-formed request from
+    ckptuser2 gets no answer, runs no srun step and leaves the job checkpointing; the same request from the
+    job's own user does run its step (what the attack would have done)."""
+    wd = workdir("ckptuser1", "relay-attack")
+    job = submit("ckptuser1", wd, "#!/bin/bash\nsleep 400\n", "--checkpoint-interval=10s")
+    try:
+        job.wait_output(r"committed \(interval\)", timeout=120)
+        node = job_field(job.id, "BatchHost") or job_field(job.id, "NodeList")
+        name = f"slurmckpt-srun-{job.id}-{pwd.getpwnam('ckptuser1').pw_uid}"
+        listening = run("ip", "netns", "exec", node, "ss", "-Hxl").stdout
+        assert f"@{name}" in listening, f"no relay to attack: {listening}"
+        marker = wd / "relay-attack-marker"          # ckptuser1's directory: only a step of the job writes it
+        before = _commits(job)
+        out = _relay_attack(node, "ckptuser2", name, marker)
+        assert out["uid"] == pwd.getpwnam("ckptuser2").pw_uid
+        assert out["connected"] is True, out
+        assert out["answer"] == "closed", f"the relay answered another user: {out}"
+        assert out["seconds"] < 5, out
+        time.sleep(5)
+        assert not marker.exists(), "another user's request ran a step of the job"
+        steps = run("squeue", "-h", "-s", "-j", str(job.id), "-o", "%i").stdout.split()
+        assert not [s for s in steps if not s.endswith((".batch", ".extern"))], steps
+        job.wait_for(lambda: _commits(job) > before + 1, "an interval commit after the attack", timeout=90)
+        assert job.state() == "RUNNING"
+        # the control: the job's own user is served (its step runs), so the refusal above was the uid check
+        own = _relay_attack(node, "ckptuser1", name, marker)
+        assert own["connected"] is True and own["answer"] not in ("closed", "TimeoutError"), own
+        job.wait_for(marker.exists, "the job's own user's srun step", timeout=60)
     finally:
         run("scancel", str(job.id), check=False)
 
