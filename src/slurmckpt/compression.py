@@ -8,9 +8,9 @@ an xxh3 over its stored bytes, checked as they are read back.
 from __future__ import annotations
 
 import os
+import queue
 import struct
 import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
@@ -26,18 +26,35 @@ PROBE = 4 << 20           # bytes of a file compressed on trial before deciding 
 WORTH_IT = 0.97           # a file is compressed only if the trial saves at least 3 %
 
 
+class Hole(int):
+    """So many zero bytes, written as a hole (unpacking into staging: nothing to copy, nothing for CRIU to
+    read back but the kernel's zero page)."""
+
+
 class Sink:
     """A write-only file object over an fd: every byte written in full (durable.write_all), counted and
-    hashed (xxh3, what the rank manifest records for the stored file)."""
+    hashed (xxh3, what the rank manifest records for the stored file; `hashed=False` where nothing reads
+    the hash, as when unpacking: there the stored bytes are what is checked). Takes bytes, a list of
+    parts (a raw frame's blocks, written without joining them) or a Hole; whoever writes holes truncates
+    the file to `size` at the end."""
 
-    def __init__(self, fd: int, name: str = "") -> None:
+    def __init__(self, fd: int, name: str = "", hashed: bool = True) -> None:
         self.fd, self.name = fd, name
-        self.hash = xxhash.xxh3_64()
+        self.hash = xxhash.xxh3_64() if hashed else None
         self.size = 0
 
-    def write(self, data: bytes | memoryview) -> int:
+    def write(self, data: bytes | memoryview | list | Hole) -> int:
+        if isinstance(data, Hole):
+            os.lseek(self.fd, data, os.SEEK_CUR)
+            if self.hash is not None:
+                self.hash.update(bytes(data))
+            self.size += data
+            return data
+        if isinstance(data, list):
+            return sum(self.write(part) for part in data)
         n = write_all(self.fd, data, self.name)
-        self.hash.update(data)
+        if self.hash is not None:
+            self.hash.update(data)
         self.size += n
         return n
 
@@ -45,6 +62,7 @@ class Sink:
         pass
 
     def digest(self) -> str:
+        assert self.hash is not None, "an unhashed sink has no digest"
         return self.hash.hexdigest()
 
 
@@ -58,9 +76,13 @@ class Source:
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
+        self.account(data)
+        return data
+
+    def account(self, data: bytes) -> None:
+        """Hash bytes read from `f` directly (a decoder does it off its reading thread, in order)."""
         self.hash.update(data)
         self.size += len(data)
-        return data
 
     def digest(self) -> str:
         return self.hash.hexdigest()
@@ -114,8 +136,11 @@ class Zstd:
         import zstandard
         local = threading.local()
 
-        def unpack(item: tuple[bytes, int]) -> bytes:
-            frame, raw = item
+        def unpack(item: tuple[bytes, bytes, int]) -> tuple[tuple[bytes, bytes], bytes | list | Hole]:
+            head, frame, raw = item
+            blocks = raw_blocks(frame, raw)
+            if blocks is not None:
+                return (head, frame), blocks        # written as they are stored: no copy
             if not hasattr(local, "dctx"):
                 local.dctx = zstandard.ZstdDecompressor()
             try:
@@ -124,8 +149,21 @@ class Zstd:
                 raise ValueError(f"zstd: {e}") from e
             if len(out) != raw:
                 raise ValueError(f"a frame unpacks to {len(out)} bytes, its index says {raw}")
-            return out
-        _in_order(min(os.cpu_count() or 1, MAX_UNPACKERS), _frames(src), unpack, sink.write)
+            if len(frame) * ZERO_RATIO < raw and out == bytes(raw):
+                return (head, frame), Hole(raw)     # zero pages: a hole in the unpacked file
+            return (head, frame), out
+
+        # A Source's hash (xxh3, holding the GIL) is taken by the writer thread, not the reading one.
+        account = src.account if isinstance(src, Source) else None
+
+        def write(done: tuple[tuple[bytes, bytes], bytes | list | Hole]) -> None:
+            stored, result = done
+            if account is not None:
+                for part in stored:
+                    account(part)
+            sink.write(result)
+        reader = src.f if account is not None else src
+        _in_order(min(os.cpu_count() or 1, MAX_UNPACKERS), _frames(reader), unpack, write)
 
     def compressible(self, sample: bytes) -> bool:
         """Whether compressing is worth its CPU: random pages (encrypted data, noise) are stored raw."""
@@ -138,6 +176,7 @@ class Zstd:
 FRAME = 8 << 20                  # raw bytes per independent frame
 KEEP = 0.8                       # a frame stays compressed only if it saves 20 %
 MAX_UNPACKERS = 16               # threads unpacking one file (each holds two frames in flight)
+ZERO_RATIO = 64                  # a frame packed this much smaller may be all zeros: checked, then a hole
 _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE = 0x184D2A5E          # RFC 8878: a skippable frame, ignored by every zstd decoder
 _INDEX = struct.Struct("<4sQQ")  # b"SCK1", stored bytes of the next frame, raw bytes it unpacks to
@@ -155,11 +194,33 @@ def raw_frame(data: bytes) -> bytes:
     return b"".join(out)
 
 
+def raw_blocks(frame: bytes, raw: int) -> list[memoryview] | None:
+    """The data of a frame that `raw_frame` wrote, as views of its raw blocks; None for any other frame
+    (zstd then decodes it, and rejects it if it is malformed)."""
+    head = struct.calcsize("<IBQ")
+    if len(frame) < head or struct.unpack_from("<IBQ", frame) != (_ZSTD_MAGIC, 0xE0, raw):
+        return None
+    view, pos, parts = memoryview(frame), head, []
+    while pos + 3 <= len(frame):
+        header = int.from_bytes(view[pos:pos + 3], "little")
+        size, last = header >> 3, header & 1
+        if (header >> 1) & 3 != 0 or pos + 3 + size > len(frame):
+            return None                     # not a raw block, or cut short
+        parts.append(view[pos + 3:pos + 3 + size])
+        pos += 3 + size
+        if last:
+            break
+    if pos != len(frame) or sum(len(p) for p in parts) != raw:
+        return None
+    return parts
+
+
 def _index(stored: int, raw: int) -> bytes:
     return _HEAD.pack(_SKIPPABLE, _INDEX.size) + _INDEX.pack(b"SCK1", stored, raw)
 
 
-def _frames(src: BinaryIO) -> Iterator[tuple[bytes, int]]:
+def _frames(src: BinaryIO) -> Iterator[tuple[bytes, bytes, int]]:
+    """(index bytes, frame bytes, raw size) of each frame, as stored."""
     def exact(n: int) -> bytes:
         data = src.read(n)
         if len(data) != n:
@@ -171,23 +232,41 @@ def _frames(src: BinaryIO) -> Iterator[tuple[bytes, int]]:
         magic, length = _HEAD.unpack(head)
         if magic != _SKIPPABLE or length != _INDEX.size:
             raise ValueError("no frame index where one belongs")
-        tag, stored, raw = _INDEX.unpack(exact(length))
+        index = exact(length)
+        tag, stored, raw = _INDEX.unpack(index)
         if tag != b"SCK1" or raw > FRAME or stored > FRAME + FRAME // 64 + 1024:
             raise ValueError("bad frame index")
-        yield exact(stored), raw
+        yield head + index, exact(stored), raw
 
 
 def _in_order(workers: int, items: Iterable[T], work: Callable[[T], bytes], out: Callable[[bytes], object]) -> None:
-    """`work` over `items` on `workers` threads (zstd releases the GIL), results written in order; at most
-    2 x workers items in flight."""
+    """`work` over `items` on `workers` threads (zstd releases the GIL), results handed to `out` in order by
+    a writer thread: reading the next items (this thread), working on them and writing earlier results
+    overlap, so a restore costs about its slowest side, not the read plus the write. At most 2 x workers
+    items are in flight. The first failure (of `items`, `work` or `out`) is raised once the writer stops."""
+    done: queue.Queue = queue.Queue(maxsize=2 * max(1, workers))
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        while (result := done.get()) is not None:
+            if not failed:
+                try:
+                    out(result.result())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                    failed.append(e)
+    writer = threading.Thread(target=write, name="slurmckpt-write", daemon=True)
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.submit(work, item))
-            if len(pending) >= 2 * workers:
-                out(pending.popleft().result())
-        while pending:
-            out(pending.popleft().result())
+        writer.start()
+        try:
+            for item in items:
+                if failed:
+                    break
+                done.put(pool.submit(work, item))
+        finally:
+            done.put(None)
+            writer.join()
+    if failed:
+        raise failed[0]
 
 
 PLAIN = Plain()

@@ -170,7 +170,7 @@ def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -
 def _unpack(path: Path, dst: Path, codec: Plain | Zstd, want: dict, name: str, who: dict) -> None:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        sink = Sink(fd, str(dst))
+        sink = Sink(fd, str(dst), hashed=False)
         with open(path, "rb") as f:
             source = Source(f)
             try:
@@ -178,6 +178,7 @@ def _unpack(path: Path, dst: Path, codec: Plain | Zstd, want: dict, name: str, w
             except ValueError as e:
                 raise StorageError(f"image file {name} corrupt ({e})", **who) from e
             _drop_cache(f.fileno())
+        os.ftruncate(fd, sink.size)          # a hole at the end (zero pages) still counts
     finally:
         os.close(fd)
     if source.size != want["size"] or source.digest() != want["xxh3"]:

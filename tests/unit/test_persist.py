@@ -235,27 +235,53 @@ def test_a_failed_periodic_persist_leaves_the_epoch_uncommitted_and_staging_clea
     assert settled(staging) == []
 
 
-def test_stored_files_are_standard_zstd_with_raw_frames_where_compressing_saves_little():
+def test_stored_files_are_standard_zstd_with_raw_frames_where_compressing_saves_little(tmp_path):
     """Frames of FRAME bytes each: compressible ones zstd-compressed, incompressible ones as zstd raw blocks;
-    any zstd decoder reads the whole file (the index frames are skippable), ours in order on many threads."""
+    any zstd decoder reads the whole file (the index frames are skippable), ours in order on many threads,
+    into a file equal to the original where the zero frame is a hole (no blocks allocated for it)."""
     import io
 
     import zstandard
     chunk = compression.FRAME
-    data = bytes(chunk) + os.urandom(chunk) + b"log line %d\n" * (chunk // 12) + os.urandom(123)
+    data = bytes(chunk) + os.urandom(chunk) + (b"log line %d\n" * chunk)[:chunk] + bytes(chunk) + os.urandom(123)
     class Memory(io.BytesIO):
         def digest(self):
             return ""
     sink = Memory()
     Zstd(1, 2).encode(io.BytesIO(data), sink, len(data))
     stored = sink.getvalue()
-    assert chunk + 123 < len(stored) < len(data) // 2 + 4096      # the random frames are stored raw
+    assert chunk + 123 < len(stored) < len(data) // 3 + 4096      # the random frames are stored raw
     standard = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=True).read()
     assert standard == data
-    back = Memory()
+    out = tmp_path / "unpacked"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+    back = compression.Sink(fd, str(out), hashed=False)
     Zstd().decode(io.BytesIO(stored), back)
-    assert back.getvalue() == data
+    os.ftruncate(fd, back.size)
+    os.close(fd)
+    assert back.size == len(data) and out.read_bytes() == data
+    assert os.stat(out).st_blocks * 512 <= 2 * chunk + (1 << 20)        # both zero frames are holes
     assert compression.raw_frame(b"abc")[4] == 0xE0
+
+
+def test_a_raw_frame_is_read_in_place_and_a_damaged_one_goes_to_zstd_which_refuses_it():
+    """A frame `raw_frame` wrote comes back as views of its blocks; one whose block type, length or size
+    disagrees is not taken as raw, and zstd's decoder then rejects it."""
+    import io
+    data = os.urandom(300 << 10)
+    frame = compression.raw_frame(data)
+    assert b"".join(compression.raw_blocks(frame, len(data))) == data
+    assert compression.raw_blocks(frame, len(data) + 1) is None
+    assert compression.raw_blocks(frame[:-1], len(data)) is None
+    bad = bytearray(frame)
+    bad[13] |= 0b010                                  # the first block claims RLE
+    assert compression.raw_blocks(bytes(bad), len(data)) is None
+    stored = compression._index(len(bad), len(data)) + bytes(bad)
+    class Memory(io.BytesIO):
+        def digest(self):
+            return ""
+    with pytest.raises(ValueError):
+        Zstd().decode(io.BytesIO(stored), Memory())
 
 
 def test_raw_files_are_linked_after_an_in_place_check_and_a_damaged_one_is_refused(store, tmp_path, monkeypatch):
