@@ -126,6 +126,9 @@ net_up() {
     ip -n "$ns" addr replace "$NET_PREFIX.$i/24" dev eth0
     ip -n "$ns" link set eth0 up
     # No default route: a node reaches only 10.77.0.0/24 and its own loopback.
+    # Node names resolve as on a real cluster (MPICH's hydra proxies connect back to mpiexec by name).
+    grep -qE "^$NET_PREFIX\.$i[[:space:]]+$ns([[:space:]]|\$)" /etc/hosts ||
+      echo "$NET_PREFIX.$i $ns    # slurmckpt test cluster (scripts/cluster.sh)" >> /etc/hosts
   done
 }
 

@@ -89,6 +89,34 @@ def test_mpirun_starting_orted_through_srun_across_two_nodes_requeued_twice_equa
     assert orted_log(job).count("step 0 takes the name 1") == 2, job.agent_log_tails()
 
 
+@pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich",
+                      launcher="mpiexec.hydra in sbatch (proxies via srun)", nodes=2)
+def test_mpich_mpiexec_starting_its_proxies_through_srun_across_two_nodes_requeued_twice() -> None:
+    """MPICH's mpiexec (hydra) in a two-node batch step starts its hydra_pmi_proxy daemons with srun (its
+    Slurm bootstrap), and the ranks under them: that srun is the stand-in, so the batch step (mpiexec)
+    and the proxies' step are captured at one cut. Requeued twice mid-run: the restored stand-in has its
+    srun run again, whose step restores the proxies and ranks; every step is printed exactly once, the
+    ring's checksum equals an uninterrupted run's and mpiexec exits 0."""
+    wd = build("mpich-hydra", "mpicc.mpich")
+    out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
+    ref = [l for l in out.splitlines() if l.startswith("final ")]
+    assert ref, out
+    # UCX_TLS: the test cluster's nodes share one kernel, which UCX takes for one host (shared memory)
+    job = submit(USER, wd, "#!/bin/bash\nexport UCX_TLS=tcp,self\nmpiexec.hydra -n 2 ./mpi_ring 300 100\n"
+                           "echo mpiexec exit $?\n",
+                 "-J", "mpich-hydra", "-n2", "-N2", "-w", "node1,node2", "--checkpoint-interval=10s")
+    for restart in (1, 2):
+        requeue_after_a_commit(job, 3)
+        job.wait_output(r"batch\.0\]: restored from checkpoint epoch", restart, timeout=240)
+        job.wait_output(r"srun of the restored MPI launcher started again", restart, timeout=60)
+    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
+    steps, result = ring_lines(job)
+    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
+    assert result == ref, (result, ref)
+    assert job.text().count("mpiexec exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
+    assert job.restarts() == 2
+
+
 def requeue_after_a_commit(job: Job, ranks: int) -> None:
     """Requeue once the job's next periodic capture of `ranks` ranks committed, before the ring ended."""
     pattern = rf"committed \(interval\): {ranks} rank"
