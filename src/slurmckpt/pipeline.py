@@ -210,7 +210,13 @@ class RankPipeline:
         again; the previous commit stays the one restored."""
         self.killed_for = f"a process lost its GPU state in epoch {epoch}"
         log.error("killing the task's tree: %s", self.killed_for, extra={"step": self.step, "rank": self.rank})
-        self.cgroup.kill_all()
+        try:
+            self.cgroup.kill_all()
+        except OSError as e:     # still never captured again: killed_for is set
+            log.error("killing the task's tree failed: %s", e, extra={"step": self.step, "rank": self.rank})
+            return (f"killing the task failed ({e.strerror or e}): it cannot run on correctly without its GPU "
+                    "state and is never captured again; cancel the job (scancel); the previous checkpoint "
+                    "stays the one restored (scontrol requeue restores it)")
         return ("the task was killed: it cannot run on without its GPU state; the previous checkpoint stays "
                 "the one restored (scontrol requeue restores it)")
 

@@ -180,6 +180,33 @@ def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_cap
     assert not isinstance(e.value, TaskEnded)       # a killed tree is news to the user, unlike an ended one
 
 
+def test_a_tree_without_gpu_state_that_cannot_be_killed_is_named_so_and_never_captured_again(
+        tmp_path: Path) -> None:
+    """The kill of such a tree fails itself (the cgroup's kill file cannot be written): the rollback's error
+    says that the kill failed and what to do, not a bare OSError, and later captures are still refused."""
+    p, j, _ = make(tmp_path)
+    child = subprocess.Popen(["sleep", "60"])
+    p.cgroup.members, p.root_pid = [child.pid], child.pid
+
+    def lost() -> None:
+        raise GpuRollbackError("GPU rollback failed", {child.pid: "NO_CUDA"})
+
+    def refused() -> None:
+        raise PermissionError(13, "Permission denied")
+    p.gpu.resume, p.cgroup.kill_all = lost, refused
+    p.prepare(1)
+    p.capture(1, final=False)
+    try:
+        with pytest.raises(CaptureError) as e:
+            p.resume(1)
+        assert "killing the task failed (Permission denied)" in str(e.value) and "scancel" in str(e.value)
+        with pytest.raises(CaptureError, match="nothing to capture: the task's tree was killed"):
+            p.prepare(2)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_tree_that_ended_is_typed_ended_before_anything_is_touched(tmp_path: Path) -> None:
     """The program exited (its rank is leaving the job): SIZE and PREPARE raise TaskEnded, whose periodic
     abort the ranks keep to themselves, and nothing was locked or frozen."""
