@@ -97,24 +97,12 @@ def test_mpich_mpiexec_starting_its_proxies_through_srun_across_two_nodes_requeu
     and the proxies' step are captured at one cut. Requeued twice mid-run: the restored stand-in has its
     srun run again, whose step restores the proxies and ranks; every step is printed exactly once, the
     ring's checksum equals an uninterrupted run's and mpiexec exits 0."""
-    wd = build("mpich-hydra", "mpicc.mpich")
-    out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
-    ref = [l for l in out.splitlines() if l.startswith("final ")]
-    assert ref, out
     # UCX_TLS: the test cluster's nodes share one kernel, which UCX takes for one host (shared memory)
-    job = submit(USER, wd, "#!/bin/bash\nexport UCX_TLS=tcp,self\nmpiexec.hydra -n 2 ./mpi_ring 300 100\n"
-                           "echo mpiexec exit $?\n",
-                 "-J", "mpich-hydra", "-n2", "-N2", "-w", "node1,node2", "--checkpoint-interval=10s")
-    for restart in (1, 2):
-        requeue_after_a_commit(job, 3)
-        job.wait_output(r"batch\.0\]: restored from checkpoint epoch", restart, timeout=240)
-        job.wait_output(r"srun of the restored MPI launcher started again", restart, timeout=60)
-    assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
-    steps, result = ring_lines(job)
-    assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
-    assert result == ref, (result, ref)
+    job = mpich_ring_requeued_twice(
+        "mpich-hydra", "export UCX_TLS=tcp,self\nmpiexec.hydra -n 2 ./mpi_ring 300 100\necho mpiexec exit $?\n",
+        (r"batch\.0\]: restored from checkpoint epoch", r"srun of the restored MPI launcher started again"),
+        "-n2", "-N2", "-w", "node1,node2")
     assert job.text().count("mpiexec exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
-    assert job.restarts() == 2
 
 
 def requeue_after_a_commit(job: Job, ranks: int) -> None:
@@ -142,27 +130,33 @@ def wait_for(done, timeout_s: float, what: str, job: Job) -> None:
         time.sleep(1)
 
 
-def mpich_ring_requeued_twice(name: str, srun_opts: str, *placement: str):
-    """The MPICH ring under `srun --mpi=pmi2 SRUN_OPTS` in a job placed by `placement` (sbatch options),
-    requeued after a periodic capture (batch + 2 ranks) of each of its first two starts; returns the finished
-    job after checking that every step printed once, in order, and the checksum equals an uninterrupted
-    run's."""
+def mpich_ring_requeued_twice(name: str, script: str, restored: tuple[str, ...], *placement: str):
+    """The MPICH ring run by `script` (the batch script after its #! line) in a job placed by `placement`
+    (sbatch options), requeued after a periodic capture (batch + 2 ranks) of each of its first two starts,
+    each restart awaited by the `restored` output patterns in turn; returns the finished job after checking
+    that every step printed once, in order, and the checksum equals an uninterrupted run's."""
     wd = build(name, "mpicc.mpich")
     out = run("mpiexec.mpich", "-n", "2", "./mpi_ring", "300", "0", user=USER, cwd=wd, timeout=300).stdout
     ref = [l for l in out.splitlines() if l.startswith("final ")]
     assert ref, out
-    job = submit(USER, wd, f"#!/bin/bash\nsrun --mpi=pmi2 {srun_opts} ./mpi_ring 300 100\necho srun exit $?\n",
-                 "-J", name, *placement, "--checkpoint-interval=10s")
+    job = submit(USER, wd, f"#!/bin/bash\n{script}", "-J", name, *placement, "--checkpoint-interval=10s")
     for restart in (1, 2):
         requeue_after_a_commit(job, 3)
-        job.wait_output(r"0\.1\]: restored from checkpoint epoch", restart, timeout=240)
-        job.wait_output(r"0\.0\]: restored from checkpoint epoch", restart, timeout=60)
+        for i, pattern in enumerate(restored):
+            job.wait_output(pattern, restart, timeout=240 if i == 0 else 60)
     assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
     steps, result = ring_lines(job)
     assert steps == list(range(1, 301)), f"steps not printed exactly once in order: {steps[:5]}...{steps[-5:]}"
     assert result == ref, (result, ref)
     assert job.restarts() == 2
     return job
+
+
+def srun_pmi2(opts: str) -> str:
+    return f"srun --mpi=pmi2 {opts} ./mpi_ring 300 100\necho srun exit $?\n"
+
+
+RANKS_RESTORED = (r"0\.1\]: restored from checkpoint epoch", r"0\.0\]: restored from checkpoint epoch")
 
 
 @pytest.mark.coverage(program="MPI ring (C, 2 ranks)", package="mpich", launcher="srun --mpi=pmi2", nodes=1)
@@ -174,7 +168,7 @@ def test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run(
     exactly once (no restart from step 0), MPI_Finalize's PMI barrier and finalize succeed against the new
     slurmstepd (srun exits 0), and the ring's checksum equals an uninterrupted run's (mpiexec, outside
     Slurm)."""
-    job = mpich_ring_requeued_twice("mpich-srun", "-n2", "-n2", "-N1", "-w", "node1")
+    job = mpich_ring_requeued_twice("mpich-srun", srun_pmi2("-n2"), RANKS_RESTORED, "-n2", "-N1", "-w", "node1")
     assert job.text().count("srun exit 0") == 1 and "PMI" not in job.text(), job.text()[-3000:]
 
 
@@ -184,7 +178,8 @@ def test_mpich_srun_pmi2_across_two_nodes_requeued_twice_equals_an_uninterrupted
     both ends are frozen at the barrier and captured, and after each requeue (Slurm places the job on the
     same nodes) each end is restored on its node and held until the other is back. Every step is printed
     exactly once and the ring's checksum equals an uninterrupted run's."""
-    job = mpich_ring_requeued_twice("mpich-2n", "-N2 -n2", "-N2", "-n2", "-w", "node1,node2")
+    job = mpich_ring_requeued_twice("mpich-2n", srun_pmi2("-N2 -n2"), RANKS_RESTORED, "-N2", "-n2", "-w",
+                                    "node1,node2")
     assert job.text().count("srun exit 0") == 1 and "ABORTED" not in job.text(), job.text()[-3000:]
 
 
