@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src PYTHONDONTWRITEBYTECODE=1
 if [ -x /usr/local/sbin/criu ]; then export SLURMCKPT_CRIU=/usr/local/sbin/criu   # device_setup.sh's
 else export SLURMCKPT_CRIU=$PWD/.carry/criu/criu; fi
-W=/var/tmp/slurmckpt-gpu
+W=${GPU_WORK:-/var/tmp/slurmckpt-gpu}   # where images go (a tmpfs to compare)
 criu() { LD_LIBRARY_PATH=$PWD/.carry/criu "$SLURMCKPT_CRIU" "$@"; }
 for phase in "$@"; do
   name=${phase%%:*}; rest=${phase#bench:}; [[ $name == bench ]] && name=bench-${rest%%:*} && name=${name//,/_}
