@@ -227,20 +227,22 @@ s.settimeout(10)
 try:
     s.connect("\0" + name)
     out["connected"] = True
+except OSError as e:
+    out["connected"] = str(e)
+if out["connected"] is True:
     mine, _ = socket.socketpair()
-    # a well-formed request, as the stand-in sends it: run `touch MARKER` as a step of the job, with our stdio
-    Channel(s).send({"argv": ["srun", "touch", marker], "env": {"PATH": "/usr/bin:/bin"}, "cwd": "/tmp"},
-                    [0, 1, 2, mine.fileno()])
     t0 = time.monotonic()
     try:
+        # a well-formed request, as the stand-in sends it: run `touch MARKER` as a step of the job, with our
+        # stdio; a relay that closes first makes the send fail (EPIPE), one that closes after it the recv
+        Channel(s).send({"argv": ["srun", "touch", marker], "env": {"PATH": "/usr/bin:/bin"}, "cwd": "/tmp"},
+                        [0, 1, 2, mine.fileno()])
         out["answer"] = s.recv(4096).decode(errors="replace") or "closed"
-    except ConnectionResetError:
-        out["answer"] = "closed"           # closed with our request unread
+    except (BrokenPipeError, ConnectionResetError):
+        out["answer"] = "closed"
     except OSError as e:
         out["answer"] = type(e).__name__
     out["seconds"] = round(time.monotonic() - t0, 2)
-except OSError as e:
-    out["connected"] = str(e)
 print(json.dumps(out))
 """
 
