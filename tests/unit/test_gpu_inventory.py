@@ -95,11 +95,27 @@ def test_doctor_shows_the_inventory_on_a_gpu_node_and_nothing_elsewhere(tmp_path
     nvml = FakeNvml([FakeNvmlGpu(A), FakeNvmlGpu(B, mig=1)])
     assert doctor_checks(ctl, lambda: NvmlInventory(nvml)) == []          # no driver device: no GPU lines
     ctl.touch()
-    (ok, what, detail), gpu0, gpu1 = doctor_checks(ctl, lambda: NvmlInventory(nvml))
+    thp = tmp_path / "enabled"
+    thp.write_text("always [madvise] never\n")
+    (ok, what, detail), gpu0, gpu1, huge = doctor_checks(ctl, lambda: NvmlInventory(nvml), thp)
     assert ok and what == "NVIDIA driver" and detail == "NVIDIA driver 580.159.04, CUDA 13.0, 2 GPU(s)"
     assert gpu0[0] and gpu0[1] == "GPU 0" and A in gpu0[2]
     assert not gpu1[0] and "MIG GPUs cannot be checkpointed" in gpu1[2]
+    assert huge[0] is None and huge[1] == "transparent huge pages" and huge[2].startswith("madvise (")
     old = FakeNvml([FakeNvmlGpu(A)], driver_version="550.54.15")
-    assert doctor_checks(ctl, lambda: NvmlInventory(old))[0][0] is False
-    (failed,) = doctor_checks(ctl, lambda: NvmlInventory(FakeNvml([], init_error=12)))
+    assert doctor_checks(ctl, lambda: NvmlInventory(old), thp)[0][0] is False
+    (failed,) = doctor_checks(ctl, lambda: NvmlInventory(FakeNvml([], init_error=12)), thp)
     assert failed[0] is False and "NVML" in failed[2]
+
+
+def test_the_transparent_huge_page_mode_is_read_from_the_bracketed_word(tmp_path):
+    """THP `always` is an ok line, any other mode or an unreadable file a warning (never a failure) that
+    points at the measured difference in docs/gpu.md."""
+    from slurmckpt.cuda.inventory import thp_check, thp_mode
+    f = tmp_path / "enabled"
+    f.write_text("[always] madvise never\n")
+    assert thp_mode(f) == "always" and thp_check(f) == (True, "transparent huge pages", f"always ({f})")
+    f.write_text("always madvise [never]\n")
+    ok, _, detail = thp_check(f)
+    assert ok is None and detail.startswith("never (") and "docs/gpu.md" in detail
+    assert thp_mode(tmp_path / "missing") is None and thp_check(tmp_path / "missing")[2].startswith("unknown (")

@@ -182,9 +182,34 @@ def load_inventory() -> NvmlInventory:
         return _loaded
 
 
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent-huge-page mode, the bracketed word of e.g. "always [madvise] never"."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None
+    return next((w[1:-1] for w in words if w.startswith("[") and w.endswith("]")), None)
+
+
+def thp_check(path: Path = THP_ENABLED) -> tuple[bool | None, str, str]:
+    """A warning unless THP is `always`: every stage of a GPU capture is a third faster with it (docs/gpu.md,
+    "Transparent huge pages on GPU nodes"); slurmckpt leaves that node-wide policy to the admin."""
+    mode = thp_mode(path)
+    if mode == "always":
+        return True, "transparent huge pages", f"always ({path})"
+    return None, "transparent huge pages", (f"{mode or 'unknown'} ({path}): GPU captures and restores are "
+                                            "about a third faster with `always` (docs/gpu.md, \"Transparent "
+                                            "huge pages on GPU nodes\")")
+
+
 def doctor_checks(device: Path = Path("/dev/nvidiactl"),
-                  inventory: Callable[[], GpuInventory] = load_inventory) -> list[tuple[bool, str, str]]:
-    """`slurmckpt doctor`'s GPU lines: (ok, what, detail). None on a node without the NVIDIA driver."""
+                  inventory: Callable[[], GpuInventory] = load_inventory,
+                  thp: Path = THP_ENABLED) -> list[tuple[bool | None, str, str]]:
+    """`slurmckpt doctor`'s GPU lines: (ok, what, detail), ok None for a warning. None on a node without the
+    NVIDIA driver."""
     if not device.exists():
         return []
     try:
@@ -197,4 +222,5 @@ def doctor_checks(device: Path = Path("/dev/nvidiactl"),
     for gpu, line in zip(inv.gpus, inv.describe()[1:]):
         out.append((not gpu.mig_enabled, f"GPU {gpu.index}", line + (" (MIG GPUs cannot be checkpointed)"
                                                                        if gpu.mig_enabled else "")))
+    out.append(thp_check(thp))
     return out
