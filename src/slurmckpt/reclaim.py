@@ -129,9 +129,9 @@ def _remove_job(store: JobStore, stale: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def collect_staging(staging: Staging, dry_run: bool = False) -> list[Removal]:
+def collect_staging(staging: Staging, dry_run: bool = False, now: float | None = None) -> list[Removal]:
     out = []
-    for area in staging.orphans():
+    for area in staging.orphans(now):
         out.append(Removal("staging", str(area), tree_bytes(area), "its agent is gone"))
         if not dry_run:
             shutil.rmtree(area, ignore_errors=True)

@@ -24,6 +24,7 @@ from slurmckpt.storage import rank_name, tree_bytes
 OWNER = ".owner"
 RESERVE = ".reserve"
 TRASH = ".trash-"
+MAKING_S = 60        # an area is made, then its .owner written: a younger area without one is being made
 
 
 def _start_time(pid: int) -> str | None:
@@ -111,14 +112,21 @@ class Staging:
             total += max(reserved, tree_bytes(area))
         return total
 
-    def orphans(self) -> list[Path]:
-        """Areas whose agent is gone (died, or its node rebooted), and trash not yet deleted."""
+    def orphans(self, now: float | None = None) -> list[Path]:
+        """Areas whose agent is gone (died, or its node rebooted), and trash not yet deleted. An area without
+        a readable .owner is one only once it is MAKING_S old: another agent may be between its mkdir and
+        the .owner write (taking it then failed that agent's restore)."""
+        now = time.time() if now is None else now
         found = [p for p in self.root.glob(TRASH + "*")] if self.root.is_dir() else []
         for area in self.areas():
             try:
                 owner = json.loads((area / OWNER).read_text())
             except (OSError, ValueError):
-                found.append(area)
+                try:
+                    if now - os.lstat(area).st_mtime > MAKING_S:
+                        found.append(area)
+                except FileNotFoundError:
+                    pass
                 continue
             if _start_time(int(owner.get("pid", 0))) != owner.get("start"):
                 found.append(area)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,24 @@ def test_staging_areas_of_dead_agents_are_orphans(tmp_path):
     assert [Path(r.path).parent.name for r in orphans] == ["c.6"]
     reclaim.collect_staging(staging)
     assert staging.areas() == [mine]
+
+
+def test_an_area_being_made_is_not_taken_for_an_orphan_until_it_is_old(tmp_path):
+    """Another agent's area between its mkdir and its .owner write (or with .owner still empty) is left
+    alone by the node's staging collection; the same area MAKING_S later, still without an owner, goes."""
+    from slurmckpt.staging import MAKING_S, OWNER
+    staging = Staging(tmp_path / "staging")
+    staging.ensure()
+    bare = staging.area("c", 7, "restore", 2, "0", 0)
+    bare.parent.mkdir(mode=0o700)
+    bare.mkdir(mode=0o700)
+    empty = staging.area("c", 7, "restore", 2, "0", 1)
+    empty.mkdir(mode=0o700)
+    (empty / OWNER).write_text("")
+    assert reclaim.collect_staging(staging) == [] and sorted(staging.areas()) == sorted([bare, empty])
+    later = time.time() + MAKING_S + 1
+    assert sorted(r.path for r in reclaim.collect_staging(staging, now=later)) == sorted([str(bare), str(empty)])
+    assert staging.areas() == []
 
 
 def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, monkeypatch):

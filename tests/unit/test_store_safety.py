@@ -167,7 +167,7 @@ def test_kill_9_at_every_step_of_a_capture_and_commit(fs, tmp_path):
         assert read_back(store, newest, tmp_path / "back") == images(newest)
         later = time.time() + 10 * reclaim.GRACE_S + 4000
         reclaim.collect_job(store, now=later, wait=True)
-        reclaim.collect_staging(staging)
+        reclaim.collect_staging(staging, now=later)
         assert leftovers(store_fs) == [] and staging.areas() == []
         assert sorted(p.name for p in store.job_dir.iterdir() if p.name.startswith("epoch-")) == \
             [f"epoch-{e:06d}" for e in sorted(committed_epochs(store))]
