@@ -9,7 +9,8 @@ process in its own PID namespace), on the same process in the same run:
   cold    = new python: import torch, torch.load(map_location="cuda") of the same state, one tick
 
 Cycles run in the order given by --order (default hand,ours,ours,hand). Images and state live on local disk
-(page cache warm for both restore kinds). Prints one JSON line per measurement and a summary table.
+(page cache warm for both restore kinds; --drop-caches empties the page cache before every restore and before
+the cold start, so both read from the disk). Prints one JSON line per measurement and a summary table.
 
     python3 benchmarks/gpu_checkpoint.py --sizes 1,8 --work /var/tmp/bench --out results.json
 """
@@ -60,7 +61,13 @@ class HandWired:
         self._ok("unlock", self.cu.cuCheckpointProcessUnlock(pid, None))
 
 
-def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver) -> dict:
+def drop_caches() -> None:
+    """Empty the page cache (after a sync) so that what is read next comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver, cold_cache: bool) -> dict:
     harness.fresh_dir(images)
     t0 = time.monotonic()
     if kind == "hand":
@@ -79,6 +86,8 @@ def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver)
     w.reap_after_dump()
     size = w.log.stat().st_size
     image_bytes = harness.du(images)
+    if cold_cache:
+        drop_caches()
     t3 = time.monotonic()
     pid, _ = harness.restore(images)
     t4 = time.monotonic()
@@ -113,7 +122,7 @@ def cold_start(state: Path, log: Path) -> dict:
 
 
 def bench_size(gib: float, order: list[str], work: Path, hand: HandWired, driver, skip_cold: bool,
-               first_size: float) -> dict:
+               first_size: float, cold_cache: bool = False) -> dict:
     ctl = harness.fresh_dir(work / "ctl")
     state = work / "state.pt"
     w = harness.Workload([sys.executable, str(REPO / "tests" / "gpu" / "workload_hold.py"), "--gib", str(gib),
@@ -135,7 +144,7 @@ def bench_size(gib: float, order: list[str], work: Path, hand: HandWired, driver
             os.kill(w.pid, signal.SIGCONT)
             print(json.dumps({"stopped_process_check": verdict, "s": round(time.monotonic() - t, 4)}), flush=True)
         for kind in order:
-            c = cycle(kind, w, work / "images", hand, driver)
+            c = cycle(kind, w, work / "images", hand, driver, cold_cache)
             out["cycles"].append(c)
             print(json.dumps({"gib": gib, **{k: round(v, 3) if isinstance(v, float) else v for k, v in c.items()}}),
                   flush=True)
@@ -161,6 +170,8 @@ def bench_size(gib: float, order: list[str], work: Path, hand: HandWired, driver
         finally:
             s.kill()
         out["state_bytes"] = state.stat().st_size
+        if cold_cache:
+            drop_caches()
         out.update(cold_start(state, work / f"cold-{gib:g}.log"))
         state.unlink()
         print(json.dumps({"gib": gib, "torch_save_s": out["torch_save_s"], "cold_to_running_s":
@@ -201,13 +212,16 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/var/tmp/slurmckpt-bench"))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--drop-caches", action="store_true", help="read images and state from the disk, not the cache")
     a = ap.parse_args()
     harness.set_subreaper()
     driver, hand = load_driver(), HandWired()
     results = []
+    print(json.dumps({"page_cache": "dropped before each restore and the cold start" if a.drop_caches else "warm"}),
+          flush=True)
     for gib in (float(s) for s in a.sizes.split(",")):
         results.append(bench_size(gib, a.order.split(","), harness.fresh_dir(a.work / f"{gib:g}"), hand, driver,
-                                  a.skip_cold, float(a.sizes.split(",")[0])))
+                                  a.skip_cold, float(a.sizes.split(",")[0]), a.drop_caches))
         shutil.rmtree(a.work / f"{gib:g}", ignore_errors=True)
         if a.out:
             a.out.write_text(json.dumps(results, indent=1))

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Runs the GPU proofs on the device machine (root). Usage: tests/gpu/run_device.sh PHASE...
 #   facts  - machine, driver, THP, disk, cgroup, criu check       probe - tests/gpu/probe_driver.py
-#   train  - tests/gpu/train_restore.py (proof a)                  bench:SIZES[:ORDER[:nocold]] - benchmarks/gpu_checkpoint.py
+#   train  - tests/gpu/train_restore.py (proof a)                  bench:SIZES[:ORDER[:FLAGS]] - benchmarks/gpu_checkpoint.py
+#     FLAGS, comma-separated: nocold (no cold start), dropcache (restores and the cold start read from disk)
 #   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
 #   nvml[:GIB] - tests/gpu/nvml_probe.py: NVML inventory, NVML bytes vs the driver's host copy, rates, JAX notes
 # Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
@@ -33,7 +34,8 @@ for phase in "$@"; do
           timeout 400 python3 tests/gpu/nvml_probe.py $W/nvml --gib "${gib:-8}" 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
-      [[ ${cold:-} == nocold ]] && extra=(--skip-cold)
+      [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)
+      [[ ,${cold:-}, == *,dropcache,* ]] && extra+=(--drop-caches)
       timeout 560 python3 benchmarks/gpu_checkpoint.py --sizes "$sizes" --order "${order:-hand,ours,ours,hand}" \
         --work $W/bench --out "$OUT/$name.json" "${extra[@]}" 2>&1 | tee -a "$log" ;;
   esac
