@@ -195,13 +195,13 @@ def thp_mode(path: Path = THP_ENABLED) -> str | None:
 
 
 def thp_check(path: Path = THP_ENABLED) -> tuple[bool | None, str, str]:
-    """A warning unless THP is `always`: every stage of a GPU capture is a third faster with it (docs/gpu.md,
+    """A warning unless THP is `always`: each stage of a GPU capture took 20-38 % less time with it (docs/gpu.md,
     "Transparent huge pages on GPU nodes"); slurmckpt leaves that node-wide policy to the admin."""
     mode = thp_mode(path)
     if mode == "always":
         return True, "transparent huge pages", f"always ({path})"
-    return None, "transparent huge pages", (f"{mode or 'unknown'} ({path}): GPU captures and restores are "
-                                            "about a third faster with `always` (docs/gpu.md, \"Transparent "
+    return None, "transparent huge pages", (f"{mode or 'unknown'} ({path}): GPU captures and restores take "
+                                            "20-38 % less time with `always` (docs/gpu.md, \"Transparent "
                                             "huge pages on GPU nodes\")")
 
 
