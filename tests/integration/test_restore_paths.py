@@ -1,10 +1,10 @@
-"""Restore never lets root CRIU follow a user's path (docs/security.md, "Restore: paths in an image").
+"""Restore never lets root CRIU follow a user's path (docs/security.md, "Restore: identities and paths").
 
 Each test is an attack by the job's user between a committed capture and the restore: the job is captured
 by `scontrol requeuehold` and held, the user swaps a path its workload had (tests/integration/workloads/
 pathhold.py) for a symlink to root's file or directory, and the job is released. Stock `criu restore` runs as
 root, re-resolves the path and checks only size and mode, which the swap keeps equal (asserted), so it would
-give the restored process root's file. Our CRIU (scripts/criu-patches/0002-restore-paths-as-task.patch)
+give the restored process root's file. Our CRIU (scripts/criu-patches/0002-restore-as-the-task.patch)
 resolves it as the task's user: the restore fails, slurmckpt says so in the job's output and starts the task
 from the beginning, and nothing of root's was opened, written or created."""
 from __future__ import annotations

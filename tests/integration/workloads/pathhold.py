@@ -7,6 +7,8 @@ every step, so a test can swap the path between capture and restore and see what
                 the fd), the fd closed; each step writes "tick" through the mapping
   --mode cwd    the process's working directory
   --mode unix   a unix stream socket bound and listening at a path
+  --mode inotify an inotify watch for files created in a directory; each step also prints the names
+                its events carried ("pathhold event NAME")
 
 Each step prints "pathhold step K holds <path>", the path being what the kernel names for the state now
 (/proc/self/fd, /proc/self/maps, getcwd, the socket's bound name). --state names a marker file: when it
@@ -19,11 +21,37 @@ import ctypes
 import mmap
 import os
 import socket
+import struct
 import sys
 import time
 
 
+IN_CREATE = 0x100
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _events(fd: int) -> str:
+    """The names the pending inotify events carry ("-" when none); each also printed as an event line."""
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return "watch"
+    names, off = [], 0
+    while off + 16 <= len(data):
+        _wd, _mask, _cookie, size = struct.unpack_from("iIII", data, off)
+        names.append(data[off + 16:off + 16 + size].rstrip(b"\0").decode(errors="replace"))
+        off += 16 + size
+    for name in names:
+        print(f"pathhold event {name}", flush=True)
+    return "watch"
+
+
 def held(mode: str, fd: int, mem: int, sock: socket.socket | None) -> str:
+    if mode == "inotify":
+        return _events(fd)
     if mode == "rdwr":
         os.pwrite(fd, b"tick", 0)
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -39,7 +67,7 @@ def held(mode: str, fd: int, mem: int, sock: socket.socket | None) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", required=True, choices=["rdwr", "mmap", "cwd", "unix"])
+    ap.add_argument("--mode", required=True, choices=["rdwr", "mmap", "cwd", "unix", "inotify"])
     ap.add_argument("--path", required=True)
     ap.add_argument("--state", required=True)
     ap.add_argument("--steps", type=int, default=240)
@@ -64,6 +92,10 @@ def main() -> int:
         os.close(fd)
     elif a.mode == "cwd":
         os.chdir(a.path)
+    elif a.mode == "inotify":
+        fd = _libc().inotify_init1(os.O_NONBLOCK)
+        if fd < 0 or _libc().inotify_add_watch(fd, os.fsencode(a.path), IN_CREATE) < 0:
+            raise OSError(ctypes.get_errno(), "inotify")
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(a.path)
