@@ -180,3 +180,18 @@ def submit(user: str, wd: Path, script: str, *options: str) -> Job:
     path.chmod(0o755)
     out = run("sbatch", "--parsable", *options, "job.sh", user=user, cwd=wd).stdout
     return Job(int(out.strip().split(";")[0]), wd, user)
+
+
+RESTORE_OUTCOME = r"restore of checkpoint epoch \d+ FAILED|restored from checkpoint epoch"
+
+
+def release_expect_fallback(job: Job, because: str) -> str:
+    """Release a held job whose restore must fail, be reported (`because` names the error) and fall back to
+    a fresh start. Returns the job's output."""
+    run("scontrol", "release", str(job.id))
+    job.wait_output(RESTORE_OUTCOME, timeout=180)
+    text = job.text()
+    assert "restored from checkpoint epoch" not in text, \
+        f"job {job.id}: the restore went through after the user's swap:\n{text[-3000:]}"
+    assert re.search(because, text), f"job {job.id}: the restore failed for another reason:\n{text[-3000:]}"
+    return text

@@ -17,14 +17,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.integration.slurmjob import Job, node, run, submit, workdir
+from tests.integration.slurmjob import RESTORE_OUTCOME, Job, node, release_expect_fallback, run, submit, workdir
 
 USER, OTHER = "ckptuser1", "ckptuser2"
 ROOT_DIR = Path("/var/lib/slurmckpt-test")
 NODE = "node2"
 NODE_GPU = "node1"          # a task with a GPU gets its own mount namespace (gres.conf: fake GPUs)
-FAILED = r"restore of checkpoint epoch \d+ FAILED"
-OUTCOME = FAILED + r"|restored from checkpoint epoch"
 PEERCRED = ("import socket, struct, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
             "print(*struct.unpack('3i', s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1:])")
 
@@ -59,16 +57,6 @@ def root_dir(name: str, mode: int) -> Path:
     return path
 
 
-def release_expect_fallback(job: Job, because: str) -> str:
-    run("scontrol", "release", str(job.id))
-    job.wait_output(OUTCOME, timeout=180)
-    text = job.text()
-    assert "restored from checkpoint epoch" not in text, \
-        f"job {job.id}: the restore went through after the user's swap:\n{text[-3000:]}"
-    assert re.search(because, text), f"job {job.id}: the restore failed for another reason:\n{text[-3000:]}"
-    return text
-
-
 # ---- sockets: SO_PEERCRED and the socket's owner --------------------------------------------------------
 def test_restored_unix_sockets_carry_the_job_users_identity_not_roots() -> None:
     """Before the capture another user's client sees the job's uid on its listening socket; after the
@@ -85,7 +73,7 @@ def test_restored_unix_sockets_carry_the_job_users_identity_not_roots() -> None:
         job.wait_output(r"peercred step \d+\n", count=len(re.findall(r"peercred step", job.text())) + 2,
                         timeout=30)
         job.requeue()
-        job.wait_output(OUTCOME, timeout=180)
+        job.wait_output(RESTORE_OUTCOME, timeout=180)
         assert "restored from checkpoint epoch" in job.text(), job.text()[-3000:]
         seen = listener_identity(wd / "listen.sock")
         assert seen == (pw.pw_uid, pw.pw_gid), f"another user's client sees uid/gid {seen} on the restored " \

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.integration.slurmjob import Job, node, run, submit, workdir
+from tests.integration.slurmjob import Job, node, release_expect_fallback, run, submit, workdir
 
 USER = "ckptuser1"
 ROOT_DIR = Path("/var/lib/slurmckpt-test")      # root's side of each attack
@@ -28,8 +28,6 @@ CRIU = "/usr/local/sbin/criu"
 # One node: a batch job restored on another node fails anyway (bash holds slurmd's spool copy of the
 # script, which exists only on the node that ran it), which would hide what these tests look at.
 NODE = "node3"                     # (slurmjob.node: node1 on a one-node cluster)
-FAILED = r"restore of checkpoint epoch \d+ FAILED"
-OUTCOME = FAILED + r"|restored from checkpoint epoch"
 
 
 def root_path(name: str, mode: int, size: int | None = None) -> Path:
@@ -89,18 +87,6 @@ def start_held(wd: Path, mode: str, path: str) -> Job:
 
 def as_user(script: str, cwd: Path) -> None:
     run("sh", "-euc", script, user=USER, cwd=cwd)
-
-
-def release_expect_fallback(job: Job, because: str) -> str:
-    """Release the held job: the restore must fail, be reported (`because` names the swapped path's
-    error), and the task start from the beginning."""
-    run("scontrol", "release", str(job.id))
-    job.wait_output(OUTCOME, timeout=180)
-    text = job.text()
-    assert "restored from checkpoint epoch" not in text, \
-        f"job {job.id}: the restore went through after the user's swap:\n{text[-3000:]}"
-    assert re.search(because, text), f"job {job.id}: the restore failed for another reason:\n{text[-3000:]}"
-    return text
 
 
 def finish(job: Job, root_thing: Path) -> None:
