@@ -17,7 +17,7 @@
 #   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
 #   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
-#   make docker-slurm      no root needed with Docker: the container cluster of docker-slurm/ built and started,
+#   make docker-slurm      no root needed with Docker: the container test cluster of docker-slurm/ built and started,
 #                          the demo run in it (a job restored on the other node); make docker-slurm-down stops
 #                          it (docker-slurm/cluster.sh, docs/docker-slurm.md)
 #   make status | stop     cluster status / stop every daemon of the test cluster

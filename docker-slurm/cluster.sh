@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# docker-slurm: build, start and drive the container cluster of docker-compose.yml (docs/docker-slurm.md).
+# docker-slurm: build, start and drive the container TEST cluster of docker-compose.yml (docs/docker-slurm.md).
+# Test and demo only, never a deployment: its compute nodes are privileged containers.
 #
 #   docker-slurm/cluster.sh CMD...      the commands in the order given:
 #     build     base image (debootstrap'ed Debian 12), CRIU binary, the cluster's image
@@ -204,7 +205,9 @@ cmd_up() {
   for ((i = 0; i < WAIT_NODES_S; i++)); do
     states=$(in_ctld sinfo -h -N -o '%N %T' 2>/dev/null | sort -u | tr '\n' ' ' || true)
     if [[ "$states" =~ c1\ idle ]] && [[ "$states" =~ c2\ idle ]]; then
-      log "cluster up in $(( $(date +%s) - t0 )) s: $states"; return 0
+      log "cluster up in $(( $(date +%s) - t0 )) s: $states"
+      log "a TEST cluster: its compute nodes are privileged containers (root in them is root on this host)"
+      return 0
     fi
     sleep 1
   done

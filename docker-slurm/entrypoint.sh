@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Entry point of the docker-slurm image (run under tini): one role per container.
+# Entry point of the docker-slurm image (run under tini): one role per container. A test cluster only
+# (docs/docker-slurm.md): never a deployment.
 #
 #   slurmdbd     MariaDB (data in a volume) + slurmdbd
 #   slurmctld    registers the cluster with slurmdbd, then slurmctld
@@ -47,6 +48,10 @@ role_slurmdbd() {
   mariadbd --user=mysql --datadir=/var/lib/mysql --skip-networking \
     --innodb-buffer-pool-size=256M --innodb-lock-wait-timeout=900 &
   wait_until 60 "MariaDB to answer" mariadb -e 'SELECT 1'
+  # slurmdbd runs as the slurm user, which logs in over the socket as itself (no password anywhere)
+  mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED VIA unix_socket;
+              GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';" || die "creating MariaDB's user slurm failed"
+  install -d -o slurm -g slurm -m 0755 /run/slurmdbd
   exec slurmdbd -D
 }
 
@@ -56,7 +61,7 @@ role_slurmctld() {
   if ! sacctmgr -n -P list cluster format=Cluster | grep -qx docker; then
     sacctmgr -i add cluster docker >/dev/null || die "sacctmgr -i add cluster docker failed"
   fi
-  install -d -m 0755 /var/spool/slurmctld
+  install -d -o slurm -g slurm -m 0755 /var/spool/slurmctld /run/slurmctld
   exec slurmctld -D -i
 }
 

@@ -13,7 +13,10 @@
  * linuxproc and pgid signal every process of the step, so a program with its
  * own SIGTERM handler (GROMACS, MPI launchers) would act on it inside the
  * capture. SIGKILL, suspend (SIGSTOP/SIGTSTP) and SIGCONT go to the delegate
- * unchanged: Slurm's suspend, resume and final kill stay Slurm's.
+ * unchanged: Slurm's suspend, resume and final kill stay Slurm's. The trees'
+ * own freeze cgroups, which no delegate thaws (a process the v1 freezer holds
+ * does not die of SIGKILL), are emptied by the SPANK plugin as slurmstepd
+ * reaps each wrapper (tree_end.c), whatever the ProctrackType.
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -31,9 +34,8 @@
 #include <slurm/slurm_errno.h>
 #include <slurm/spank.h>        /* slurm_error, slurm_info, slurm_debug */
 
-#ifndef SLURMCKPT_CONFIG
-#define SLURMCKPT_CONFIG "/etc/slurmckpt/slurmckpt.yaml"
-#endif
+#include "site_config.h"
+
 #ifndef SLURM_PLUGIN_DIR
 #define SLURM_PLUGIN_DIR "/usr/lib/x86_64-linux-gnu/slurm-wlm"
 #endif
@@ -79,27 +81,11 @@ static size_t ntasks;
 /* proctrack_delegate from the admin's config; DEFAULT_DELEGATE if absent. */
 static int read_delegate(char *out, size_t len)
 {
-	static const char key[] = "proctrack_delegate:";
-	char line[512];
-	FILE *f;
-
 	snprintf(out, len, "%s", DEFAULT_DELEGATE);
-	if ((f = fopen(SLURMCKPT_CONFIG, "re")) == NULL)
-		return (errno == ENOENT ? 0 : -1);
-	while (fgets(line, sizeof(line), f)) {
-		char *v = line + sizeof(key) - 1;
-		size_t n;
-
-		if (strncmp(line, key, sizeof(key) - 1) != 0)
-			continue;
-		v += strspn(v, " \t");
-		n = strcspn(v, " \t#\r\n");
-		if (n == 0 || n >= len)
-			break;
-		memcpy(out, v, n);
-		out[n] = '\0';
+	if (site_config_get(SLURMCKPT_CONFIG, "proctrack_delegate", out, len) < 0) {
+		slurm_error("proctrack/slurmckpt: %s: proctrack_delegate: %m", SLURMCKPT_CONFIG);
+		return (-1);
 	}
-	fclose(f);
 	if (strncmp(out, "proctrack/", 10) != 0 || out[10] == '\0' ||
 	    strspn(out + 10, "abcdefghijklmnopqrstuvwxyz0123456789_") != strlen(out + 10) ||
 	    strcmp(out, plugin_type) == 0) {

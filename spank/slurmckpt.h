@@ -50,6 +50,17 @@ int log_relay_fd(void);         /* the write end, -1 when not started */
 void log_relay_stop(int wait_s);
 void log_relay_emit(char *line);   /* one line, as the relay logs it */
 
+/*
+ * tree_end.c: what is left of a task's trees when slurmstepd reaps the task
+ * is killed, thawed and its freeze cgroups removed (task_exit). roots: NULL-
+ * terminated directories holding <job>.<step>.<rank>.<restart> cgroups.
+ * 0, or -1 when a tree had processes left after SIGKILL (logged).
+ */
+extern const char *const tree_end_default_roots[];
+int tree_end(const char *const roots[], uint32_t job, const char *step, uint32_t rank);
+/* The task's own: the admin's freezer_root and every default root. */
+int tree_end_task(spank_t sp);
+
 /* task_wrap.c: the wrapper goes in front of the task's argv (task_init). */
 int task_wrap(spank_t sp);
 /* Drop SLURMCKPT_* inherited from an enclosing wrapped step. */

@@ -11,6 +11,9 @@
  *   interval is not off:
  *     task_init_privileged (root)  start the agent on a socketpair
  *     task_init (user)             the wrapper goes in front of argv
+ *   slurmstepd, per task of a wrapped step:
+ *     task_exit (root)             what is left of the task's trees is
+ *                                  killed and thawed (tree_end.c)
  */
 #include <slurm/spank.h>
 
@@ -96,6 +99,16 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	if (spank_context() != S_CTX_REMOTE || !task_agent_started)
 		return (0);
 	return (task_wrap(sp));
+}
+
+/* slurmstepd reaped the task (its wrapper): nothing of its trees outlives it, frozen or not. */
+int slurm_spank_task_exit(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE || !step_is_wrapped)
+		return (0);
+	return (tree_end_task(sp));
 }
 
 int slurm_spank_exit(spank_t sp, int ac, char **av)

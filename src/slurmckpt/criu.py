@@ -10,9 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from slurmckpt.errors import CriuError
+from slurmckpt.errors import CriuError, CriuInterrupted
 
 MIN_VERSION = (4, 1)
+# criu past its timeout is stopped the way its own source allows (CRIU 4.2.1): it handles neither SIGTERM nor
+# SIGINT (their default action ends it at once, as SIGKILL does, with its parasite still in the tree and its
+# network lock held), but its dump installs a SIGALRM handler for its own --timeout (cr-dump.c
+# alarm_handler): the system call it is blocked in fails with EINTR and the dump leaves through its error
+# path, which cures the parasite, releases the tasks and takes back its network lock, link remaps and
+# mounts. The handler re-arms itself every second and gives up (BUG) after 5 more. So: SIGALRM, up to
+# STOP_GRACE_S to exit, then SIGKILL. Either way the caller trusts nothing criu left (CriuInterrupted).
+STOP_SIGNAL = signal.SIGALRM
+STOP_GRACE_S = 10.0
 
 # Options every dump and restore shares. --tcp-established: loopback/peer TCP inside the tree is restored;
 # --ext-unix-sk: sockets to daemons outside (syslog, nscd); --file-locks;
@@ -46,6 +55,7 @@ class CriuDriver:
     binary: str = "criu"
     extra_args: tuple[str, ...] = ()
     timeout_s: float = 600.0
+    stop_grace_s: float = STOP_GRACE_S
     env: dict[str, str] = field(default_factory=lambda: {"PATH": "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"})
 
     def version(self) -> tuple[int, ...]:
@@ -113,21 +123,42 @@ class CriuDriver:
              pass_fds: list[int] | None = None, preexec=None) -> float:
         cmd = [self.binary, *args, *self.extra_args]
         start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+                                pass_fds=pass_fds or [], preexec_fn=preexec or _default_signals)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=self.timeout_s,
-                               pass_fds=pass_fds or [], preexec_fn=preexec or _default_signals)
-        except subprocess.TimeoutExpired as e:
-            raise CriuError(f"criu {args[0]} timed out after {self.timeout_s}s", _tail(images / log),
-                            pid=pid, images=str(images)) from e
-        if p.returncode != 0:
-            raise CriuError(f"criu {args[0]} failed with exit code {p.returncode}",
-                            _tail(images / log) or p.stderr[-2000:], pid=pid, images=str(images))
+            _, stderr = proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            how = _stop(proc, self.stop_grace_s)
+            raise CriuInterrupted(f"criu {args[0]} did not finish within {self.timeout_s:g}s; {how}",
+                                  _tail(images / log), pid=pid, images=str(images)) from None
+        except BaseException:
+            _stop(proc, self.stop_grace_s)        # never leave criu running on behind its caller
+            raise
+        if proc.returncode < 0:
+            raise CriuInterrupted(f"criu {args[0]} was killed by signal {-proc.returncode}",
+                                  _tail(images / log) or stderr[-2000:], pid=pid, images=str(images))
+        if proc.returncode != 0:
+            raise CriuError(f"criu {args[0]} failed with exit code {proc.returncode}",
+                            _tail(images / log) or stderr[-2000:], pid=pid, images=str(images))
         return time.monotonic() - start
 
 
+def _stop(proc: subprocess.Popen, grace_s: float) -> str:
+    """STOP_SIGNAL, then SIGKILL if criu has not exited within `grace_s`; says which ended it."""
+    proc.send_signal(STOP_SIGNAL)
+    try:
+        proc.communicate(timeout=grace_s)
+        return f"stopped with {STOP_SIGNAL.name}, it exited ({proc.returncode})"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"it did not exit within {grace_s:g}s of {STOP_SIGNAL.name} and was killed"
+
+
 def _default_signals() -> None:
-    """criu must not inherit the agent's ignored signals: a restore then hangs after the tasks resumed."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    """criu must not inherit the agent's ignored signals: a restore then hangs after the tasks resumed, and
+    an ignored STOP_SIGNAL would not stop it."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, STOP_SIGNAL):
         signal.signal(sig, signal.SIG_DFL)
 
 

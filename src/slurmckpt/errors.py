@@ -75,6 +75,12 @@ class CriuError(SlurmckptError):
         return f"{base}\n--- criu log tail ---\n{self.log_tail}" if self.log_tail else base
 
 
+class CriuInterrupted(CriuError):
+    """criu did not end through its own error path: it ran past its timeout, or a signal ended it. What it
+    left cannot be trusted: a dumped tree may still hold its parasite code (or be half-cured), a restore
+    may have left half-restored processes; the caller kills the tree (pipeline.py, restore.py)."""
+
+
 class StorageError(SlurmckptError):
     """Image store problem: missing, corrupt (checksum) or incomplete checkpoint."""
 

@@ -30,7 +30,7 @@ from typing import Callable
 from slurmckpt import (asuser, capture_checks, ghost, ipc, netlock, output_pipes, pmi, procfs, proctree,
                        rank_images, shm_files, tcp_ports)
 from slurmckpt.criu import CheckpointEngine
-from slurmckpt.errors import CaptureError, SlurmckptError, TaskEnded
+from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.launch import Credentials
@@ -73,7 +73,7 @@ class RankPipeline:
     stall_after: tuple[str, float] | None = None           # Config.debug_stall_after (tests only)
     peer_alive: Callable[[], bool] | None = None           # the wrapper is still the process wrapper_pid names
     ghost_limit_max: int = 256 << 20                       # Config.ghost_limit_max (ghost.py)
-    killed_for: str = ""                                   # why this agent killed the tree (GPU state lost)
+    killed_for: str = ""                                   # why this agent killed the tree (kill_tree)
     ghost_limit: int = 0                                   # criu --ghost-limit for this epoch's dump (record)
     # IP addresses of the job's other nodes (agent.py asks Slurm): TCP to them is the job's own
     job_addresses: Callable[[], set[str]] = field(default=lambda: set())
@@ -198,27 +198,28 @@ class RankPipeline:
                 errors.append(f"{stage.name}: {e}")
                 gpu_lost = gpu_lost or bool(getattr(e, "stuck", None))    # cuda.stage.GpuRollbackError
         self.done = []
-        if gpu_lost:
-            errors.append(self._kill_tree_without_gpu(epoch))
+        if gpu_lost and not self.killed_for:
+            errors.append(self.kill_tree(f"a process lost its GPU state in epoch {epoch}",
+                                         "it cannot run on without its GPU state"))
         if errors:
             raise CaptureError("rollback incomplete: " + "; ".join(errors), epoch=epoch)
 
-    def _kill_tree_without_gpu(self, epoch: int) -> str:
-        """A process the GPU rollback could not bring back has lost its GPU state: run on, it would crash or
-        compute on without it, and a later capture would commit that. The tree is killed (the wrapper then
-        leaves the job without an exit code, so no capture commits without this rank) and never captured
-        again; the previous commit stays the one restored."""
-        self.killed_for = f"a process lost its GPU state in epoch {epoch}"
-        log.error("killing the task's tree: %s", self.killed_for, extra={"step": self.step, "rank": self.rank})
+    def kill_tree(self, why: str, consequence: str) -> str:
+        """The tree must not run on (a process the GPU rollback could not bring back has lost its GPU state;
+        criu was interrupted and may have left its parasite in it): it is killed, still frozen where it was
+        (the wrapper then leaves the job without an exit code, so no capture commits without this rank) and
+        never captured again; the previous commit stays the one restored. Returns what to tell the user."""
+        self.killed_for = why
+        log.error("killing the task's tree: %s", why, extra={"step": self.step, "rank": self.rank})
         try:
             self.cgroup.kill_all()
         except OSError as e:     # still never captured again: killed_for is set
             log.error("killing the task's tree failed: %s", e, extra={"step": self.step, "rank": self.rank})
-            return (f"killing the task failed ({e.strerror or e}): it cannot run on correctly without its GPU "
-                    "state and is never captured again; cancel the job (scancel); the previous checkpoint "
-                    "stays the one restored (scontrol requeue restores it)")
-        return ("the task was killed: it cannot run on without its GPU state; the previous checkpoint stays "
-                "the one restored (scontrol requeue restores it)")
+            return (f"killing the task failed ({e.strerror or e}): {consequence} and is never captured again; "
+                    "cancel the job (scancel); the previous checkpoint stays the one restored (scontrol "
+                    "requeue restores it)")
+        return (f"the task was killed: {consequence}; the previous checkpoint stays the one restored "
+                "(scontrol requeue restores it)")
 
 
 # ---- capture stages ------------------------------------------------------------------------------------
@@ -337,13 +338,20 @@ def _dump(p: RankPipeline, epoch: int) -> None:
         rdir = rank_images.area(p, epoch)
         # A final capture lets criu end the tree itself: it closes TCP sockets in repair mode, so no FIN and
         # no TIME_WAIT holds the ports the restore must bind again (a plain kill after the dump would).
-        p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
-                                               freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
-                                               external=[f"unix[{e['ino']}]" for e in p.record["pmi"]
-                                                         + p.record["srun_standins"]]
-                                               + p.record["external_files"],
-                                               link_remap=any(e["removed"] for e in p.record["shm_files"]),
-                                               mntns=p.record["mntns"])
+        try:
+            p.timings["criu_dump"] = p.engine.dump(p.root_pid, rdir, leave_running=not p.final,
+                                                   freezer=p.cgroup.path, ghost_limit=p.ghost_limit,
+                                                   external=[f"unix[{e['ino']}]" for e in p.record["pmi"]
+                                                             + p.record["srun_standins"]]
+                                                   + p.record["external_files"],
+                                                   link_remap=any(e["removed"] for e in p.record["shm_files"]),
+                                                   mntns=p.record["mntns"])
+        except CriuInterrupted:
+            # Stopped at its timeout or killed: a process may still hold criu's parasite code (or half of a
+            # cure), which the rollback's thaw would run. Killed first, while frozen (criu.py, STOP_SIGNAL).
+            p.kill_tree(f"criu was interrupted in the dump of epoch {epoch}",
+                        "criu may have left its parasite code in it")
+            raise
         shm_files.note_remaps(p.record["shm_files"], rdir)
         shm_files.remove_links(p.creds, p.record["shm_files"])     # put back by the restore, on any node
         if not p.final and p.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen

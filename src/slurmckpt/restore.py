@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images, shm_files, tcp_ports
 from slurmckpt.criu import InheritedFd
-from slurmckpt.errors import PermissionDenied, RestoreError, SlurmckptError
+from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.launch import Credentials
 
 if TYPE_CHECKING:
@@ -88,9 +88,11 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
             pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []),
                                    mntns=manifest.get("mntns", False))
-    except BaseException:
+    except BaseException as e:
         hold.release()
         _quietly(shm_files.remove_links, p.creds, manifest.get("shm_files", []))
+        if isinstance(e, CriuInterrupted):    # criu did not take back what it had restored: none of it runs
+            _end_restored_tree(p)
         raise
     hold.after_restore()
     try:

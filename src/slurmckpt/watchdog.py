@@ -90,7 +90,9 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
 def _remove_once_empty(cgroup: TaskCgroup, poll_s: float) -> None:
     """What the agent's shutdown would have done: the tree's cgroup goes once its last process has ended
     (the tree may run on for long when only the agent died). Slurm's final SIGKILL may end this watchdog
-    first: the next start of the task removes what is left (reclaim.collect_task_cgroups)."""
+    with the agent and the wrapper: slurmstepd then kills what is left of the tree and removes its cgroup
+    as it reaps the wrapper (spank/tree_end.c), and the next start of the task removes any cgroup still
+    left (reclaim.collect_task_cgroups)."""
     while cgroup.path.is_dir():
         if not cgroup.pids():
             cgroup.remove()

@@ -1,6 +1,7 @@
-"""docker-slurm/: the container cluster is built from a debootstrap'ed Debian 12 base, started with compose,
-and the demo job in it (sbatch --checkpoint-interval) is requeued onto the other compute node and restored
-there mid-run, with the job's output exactly that of an uninterrupted run.
+"""docker-slurm/: the container test cluster is built from a debootstrap'ed Debian 12 base, started with
+compose, and the demo job in it (sbatch --checkpoint-interval) is requeued onto the other compute node and
+restored there mid-run, with the job's output exactly that of an uninterrupted run; its daemons run as
+hardened as CRIU allows.
 
 Runs docker-slurm/cluster.sh as a user would (Docker when its daemon answers, else podman as root through
 its Docker API and docker-compose). A missing engine or tool is a failure, never a skip."""
@@ -73,3 +74,23 @@ def test_demo_job_is_restored_mid_run_on_the_other_node(docker_cluster) -> None:
     sacct = must("exec", "slurmctld", "sacct", "-n", "-P", "-X", "-j", job, "-o", "State,ExitCode,NodeList",
                  timeout=60).split()
     assert sacct == [f"COMPLETED|0:0|{then}"], sacct
+
+
+def test_daemons_run_as_slurm_without_capabilities_and_nodes_confine_tasks(docker_cluster) -> None:
+    """slurmctld and slurmdbd run as the slurm user in containers that hold only the capabilities their start
+    needs and gain none through execve; a compute node (privileged: CRIU) gives a job's processes no way to
+    gain privileges through a setuid binary, and binds each task to the cores Slurm allocated it."""
+    for service in ("slurmctld", "slurmdbd"):
+        assert must("exec", service, "ps", "-o", "user=", "-C", service, timeout=60).split() == ["slurm"], service
+        status = must("exec", service, "cat", "/proc/1/status", timeout=60)
+        caps = int(re.search(r"^CapBnd:\s*(\w+)", status, re.M).group(1), 16)
+        # CHOWN DAC_OVERRIDE FOWNER KILL SETGID SETUID AUDIT_WRITE
+        assert caps == sum(1 << n for n in (0, 1, 3, 5, 6, 7, 29)), f"{service}: bounding set {caps:#x}"
+        assert re.search(r"^NoNewPrivs:\s*1", status, re.M), service
+    assert re.search(r"^NoNewPrivs:\s*1", must("exec", "c1", "cat", "/proc/1/status", timeout=60), re.M)
+    config = must("exec", "slurmctld", "scontrol", "show", "config", timeout=60)
+    assert re.search(r"^TaskPlugin\s*=\s*task/affinity$", config, re.M), config
+    assert re.search(r"^SlurmUser\s*=\s*slurm\(", config, re.M), config
+    bound = must("exec", "slurmctld", "runuser", "-u", "ckptuser1", "--", "srun", "-n1", "-w", "c1",
+                 "grep", "Cpus_allowed_list", "/proc/self/status", timeout=120)
+    assert re.search(r"Cpus_allowed_list:\s*\d+$", bound, re.M), f"the task is not bound to one core: {bound}"

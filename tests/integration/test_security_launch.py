@@ -1,19 +1,23 @@
 """Attacks on the launch and capture side of the root agent, each run as an unprivileged job user against
 the real cluster and agent: loader variables through sbatch --export, a working directory the user cannot
-enter, the namespace init's directory, the freeze control, and an output fd the user cannot read."""
+enter, the namespace init's directory, the freeze control, a tree held frozen through scancel, and an output fd
+the user cannot read."""
 from __future__ import annotations
 
 import os
 import pwd
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 from slurmckpt import asuser
 from slurmckpt.errors import PermissionDenied
+from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
-from tests.integration.slurmjob import run, submit, task_cgroups, workdir
+from slurmckpt.task_cgroup import TaskCgroup
+from tests.integration.slurmjob import node, proctrack_delegate, run, site_config, submit, task_cgroups, workdir
 from tests.integration.test_security import _agent_and_attacker
 
 USER = "ckptuser1"
@@ -136,6 +140,108 @@ def test_user_can_touch_neither_the_init_directory_nor_the_freeze_control() -> N
         job.wait_output(r"committed \(interval\)", 2, timeout=60)
     finally:
         run("scancel", str(job.id))
+
+
+V1_TREES = Path("/sys/fs/cgroup/freezer/slurmckpt")    # freezer_root of a pure cgroup v1 host
+STALL_S = 15
+HELD = f"""freezer_root: {V1_TREES}
+debug_stall_after: "freeze:{STALL_S}"
+"""
+# The job's user holds a process of its own in ptrace stops (every thread): unlike SIGSTOP, Slurm's SIGCONT
+# at scancel does not resume it.
+PTRACE_STALL = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+pid = int(sys.argv[1])
+for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+    if libc.ptrace(0x4206, tid, None, None) or libc.ptrace(0x4207, tid, None, None):   # SEIZE, INTERRUPT
+        sys.exit(f"ptrace {tid}: {os.strerror(ctypes.get_errno())}")
+    os.waitpid(tid, 0x40000000)                                                        # __WALL
+print("stalled", flush=True)
+time.sleep(600)
+"""
+
+
+def _v1_trees(job_id: int) -> list[TaskCgroup]:
+    return [TaskCgroup(p, tree) for p in sorted(V1_TREES.glob(f"{job_id}.*")) if (tree := TreeName.parse(p.name))]
+
+
+def _pgrep(pattern: str) -> list[int]:
+    return [int(p) for p in run("pgrep", "-f", pattern, check=False).stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_tree_its_user_holds_frozen_dies_with_the_job_on_a_v1_freezer() -> None:
+    """The job's user stalls its own coordinator while the tree is frozen inside an epoch (between PREPARE and
+    CAPTURE), then scancels the job. On a cgroup v1 freezer (a pure v1 host's; here freezer_root points there)
+    a frozen process does not die of SIGKILL, and Slurm's final SIGKILL ends the agent and its thaw watchdog
+    with the wrapper (proctrack/linuxproc, as docker-slurm runs, signals every process of the step; under
+    proctrack/cgroup, whenever they land in the step's cgroup). Shown first: the tree is frozen there, a
+    SIGKILL leaves its process frozen, the agent and its watchdog are among the pids Slurm kills, the
+    coordinator is the user's and stalled. Then within KillWait (30 s) and a few seconds no process of the
+    job is left, none frozen, no cgroup of its trees, and the node is not drained: slurmstepd ended the tree
+    when it reaped the wrapper (spank/tree_end.c)."""
+    wd = workdir(USER, "held-frozen")
+    script = ("#!/bin/bash\nsleep 600 &\n"
+              "python3 -c 'import time\nfor i in range(6000): time.sleep(0.1)'\n")
+    where = node("node1")
+    with proctrack_delegate("proctrack/linuxproc"), site_config(HELD):
+        job = submit(USER, wd, script, "--checkpoint-interval=30m", "-w", where)
+        job.wait_for(lambda: any(cg.pids() for cg in _v1_trees(job.id)), "the tree in a v1 freezer cgroup", 120)
+    stall = None
+    try:
+        time.sleep(2)
+        run("/opt/slurmckpt/venv/bin/slurmckpt", "checkpoint", str(job.id), user=USER)
+        job.wait_for(lambda: any(cg.state() == "FROZEN" for cg in _v1_trees(job.id)), "the tree frozen", 60)
+        coordinators = _pgrep(f"slurmckpt.coordinator.host --link [0-9]+ --job {job.id}$")
+        assert len(coordinators) == 1, f"want the job's one coordinator, got {coordinators}"
+        assert os.stat(f"/proc/{coordinators[0]}").st_uid == pwd.getpwnam(USER).pw_uid, "not the user's own"
+        stall = subprocess.Popen(["runuser", "-u", USER, "--", "python3", "-c", PTRACE_STALL, str(coordinators[0])],
+                                 stdout=subprocess.PIPE, text=True)
+        assert stall.stdout.readline().strip() == "stalled", "the user could not stall its coordinator"
+        (cg,) = _v1_trees(job.id)
+        tree = cg.pids()
+        sleeper = next(p for p in tree if open(f"/proc/{p}/comm").read().strip() == "sleep")
+        os.kill(sleeper, 9)
+        time.sleep(1)
+        assert _alive(sleeper) and cg.state() == "FROZEN", "a v1-frozen process died of SIGKILL"
+        helpers = _pgrep(f"slurmckpt agent .*--job {job.id} ")        # the agent and its thaw watchdog
+        out = run("scontrol", "listpids", str(job.id), where).stdout
+        listed = {int(l.split()[0]) for l in out.splitlines()[1:] if l.split() and l.split()[0].isdigit()}
+        assert len(helpers) == 2 and set(helpers) <= listed, f"Slurm does not kill agent+watchdog {helpers}: {listed}"
+
+        run("scancel", str(job.id), user=USER)
+        start, thawed_early = time.monotonic(), False
+        while any(map(_alive, helpers)) and time.monotonic() - start < 60:
+            try:
+                thawed_early = thawed_early or (cg.state() != "FROZEN" and bool(cg.pids()))
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert not any(map(_alive, helpers)), "Slurm's SIGKILL did not come within 60 s (KillWait=30)"
+        assert not thawed_early, "the tree was thawed before Slurm's SIGKILL: the attack's premise failed"
+        everything = tree + helpers + coordinators
+        job.wait_for(lambda: not any(map(_alive, everything)), "no process of the job left", 15)
+        assert not _v1_trees(job.id), f"cgroups of the job's trees left: {[c.path for c in _v1_trees(job.id)]}"
+        assert time.monotonic() - start < 45
+        state = run("sinfo", "-h", "-n", where, "-o", "%T").stdout.strip()
+        assert "drain" not in state, f"{where} is {state}"
+    finally:
+        if stall is not None:
+            stall.kill()
+            stall.wait()
+        for left in _v1_trees(job.id):             # what a successful attack left: never a frozen tree
+            left.kill_all()
+            left.remove()
+        if "drain" in run("sinfo", "-h", "-n", where, "-o", "%T").stdout:
+            run("scontrol", "update", f"nodename={where}", "state=resume")
 
 
 def test_output_fd_the_user_cannot_read_is_never_copied() -> None:

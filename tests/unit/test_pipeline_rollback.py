@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.cuda.stage import GpuRollbackError
-from slurmckpt.errors import CaptureError, CriuError, GpuError, TaskEnded
+from slurmckpt.errors import CaptureError, CriuError, CriuInterrupted, GpuError, TaskEnded
 from slurmckpt.gpu import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
@@ -44,6 +44,7 @@ class FakeCgroup:
         return {}
 
     def kill_all(self) -> None:
+        self.journal.events.append("kill")
         for pid in self.pids():
             os.kill(pid, 9)
 
@@ -95,13 +96,14 @@ class FakeEngine:
     journal: Journal
     fail: bool = False
     ghost_limit: int = -1
+    failure: type[CriuError] = CriuError
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
              mntns=False):
         self.journal.events.append("dump")
         self.ghost_limit = ghost_limit
         if self.fail:
-            raise CriuError("injected criu failure")
+            raise self.failure("injected criu failure")
         (images / "pages-1.img").write_bytes(b"x" * 100)
         return 0.01
 
@@ -141,7 +143,27 @@ def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) 
         p.capture(1)
     assert j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"]
     assert not store.rank_dir(1, "batch", 0).exists()
-    assert p.cgroup.state() == "THAWED"
+    assert p.cgroup.state() == "THAWED" and "kill" not in j.events and not p.killed_for
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_an_interrupted_criu_dump_gets_the_tree_killed_before_it_is_thawed(tmp_path: Path, final: bool) -> None:
+    """criu was stopped at its timeout (or killed): a process may hold its parasite code, which a thaw would
+    run. The tree is killed while still frozen, before the rollback thaws the cgroup; the epoch's images go,
+    the task says why it was killed, and the rank is never captured again (the previous commit stays)."""
+    p, j, store = make(tmp_path, criu_fail=True)
+    p.engine.failure = CriuInterrupted
+    child = subprocess.Popen(["sleep", "60"])
+    p.cgroup.members, p.root_pid = [child.pid], child.pid
+    p.prepare(1)
+    with pytest.raises(CriuInterrupted):
+        p.capture(1, final=final)
+    assert child.wait(5) == -9
+    assert j.events[j.events.index("dump"):] == ["dump", "kill", "thaw", "gpu-resume", "gpu-unlock"]
+    assert p.killed_for == "criu was interrupted in the dump of epoch 1"
+    assert not store.rank_dir(1, "batch", 0).exists()
+    with pytest.raises(CaptureError, match="nothing to capture: the task's tree was killed"):
+        p.prepare(2)
 
 
 def test_a_failure_whose_undo_fails_too_is_reported_with_both(tmp_path: Path) -> None:
@@ -348,7 +370,32 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
         restore_rank(p, 3, [0, 1, 2])
     assert [q.wait(5) for q in restored] == [-9, -9], "the restored processes were left running"
     assert p.root_pid is None and p.cgroup.pids() == []
-    assert j.events[-1] == "gpu-restore"
+    assert j.events[-2:] == ["gpu-restore", "kill"]
+
+
+def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) -> None:
+    """criu restore was stopped at its timeout with part of the tree restored (criu did not take it back):
+    those processes are killed before the fallback (an older epoch or a fresh start) runs, which needs the
+    task cgroup empty; the error stays the typed criu failure."""
+    from slurmckpt.restore import restore_rank
+    p, j, store = make(tmp_path)
+    store.rank_dir(3, "batch", 0).mkdir(parents=True)
+    (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
+    store.write_rank_manifest(3, "batch", 0, {"kind": "image", "stdio": [], "truncate": [], "outputs": []})
+    store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
+    restored: list[subprocess.Popen] = []
+
+    def interrupted(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
+        restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
+        p.cgroup.members = [q.pid for q in restored]
+        raise CriuInterrupted("criu restore did not finish within 1s; it did not exit within 10s of SIGALRM "
+                              "and was killed")
+    p.engine.restore = interrupted
+    p.root_pid = None
+    with pytest.raises(CriuInterrupted):
+        restore_rank(p, 3, [0, 1, 2])
+    assert [q.wait(5) for q in restored] == [-9, -9], "half-restored processes were left running"
+    assert p.root_pid is None and p.cgroup.pids() == [] and "kill" in j.events
 
 
 def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Path) -> None:
