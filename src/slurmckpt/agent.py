@@ -32,7 +32,8 @@ from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt import reclaim
-from slurmckpt.slurm.control import JobRecord, other_node_addresses, this_node
+from slurmckpt.slurm.control import other_node_addresses, this_node
+from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt import validate
@@ -92,7 +93,7 @@ class Agent:
     def _other_node_addresses(self) -> set[str]:
         """The job's other nodes' addresses (asked once, when a capture first finds TCP leaving the node)."""
         if not hasattr(self, "_node_addresses"):
-            nodes = sorted(self.slurm_job.gpus) if self.slurm_job else []
+            nodes = list(self.slurm_job.nodes) if self.slurm_job else []
             self._node_addresses = other_node_addresses(nodes, socket.gethostname()) if len(nodes) > 1 else set()
         return self._node_addresses
 
