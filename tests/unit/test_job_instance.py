@@ -266,6 +266,32 @@ def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monke
     assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
 
 
+def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environment(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """The launch request's environment is the wrapper's (the user's): CUDA_VISIBLE_DEVICES there chose the
+    mount-namespace mode once. Now Slurm's allocation on this node does."""
+    import socket
+    from types import SimpleNamespace
+
+    from slurmckpt import agent as agent_mod
+    modes: list[bool] = []
+    monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args: modes.append(args[-1]) or 4242)
+    monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
+    here = socket.gethostname()
+    assert agent_mod.uses_gpus({"CUDA_VISIBLE_DEVICES": "0"}), "the old rule would have given it one"
+    for n, (gpus, env, own) in enumerate([({here: []}, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+                                          (None, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+                                          ({here: [1]}, {}, True), ({here: [0]}, {"CUDA_VISIBLE_DEVICES": ""}, True)]):
+        a = _agent(tmp_path / str(n), _me(), gpus=gpus)
+        if gpus is None:
+            a.slurm_job = None                      # Slurm could not be asked: no GPU is assumed
+        a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path))
+        a._task_credentials = lambda: None
+        a._place_with_slurm = lambda: None
+        assert a.op_launch({"argv": ["sleep"], "env": env, "cwd": "/"}, [0, 1, 2]) == {"pid": 4242}
+        assert modes[-1] is own, (gpus, env)
+
+
 FIB_TRIE = """Main:
   +-- 0.0.0.0/0 3 0 5
      |-- 10.77.0.0
