@@ -97,28 +97,26 @@ class CliSlurm:
         return jobrecord.job_entry(self._json("squeue", "--json", "-j", str(job_id)), job_id)
 
     def job_states(self, job_ids: list[int]) -> dict[int, str]:
-        """Each job's state (COMPLETED, PENDING, ...) as slurmctld knows it, else as accounting recorded it;
-        a job neither knows is missing from the answer. squeue --json lists every job slurmctld holds (22.05
-        ignores -j there), sacct the rest."""
+        """Each job's state as slurmctld holds it (`PENDING`; `PENDING+REQUEUED` where 23.02+ adds flags),
+        else, for a job slurmctld no longer holds, its last state in accounting; a job neither knows is
+        missing from the answer. slurmctld must answer (SlurmError otherwise): a job it holds may run again
+        whatever accounting says of an earlier run (a requeued job's last record says PREEMPTED or REQUEUED
+        until slurmdbd hears of the new one), and a job it no longer holds never runs again."""
         wanted, out = set(job_ids), {}
-        try:
-            for j in json.loads(self._run("squeue", "--json")).get("jobs", []):
-                state = j.get("job_state")
-                state = state[0] if isinstance(state, list) and state else state      # 23.02+: a list
-                if j.get("job_id") in wanted and isinstance(state, str):
-                    out[int(j["job_id"])] = state
-        except (SlurmError, ValueError):
-            pass
+        for j in jobrecord.jobs_of(self._json("squeue", "--json", "--all")):
+            job = j.get("job_id")
+            if type(job) is int and job in wanted:
+                out[job] = "+".join(jobrecord.state_words(j.get("job_state")))
         rest = sorted(wanted - set(out))
         if rest:
-            try:
+            try:       # two fields no user writes: the id and Slurm's state word (`CANCELLED by 0`)
                 rows = self._run("sacct", "-X", "-n", "-P", "-j", ",".join(map(str, rest)), "-o", "JobIDRaw,State")
             except SlurmError:
                 rows = ""
             for line in rows.splitlines():
                 raw, _, state = line.partition("|")
-                if raw.strip().isdigit() and state.split():
-                    out.setdefault(int(raw), state.split()[0])      # "CANCELLED by 0" -> CANCELLED
+                if raw.strip().isdigit() and int(raw) in wanted and state.split():
+                    out.setdefault(int(raw), state.split()[0])
         return out
 
     def signal_batch(self, job_id: int, signum: int) -> None:
