@@ -32,7 +32,8 @@ from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt import reclaim
-from slurmckpt.slurm.control import JobRecord, other_node_addresses, this_node
+from slurmckpt.slurm.control import other_node_addresses, this_node
+from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt import validate
@@ -92,7 +93,7 @@ class Agent:
     def _other_node_addresses(self) -> set[str]:
         """The job's other nodes' addresses (asked once, when a capture first finds TCP leaving the node)."""
         if not hasattr(self, "_node_addresses"):
-            nodes = sorted(self.slurm_job.gpus) if self.slurm_job else []
+            nodes = list(self.slurm_job.nodes) if self.slurm_job else []
             self._node_addresses = other_node_addresses(nodes, socket.gethostname()) if len(nodes) > 1 else set()
         return self._node_addresses
 
@@ -280,13 +281,16 @@ class Agent:
             self._fresh_start_notice()      # said (AdminComment) even if the wrapper did not ask
         # CUDA refuses to work in a PID namespace that sees the host's /proc: a GPU tree gets a mount
         # namespace too, with its own /proc, which criu dumps and restores (docs/gpu.md, "Own PID namespace").
-        own_mntns = uses_gpus(env)
+        # A GPU tree is one Slurm allocated GPUs to on this node, whatever the request's environment says.
+        node, allocated = self._slurm_gpus_here()
+        own_mntns = bool(allocated)
         creds = self._task_credentials()
         self._place_with_slurm()
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
                          init_home(self.config.run_dir, self._task_name, creds), own_mntns)
         self.pipeline.root_pid = pid
-        log.info("launched %s as pid %d", argv[0], pid)
+        log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
+                 "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
         return {"pid": pid}
 
     def _place_with_slurm(self) -> None:
@@ -482,9 +486,7 @@ class Agent:
         File= order, i.e. /dev/nvidiaN order = PCI bus order), never the wrapper's environment. A step that
         narrows them with CUDA_VISIBLE_DEVICES to allocated indices keeps its narrowing; any other value is
         ignored (a user naming a GPU of another job changes nothing)."""
-        gpus = self.slurm_job.gpus if self.slurm_job else {}
-        node = this_node(sorted(gpus), socket.gethostname()) or socket.gethostname()
-        allocated = gpus.get(node, [])
+        node, allocated = self._slurm_gpus_here()
         claimed = procfs.environ(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
         items = [s.strip() for s in claimed.split(",") if s.strip()]
         narrowed = bool(items) and all(s.isdigit() and int(s) in allocated for s in items) \
@@ -493,6 +495,13 @@ class Agent:
         log.info("GPUs for restore from Slurm's allocation on %s: %s; used: %s (wrapper's CUDA_VISIBLE_DEVICES "
                  "%r %s)", node, allocated, chosen, claimed[:64], "narrows it" if narrowed else "not used")
         return ",".join(str(i) for i in chosen), "PCI_BUS_ID"
+
+    def _slurm_gpus_here(self) -> tuple[str, list[int]]:
+        """(this node's name, the GPU indices Slurm allocated to the job on it); none when Slurm could not
+        be asked."""
+        gpus = self.slurm_job.gpus if self.slurm_job else {}
+        node = this_node(sorted(gpus), socket.gethostname()) or socket.gethostname()
+        return node, gpus.get(node, [])
 
     def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
         """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
@@ -532,6 +541,8 @@ class Agent:
 
 
 def uses_gpus(env: dict[str, str]) -> bool:
+    """The user side's guess (the wrapper's memory defaults, the coordinator's sizing). The root side
+    takes a task's GPUs from Slurm's allocation (Agent._slurm_gpus_here), never from this."""
     value = env.get("CUDA_VISIBLE_DEVICES", "")
     return bool(value) and value not in ("NoDevFiles", "-1")
 

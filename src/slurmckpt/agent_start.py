@@ -22,7 +22,8 @@ from slurmckpt.metrics import NodeMetrics, node_name
 from slurmckpt.peer import Peer
 from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment
-from slurmckpt.slurm.control import CliSlurm, JobRecord, job_record
+from slurmckpt.slurm.control import CliSlurm, job_record
+from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore
 
 log = logging.getLogger("slurmckpt.agent")
@@ -51,13 +52,6 @@ def cluster_name() -> str:
         return "cluster"
 
 
-def _restart_count(job: int) -> int:
-    try:
-        return int(CliSlurm(timeout_s=20).job(job).get("restart_cnt", 0))
-    except (SlurmckptError, ValueError, TypeError):
-        return 0
-
-
 def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | None:
     """The job as slurmctld knows it; None (nothing restored, commits stay unbound) if it cannot say, or
     if it names another owner than the shim's argv."""
@@ -65,7 +59,7 @@ def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | N
         try:
             record = job_record(job)
         except SlurmckptError as e:
-            log.warning("scontrol show job %d (attempt %d): %s", job, attempt + 1, e)
+            log.warning("squeue --json for job %d (attempt %d): %s", job, attempt + 1, e)
             time.sleep(0.5)
             continue
         if (record.uid, record.gid) != (uid, gid):
@@ -93,11 +87,10 @@ def run_agent(args: ShimArgs) -> None:
     if args.init:
         config = dataclasses.replace(config, init_path=args.init)
     agentlog.setup(config, args.job, args.step, args.rank)
-    # Slurm 22.05's slurmstepd never fills S_SLURM_RESTART_COUNT (and its squeue --json says restart_cnt 0
-    # after a requeue): ask slurmctld, by the trusted job id.
+    # slurmstepd never fills S_SLURM_RESTART_COUNT (22.05 to 26.05: the shim's count is 0): slurmctld's
+    # restart_cnt, by the trusted job id. Without it nothing is restored (the instance is unknown).
     slurm_job = _slurm_job(args.job, args.uid, args.gid)
-    restart_count = (max(args.restart_count, slurm_job.restarts) if slurm_job
-                     else (args.restart_count or _restart_count(args.job)))
+    restart_count = max(args.restart_count, slurm_job.restarts) if slurm_job else args.restart_count
     ident = TaskIdentity(cluster_name(), args.job, args.step, args.rank, args.uid, args.gid, restart_count)
     policy = job_policy(config, slurm_job)
     config = config.with_settings(dict(policy.settings))     # keep_epochs, compression for this job

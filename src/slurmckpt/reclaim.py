@@ -4,7 +4,11 @@
   coordinator can no longer commit it) or, without a lease, once untouched for GRACE_S. At every agent
   start and every capture (this job), and by `slurmckpt gc` (every job).
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
-  ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron).
+  ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron),
+  only when slurmctld answered: a job it holds is judged by its state there (one word; a state with flags,
+  23.02+'s `PENDING+REQUEUED`, is not final), accounting only speaks for jobs it no longer holds
+  (slurm/control.py, job_states). PREEMPTED is final there: slurmctld shows a preempted job that is
+  requeued as REQUEUED/PENDING, and only its accounting record says PREEMPTED.
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
 - Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
   slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.

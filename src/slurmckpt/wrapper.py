@@ -446,11 +446,12 @@ class Wrapper:
         """After a final capture the job must not go on (the batch script would continue, or the job would
         complete): wait until Slurm is ending the job (requeue, or the end of a preemption's GraceTime)."""
         from slurmckpt.slurm.control import CliSlurm
+        from slurmckpt.slurm.jobrecord import state_words
         say(self.env, why)
         deadline = time.monotonic() + self.config.requeue_wait_s
         while time.monotonic() < deadline:
-            try:
-                if CliSlurm(timeout_s=10).job(self.env.job_id).get("job_state") != "RUNNING":
+            try:      # the base state: 22.05 "RUNNING", 23.02+ ["RUNNING", flags...]
+                if state_words(CliSlurm(timeout_s=10).job(self.env.job_id).get("job_state"))[0] != "RUNNING":
                     return 0          # Slurm is already taking the job down; nothing of it runs on
             except SlurmckptError:
                 return 0

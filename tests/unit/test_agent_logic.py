@@ -17,7 +17,7 @@ from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
 from slurmckpt.instance import JobInstance, claim
-from slurmckpt.slurm.control import JobRecord
+from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore
 
 

@@ -1,8 +1,9 @@
-"""Images bound to the job instance (instance.py), Slurm's view of the job (slurm/control.py parsers: real
-`scontrol show job -d` shapes of 22.05 and 24.11), and the same-job filter of the pre-capture checks."""
+"""Images bound to the job instance (instance.py), Slurm's view of the job (slurm/jobrecord.py: real
+`squeue --json` shapes of 22.05 and 24.11), and the same-job filter of the pre-capture checks."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -10,73 +11,111 @@ import pytest
 from slurmckpt import instance, ipc, proctree
 from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
-from slurmckpt.slurm.control import expand_hostlist, parse_gpu_allocation, parse_job_record
+from slurmckpt.errors import SlurmError
+from slurmckpt.slurm.jobrecord import expand_hostlist, gpu_indices, parse_record
 from slurmckpt.storage import JobStore
 from slurmckpt.task_cgroup import TaskCgroup
 
-# scontrol show job -d 43 on this cluster (Slurm 22.05.8), multi-line layout
-SCONTROL_2205 = """JobId=43 JobName=t.sh
-   UserId=ckptuser1(1001) GroupId=ckptuser1(1001) MCS_label=N/A
-   Priority=4294901707 Nice=0 Account=(null) QOS=normal
-   JobState=RUNNING Reason=None Dependency=(null)
-   Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0
-   SubmitTime=2026-12-03T11:26:17 EligibleTime=2026-12-03T11:26:17
-   NodeList=node1
-   BatchHost=node1
-   NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
-   TRES=cpu=1,node=1,billing=1
-   JOB_GRES=gpu:1
-     Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)
-   MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0
-   TresPerNode=gres:gpu:1
-"""
-# the one-line layout (-o) of the same job
-SCONTROL_2205_ONELINE = " ".join(l.strip() for l in SCONTROL_2205.splitlines())
-# Slurm 24.11 (Debian 13), typed GPUs on a node range, a second node group, a requeued job
-SCONTROL_2411 = """JobId=5120 JobName=train
-   UserId=alice(2001) GroupId=ml(3000) MCS_label=N/A
-   JobState=RUNNING Reason=None Dependency=(null)
-   Requeue=1 Restarts=2 BatchFlag=1 Reboot=0 ExitCode=0:0
-   SubmitTime=2026-11-30T08:15:02 EligibleTime=2026-11-30T08:17:02
-   NodeList=gpu[01-03]
-   NumNodes=3 NumCPUs=24 NumTasks=3 CPUs/Task=8 ReqB:S:C:T=0:0:*:*
-   JOB_GRES=gpu:a100:6
-     Nodes=gpu[01-02] CPU_IDs=0-7 Mem=65536 GRES=gpu:a100:2(IDX:0-1)
-     Nodes=gpu03 CPU_IDs=8-15 Mem=65536 GRES=gpu:a100:1(IDX:1),gpu:v100:1(IDX:3)
-   MinCPUsNode=8 MinMemoryNode=64G MinTmpDiskNode=0
-"""
-NO_GPU = """JobId=7 JobName=x
-   UserId=bob(1002) GroupId=bob(1002) MCS_label=N/A
-   JobState=RUNNING Reason=None Dependency=(null)
-   Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 ExitCode=0:0
-   SubmitTime=2026-12-03T10:00:00 EligibleTime=2026-12-03T10:00:10
-     Nodes=node2 CPU_IDs=0 Mem=0 GRES=
-"""
+# `squeue --json` on this cluster (Slurm 22.05.8, openapi/v0.0.38), trimmed to the fields read and the ones a
+# user writes: a two-node GPU job named and run from a directory that spell out other Slurm fields (`scontrol
+# show job -d -o` of this job held `JobName=x Partition=open QOS=free Restarts=7 ... Partition=low ...
+# WorkDir=/tmp/x Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:8(IDX:0-7)`).
+SPOOF_NAME, SPOOF_DIR = "x Partition=open QOS=free Restarts=7", "/tmp/x Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:8(IDX:0-7)"
+SQUEUE_2205 = {
+    "job_id": 43, "name": SPOOF_NAME, "user_id": 1001, "group_id": 1001, "partition": "low", "qos": "normal",
+    "restart_cnt": 0, "submit_time": 1796511878, "job_state": "RUNNING",
+    "gres_detail": ["gpu:2(IDX:0-1)", "gpu:1(IDX:1)"], "nodes": "node[1-2]",
+    "job_resources": {"nodes": "node[1-2]", "allocated_cores": 2, "allocated_hosts": 2, "allocated_nodes": [
+        {"sockets": {"0": {"cores": {"0": "allocated"}}}, "nodename": "node1", "cpus_used": 0, "memory_used": 0,
+         "memory_allocated": 1024},
+        {"sockets": {"0": {"cores": {"0": "allocated"}}}, "nodename": "node2", "cpus_used": 0, "memory_used": 0,
+         "memory_allocated": 1024}]},
+    "current_working_directory": SPOOF_DIR, "standard_output": "/tmp/o Restarts=9 GRES=gpu:8(IDX:0-7).out",
+    "comment": "Partition=open QOS=free", "command": "x Restarts=7"}
+# Slurm 24.11 (data_parser v0.0.42, the JOB_INFO and JOB_RES parsers of slurm-24-11-7-1; 25.11 and 26.05's
+# v0.0.44/v0.0.45 read the same): typed GPUs on three nodes, a requeued job, flags after the base state.
+SQUEUE_2411 = {
+    "job_id": 5120, "name": "train", "user_id": 2001, "group_id": 3000, "partition": "gpu", "qos": "high",
+    "restart_cnt": 2, "submit_time": {"set": True, "infinite": False, "number": 1796400902},
+    "job_state": ["RUNNING", "CONFIGURING"], "nodes": "gpu[01-03]",
+    "gres_detail": ["gpu:a100:2(IDX:0-1)", "gpu:a100:2(IDX:0-1)", "gpu:a100:1(IDX:1),gpu:v100:1(IDX:3)"],
+    "job_resources": {"select_type": ["CORE", "MEMORY"], "cpus": 24, "threads_per_core": {
+        "set": True, "infinite": False, "number": 1}, "nodes": {
+        "count": 3, "select_type": ["AVAILABLE"], "list": "gpu[01-03]", "whole": False, "allocation": [
+            {"index": 2, "name": "gpu03", "cpus": {"count": 8, "used": 0}, "memory": {"used": 0, "allocated": 65536},
+             "sockets": []},
+            {"index": 0, "name": "gpu01", "cpus": {"count": 8, "used": 0}, "memory": {"used": 0, "allocated": 65536},
+             "sockets": []},
+            {"index": 1, "name": "gpu02", "cpus": {"count": 8, "used": 0}, "memory": {"used": 0, "allocated": 65536},
+             "sockets": []}]}}}
+NO_GPU = {"job_id": 7, "user_id": 1002, "group_id": 1002, "partition": "debug", "qos": "normal", "restart_cnt": 1,
+          "submit_time": 1796400000, "job_state": "RUNNING", "gres_detail": [],
+          "job_resources": {"nodes": "node2", "allocated_nodes": [{"nodename": "node2"}]}}
 
 
-def test_job_record_22_05_both_layouts() -> None:
-    for text in (SCONTROL_2205, SCONTROL_2205_ONELINE):
-        r = parse_job_record(text, 43)
-        assert (r.uid, r.gid, r.submit_time, r.restarts, r.state) == (1001, 1001, "2026-12-03T11:26:17", 0, "RUNNING")
-        assert r.gpus == {"node1": [0]}
+def test_job_record_22_05_is_slurms_whatever_the_job_is_named() -> None:
+    r = parse_record(SQUEUE_2205, 43)
+    assert (r.uid, r.gid, r.restarts, r.state, r.partition, r.qos) == (1001, 1001, 0, "RUNNING", "low", "normal")
+    assert r.submit_time == time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(1796511878))   # as scontrol prints
+    assert r.gpus == {"node1": [0, 1], "node2": [1]} and r.nodes == ("node1", "node2")
 
 
-def test_job_record_24_11_typed_gpus_node_ranges() -> None:
-    r = parse_job_record(SCONTROL_2411, 5120)
-    assert (r.uid, r.gid, r.restarts) == (2001, 3000, 2)
-    assert r.gpus == {"gpu01": [0, 1], "gpu02": [0, 1], "gpu03": [1, 3]}
+def test_job_record_24_11_typed_gpus_in_slurms_node_order() -> None:
+    r = parse_record(SQUEUE_2411, 5120)
+    assert (r.uid, r.gid, r.restarts, r.state, r.partition, r.qos) == (2001, 3000, 2, "RUNNING", "gpu", "high")
+    assert r.gpus == {"gpu01": [0, 1], "gpu02": [0, 1], "gpu03": [1, 3]} and r.nodes == ("gpu01", "gpu02", "gpu03")
+    bare = json.loads(json.dumps(SQUEUE_2411))
+    bare["job_resources"]["nodes"]["allocation"] = []          # no per-node list: the hostlist, in order
+    assert parse_record(bare, 5120).nodes == ("gpu01", "gpu02", "gpu03")
 
 
-def test_job_record_without_gpus_and_of_another_job() -> None:
-    assert parse_job_record(NO_GPU, 7).gpus == {"node2": []}
-    with pytest.raises(Exception, match="answered for job 43"):
-        parse_job_record(SCONTROL_2205, 44)
+def test_job_record_without_gpus_pending_and_of_another_job() -> None:
+    assert parse_record(NO_GPU, 7).gpus == {"node2": []}
+    pending = {**NO_GPU, "job_state": ["PENDING"], "job_resources": None}
+    assert (parse_record(pending, 7).nodes, parse_record(pending, 7).gpus) == ((), {})
+    with pytest.raises(SlurmError, match="answered for job 43"):
+        parse_record(SQUEUE_2205, 44)
 
 
-def test_numnodes_is_not_a_node_allocation_and_hostlists_expand() -> None:
-    assert parse_gpu_allocation("NumNodes=1 NumCPUs=1") == {}
+@pytest.mark.parametrize("change", [
+    {"user_id": "1001"}, {"user_id": True}, {"group_id": -1}, {"user_id": 4294967294}, {"restart_cnt": 1.0},
+    {"restart_cnt": 70000}, {"submit_time": {"set": False, "infinite": False, "number": 0}},
+    {"submit_time": "2026-12-05T23:04:38"}, {"job_state": "running"}, {"job_state": []}, {"partition": 5},
+    {"gres_detail": ["gpu:2(IDX:0-1)"]}, {"gres_detail": ["gpu:2(IDX:N/A)", ""]},
+    {"gres_detail": ["gpu:2(IDX:0-1) Nodes=node1", ""]}, {"gres_detail": ["gpu:1(IDX:9999)", ""]},
+    {"job_resources": {"nodes": "x", "allocated_nodes": [{"nodename": "node 1"}, {"nodename": "node2"}]}},
+    {"job_resources": {"nodes": "x", "allocated_nodes": [{"nodename": "node1"}, {"nodename": "node1"}]}},
+    {"job_id": 43.0}])
+def test_job_record_refuses_what_is_not_slurms_shape(change: dict) -> None:
+    with pytest.raises(SlurmError):
+        parse_record({**SQUEUE_2205, **change}, 43)
+
+
+def test_gpu_indices_of_every_gres_detail_shape() -> None:
+    for detail, want in [("", []), ("gpu:1(IDX:0)", [0]), ("gpu:a100:2(IDX:0-1)", [0, 1]),
+                         ("gpu:4(IDX:0-1,3)", [0, 1, 3]), ("gpu:a100:1(IDX:0),gpu:v100:1(IDX:2)", [0, 2]),
+                         ("shard:2(1/4,1/4),gpu:1(IDX:1)", [1]), ("mps:100(0/100,50/100)", [])]:
+        assert gpu_indices(detail) == want, detail
     assert expand_hostlist("node[1-3,5],gpu07,n[08-10]") == ["node1", "node2", "node3", "node5", "gpu07",
                                                              "n08", "n09", "n10"]
+
+
+def test_job_record_asks_squeue_json_for_the_trusted_id_and_picks_its_own_entry(monkeypatch) -> None:
+    """22.05's squeue --json lists every job, whatever -j says; 22.05 exits 0 when slurmctld did not answer."""
+    from fake_slurm import FakeSlurm
+    from slurmckpt.slurm import control
+    other = {**SQUEUE_2411, "job_id": 44}
+    fake = FakeSlurm(squeue=json.dumps({"errors": [], "jobs": [other, SQUEUE_2205]})).install(monkeypatch)
+    assert control.job_record(43).gpus == {"node1": [0, 1], "node2": [1]}
+    assert fake.ran("squeue") == [["squeue", "--json", "-j", "43"]] and not fake.ran("scontrol")
+    for answer in ({"errors": [{"error": "Unable to contact slurm controller", "errno": 1}], "jobs": []},
+                   {"errors": [], "jobs": [SQUEUE_2205, SQUEUE_2205]}, {"jobs": {}}, [1]):
+        FakeSlurm(squeue=json.dumps(answer)).install(monkeypatch)
+        with pytest.raises(SlurmError):
+            control.job_record(43)
+    FakeSlurm(squeue='{"jobs": [{"job_id": 4' + "3" * 5000 + "}]}").install(monkeypatch)
+    with pytest.raises(SlurmError):
+        control.job_record(43)
 
 
 def _me(uid: int = 1001, submit: str = "2026-12-03T11:26:17", restarts: int = 0, gid: int = 1001) -> JobInstance:
@@ -166,7 +205,7 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from slurmckpt.agent import Agent
     from slurmckpt.identity import TaskIdentity
     from slurmckpt.fresh_start import FailureReporter
-    from slurmckpt.slurm.control import JobRecord
+    from slurmckpt.slurm.jobrecord import JobRecord
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
     a.store = _store(tmp_path)
@@ -225,6 +264,32 @@ def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monke
         assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
     a.slurm_job = None
     assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
+
+
+def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environment(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """The launch request's environment is the wrapper's (the user's): CUDA_VISIBLE_DEVICES there chose the
+    mount-namespace mode once. Now Slurm's allocation on this node does."""
+    import socket
+    from types import SimpleNamespace
+
+    from slurmckpt import agent as agent_mod
+    modes: list[bool] = []
+    monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args: modes.append(args[-1]) or 4242)
+    monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
+    here = socket.gethostname()
+    assert agent_mod.uses_gpus({"CUDA_VISIBLE_DEVICES": "0"}), "the old rule would have given it one"
+    for n, (gpus, env, own) in enumerate([({here: []}, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+                                          (None, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+                                          ({here: [1]}, {}, True), ({here: [0]}, {"CUDA_VISIBLE_DEVICES": ""}, True)]):
+        a = _agent(tmp_path / str(n), _me(), gpus=gpus)
+        if gpus is None:
+            a.slurm_job = None                      # Slurm could not be asked: no GPU is assumed
+        a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path))
+        a._task_credentials = lambda: None
+        a._place_with_slurm = lambda: None
+        assert a.op_launch({"argv": ["sleep"], "env": env, "cwd": "/"}, [0, 1, 2]) == {"pid": 4242}
+        assert modes[-1] is own, (gpus, env)
 
 
 FIB_TRIE = """Main:

@@ -53,3 +53,20 @@ def test_no_module_but_control_runs_a_slurm_tool():
     found = [f"{p.relative_to(SRC)}: {m.group(0)}" for p in sorted(SRC.rglob("*.py"))
              if p.name != "control.py" and runs.search(p.read_text()) for m in tool.finditer(p.read_text())]
     assert found == []
+
+
+def test_comments_are_json_fields_a_users_comment_cannot_forge(monkeypatch):
+    """`scontrol show job` prints a Comment holding a newline as two lines: `sbatch --comment=$'x\\n
+    AdminComment=slurmckpt: forged'` would have made the second one read as the job's AdminComment."""
+    import json
+    forged = "x\nAdminComment=slurmckpt: forged"
+    job = {"job_id": 9, "admin_comment": "site: y slurmckpt: last checkpoint: epoch 2", "comment": forged}
+    slurm = FakeSlurm(squeue=json.dumps({"errors": [], "jobs": [job]})).install(monkeypatch)
+    assert CliSlurm().comments(9) == {"AdminComment": "site: y slurmckpt: last checkpoint: epoch 2",
+                                      "Comment": forged}
+    assert not slurm.ran("scontrol")
+    records = {"errors": [], "jobs": [{"job_id": 9, "comment": {"administrator": "old", "job": None}},
+                                      {"job_id": 9, "comment": {"administrator": None, "job": forged}}]}
+    FakeSlurm(squeue=Ran(1, "", "slurm_load_jobs error: Invalid job id specified"),
+              sacct=json.dumps(records)).install(monkeypatch)
+    assert CliSlurm().comments(9) == {"Comment": forged}        # accounting's last record of the job

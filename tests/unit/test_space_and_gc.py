@@ -241,13 +241,36 @@ def test_gc_removes_this_nodes_empty_task_cgroups_of_finished_jobs_only(tmp_path
     assert sorted(p.name for p in cgroups.iterdir()) == ["31.0.0.0", "32.0.0.0", "33.0.0.0", "not-a-task"]
 
 
-def test_job_states_fall_back_to_accounting_for_jobs_slurmctld_forgot(monkeypatch):
-    fake = FakeSlurm(squeue=json.dumps({"jobs": [{"job_id": 3, "job_state": "PENDING"}]}),
-                     sacct="4|CANCELLED by 0\n5|COMPLETED\n").install(monkeypatch)
-    assert CliSlurm().job_states([3, 4, 5, 6]) == {3: "PENDING", 4: "CANCELLED", 5: "COMPLETED"}
+def test_job_states_ask_accounting_only_of_jobs_slurmctld_no_longer_holds(monkeypatch):
+    """A requeued job's last accounting record says PREEMPTED (or REQUEUED) until slurmdbd hears of its next
+    run: what slurmctld holds decides, and accounting is never asked about it."""
+    held = {"errors": [], "jobs": [{"job_id": 3, "job_state": "PENDING"},
+                                   {"job_id": 7, "job_state": ["PENDING", "REQUEUED"]}]}
+    fake = FakeSlurm(squeue=json.dumps(held), sacct="4|CANCELLED by 0\n5|COMPLETED\n7|PREEMPTED\n").install(monkeypatch)
+    states = CliSlurm().job_states([3, 4, 5, 6, 7])
+    assert states == {3: "PENDING", 4: "CANCELLED", 5: "COMPLETED", 7: "PENDING+REQUEUED"}
+    assert fake.ran("squeue") == [["squeue", "--json", "--all"]]
     assert fake.ran("sacct")[0][fake.ran("sacct")[0].index("-j") + 1] == "4,5,6"
-    FakeSlurm(squeue=Ran(1, "", "slurmctld down"), sacct=Ran(1, "", "no dbd")).install(monkeypatch)
-    assert CliSlurm().job_states([3]) == {}          # nobody knows: gc keeps everything
+    assert all(s not in reclaim.FINISHED for s in (states[3], states[7]))
+
+
+@pytest.mark.parametrize("squeue", [Ran(1, "", "slurm_load_jobs error: Socket timed out"),
+                                    json.dumps({"errors": [{"error": "Unable to contact slurm controller",
+                                                            "errno": 1}], "jobs": []}),
+                                    "squeue: error: not json"])
+def test_gc_skips_the_run_when_slurmctld_does_not_answer(tmp_path, tree, monkeypatch, squeue):
+    """22.05's squeue --json exits 0 when slurmctld did not answer (the errors list says so). Accounting
+    alone once made gc delete a requeued job's store (its last record said PREEMPTED): now gc removes
+    nothing at all, says so and exits 1."""
+    root = tmp_path / "images"
+    staging = Staging(tmp_path / "staging")
+    capture(pipeline(JobStore(root, "c", 40), staging, tree, images(40)), 1)
+    fake = FakeSlurm(scontrol="ClusterName = c\n", squeue=squeue, sacct="40|PREEMPTED\n").install(monkeypatch)
+    monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
+        {"storage_root": str(root), "staging_dir": str(staging.root), "freezer_root": str(tmp_path / "cgroups")})))
+    r = CliRunner().invoke(cli.cli, ["gc"])
+    assert r.exit_code == 1 and "skipped: nothing was removed" in r.output, r.output
+    assert JobStore(root, "c", 40).committed() and not fake.ran("sacct")
 
 
 def test_new_config_keys_have_defaults_and_name_the_key_when_bad():

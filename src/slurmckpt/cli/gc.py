@@ -38,7 +38,13 @@ def gc(dry_run: bool, fmt: Format) -> None:
         raise CliError(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed") from e
     cgroup_jobs = reclaim.task_cgroup_jobs(cfg.freezer_root)
     jobs = sorted({job for c, job in list_jobs(root) if c == cluster} | set(cgroup_jobs))
-    states = slurm.job_states(jobs) if jobs else {}
+    try:
+        states = slurm.job_states(jobs) if jobs else {}
+    except SlurmError as e:
+        # Accounting alone cannot say that a job is over: the last record of a requeued job says PREEMPTED
+        # or REQUEUED until slurmdbd hears of its next run. Without slurmctld, this run removes nothing.
+        raise CliError(f"slurmctld did not say which jobs it still holds ({e}); skipped: nothing was "
+                       "removed") from e
     removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
                                    cfg.keep_finished, dry_run)
     removals += reclaim.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)

@@ -10,7 +10,8 @@ import click
 from slurmckpt.cli.lookup import JOB, config, job_summary, label, queued, require_owner, runs_under_slurmckpt
 from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, say
 from slurmckpt.errors import SlurmError
-from slurmckpt.slurm.control import CliSlurm, expand_hostlist
+from slurmckpt.slurm.control import CliSlurm
+from slurmckpt.slurm.jobrecord import expand_hostlist
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.slurm.queue import QueuedJob
 from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL

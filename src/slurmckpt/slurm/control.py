@@ -11,12 +11,12 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 from slurmckpt import proctree
 from slurmckpt.errors import SlurmError
-from slurmckpt.slurm import queue
+from slurmckpt.slurm import jobrecord, queue
+from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.slurm.queue import QueuedJob
 
 log = logging.getLogger("slurmckpt.slurm")
@@ -72,46 +72,51 @@ class CliSlurm:
 
     def comments(self, job_id: int) -> dict[str, str]:
         """The job's AdminComment and Comment where set: from slurmctld while it knows the job, else from
-        accounting. Multi-line `scontrol show job` puts each on a line of its own (they hold spaces)."""
+        accounting's last record, both as JSON fields (the user's Comment may hold a newline and a forged
+        `AdminComment=` line in the text forms)."""
         try:
-            lines = self._run("scontrol", "show", "job", str(job_id)).splitlines()
-            return {k: v.strip() for line in lines for k, _, v in [line.strip().partition("=")]
-                    if k in ("AdminComment", "Comment") and v.strip()}
+            job = self.job(job_id)
+            values = {"AdminComment": job.get("admin_comment"), "Comment": job.get("comment")}
         except SlurmError:
-            row = self._run("sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "AdminComment,Comment")
-            values = (row.splitlines() or [""])[-1].split("|")
-            return {k: v.strip() for k, v in zip(("AdminComment", "Comment"), values) if v.strip()}
+            records = jobrecord.jobs_of(self._json("sacct", "--json", "-X", "-j", str(job_id)))
+            mine = [r for r in records if type(r.get("job_id")) is int and r["job_id"] == job_id]
+            comment = mine[-1].get("comment") if mine else None
+            comment = comment if isinstance(comment, dict) else {}
+            values = {"AdminComment": comment.get("administrator"), "Comment": comment.get("job")}
+        return {k: v.strip() for k, v in values.items() if isinstance(v, str) and v.strip()}
+
+    def _json(self, *cmd: str) -> object:
+        try:
+            return json.loads(self._run(*cmd))
+        except ValueError as e:       # JSONDecodeError; also a number too long to convert
+            raise SlurmError(f"{cmd[0]} --json: not JSON ({e})") from e
 
     def job(self, job_id: int) -> dict:
-        data = json.loads(self._run("squeue", "--json", "-j", str(job_id)))
-        jobs = [j for j in data.get("jobs", []) if j.get("job_id") == job_id]
-        if not jobs:
-            raise SlurmError("job not found in squeue", job=job_id)
-        return jobs[0]
+        """The job's record in slurmctld (`squeue --json`, detail included: 22.05 lists every job whatever -j
+        says, 23.02 and later just this one). Its fields differ by release: slurm/jobrecord.py reads them."""
+        return jobrecord.job_entry(self._json("squeue", "--json", "-j", str(job_id)), job_id)
 
     def job_states(self, job_ids: list[int]) -> dict[int, str]:
-        """Each job's state (COMPLETED, PENDING, ...) as slurmctld knows it, else as accounting recorded it;
-        a job neither knows is missing from the answer. squeue --json lists every job slurmctld holds (22.05
-        ignores -j there), sacct the rest."""
+        """Each job's state as slurmctld holds it (`PENDING`; `PENDING+REQUEUED` where 23.02+ adds flags),
+        else, for a job slurmctld no longer holds, its last state in accounting; a job neither knows is
+        missing from the answer. slurmctld must answer (SlurmError otherwise): a job it holds may run again
+        whatever accounting says of an earlier run (a requeued job's last record says PREEMPTED or REQUEUED
+        until slurmdbd hears of the new one), and a job it no longer holds never runs again."""
         wanted, out = set(job_ids), {}
-        try:
-            for j in json.loads(self._run("squeue", "--json")).get("jobs", []):
-                state = j.get("job_state")
-                state = state[0] if isinstance(state, list) and state else state      # 23.02+: a list
-                if j.get("job_id") in wanted and isinstance(state, str):
-                    out[int(j["job_id"])] = state
-        except (SlurmError, ValueError):
-            pass
+        for j in jobrecord.jobs_of(self._json("squeue", "--json", "--all")):
+            job = j.get("job_id")
+            if type(job) is int and job in wanted:
+                out[job] = "+".join(jobrecord.state_words(j.get("job_state")))
         rest = sorted(wanted - set(out))
         if rest:
-            try:
+            try:       # two fields no user writes: the id and Slurm's state word (`CANCELLED by 0`)
                 rows = self._run("sacct", "-X", "-n", "-P", "-j", ",".join(map(str, rest)), "-o", "JobIDRaw,State")
             except SlurmError:
                 rows = ""
             for line in rows.splitlines():
                 raw, _, state = line.partition("|")
-                if raw.strip().isdigit() and state.split():
-                    out.setdefault(int(raw), state.split()[0])      # "CANCELLED by 0" -> CANCELLED
+                if raw.strip().isdigit() and int(raw) in wanted and state.split():
+                    out.setdefault(int(raw), state.split()[0])
         return out
 
     def signal_batch(self, job_id: int, signum: int) -> None:
@@ -244,87 +249,11 @@ def default_control() -> SlurmControl:
     return CliSlurm()
 
 
-# ---- `scontrol show job -d -o`: the job's instance and its GPU allocation, by the trusted job id ----------
-@dataclass(frozen=True)
-class JobRecord:
-    """What the root side takes from slurmctld about a job (never from the job's environment).
-    `submit_time` is Slurm's SubmitTime as printed (reset by every requeue); `gpus` maps node name -> the
-    GPU indices (gres.conf File= order) allocated to the job there."""
-    job: int
-    uid: int
-    gid: int
-    submit_time: str
-    restarts: int
-    state: str
-    gpus: dict[str, list[int]]
-    partition: str = ""         # where the job runs: the site policy's key (policy.py)
-    qos: str = ""
-
-
-_GRES_IDX = re.compile(r"(?:^|,)gpu(?::[^:(,]+)?:\d+\(IDX:([^)]*)\)")
-_NODE_ALLOC = re.compile(r"\bNodes=(\S+)\s+CPU_IDs=\S*\s+Mem=\S*\s+GRES=(\S*)")
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """node[1-3,5],gpu7 -> node1 node2 node3 node5 gpu7 (Slurm's hostlist syntax, one bracket per name)."""
-    out: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", expr):
-        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
-        if not prefix:
-            continue
-        if ranges is None:
-            out.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{prefix}{i:0{width}d}{suffix}")
-    return out
-
-
-def parse_indices(text: str) -> list[int]:
-    """0-1,3 -> [0, 1, 3]"""
-    out: list[int] = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return out
-
-
-def parse_gpu_allocation(text: str) -> dict[str, list[int]]:
-    """Per-node GPU indices of `scontrol show job -d` (either layout: one line or many). Shapes seen:
-    22.05 `Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)`; 24.11 `Nodes=gpu[01-02] CPU_IDs=0-3 Mem=1024
-    GRES=gpu:a100:2(IDX:0-1)`; several types `GRES=gpu:a100:1(IDX:0),gpu:v100:1(IDX:2)`; none: `GRES=`."""
-    out: dict[str, list[int]] = {}
-    for nodes, gres in _NODE_ALLOC.findall(text):
-        idx = sorted({i for m in _GRES_IDX.finditer(gres) for i in parse_indices(m.group(1))})
-        for node in expand_hostlist(nodes):
-            out[node] = idx
-    return out
-
-
-def parse_job_record(text: str, job_id: int) -> JobRecord:
-    def field(name: str) -> str:
-        m = re.search(rf"(?:^|\s){name}=(\S*)", text)
-        if not m:
-            raise SlurmError(f"scontrol show job has no {name}", job=job_id)
-        return m.group(1)
-
-    if field("JobId") != str(job_id):
-        raise SlurmError(f"scontrol show job answered for job {field('JobId')}", job=job_id)
-    uid, gid = re.search(r"\((\d+)\)", field("UserId")), re.search(r"\((\d+)\)", field("GroupId"))
-    if not uid or not gid:
-        raise SlurmError("scontrol show job: UserId/GroupId without a number", job=job_id)
-    optional = {k: m.group(1) for k in ("Partition", "QOS") if (m := re.search(rf"(?:^|\s){k}=(\S*)", text))}
-    return JobRecord(job_id, int(uid.group(1)), int(gid.group(1)), field("SubmitTime"),
-                     int(field("Restarts")), field("JobState"), parse_gpu_allocation(text),
-                     optional.get("Partition", ""), optional.get("QOS", ""))
-
-
+# ---- the job as slurmctld knows it, by the trusted job id (slurm/jobrecord.py) ----------------------------
 def job_record(job_id: int, timeout_s: float = 20.0) -> JobRecord:
-    """The job as slurmctld knows it (the one call the root agent makes to learn its job's instance)."""
-    return parse_job_record(CliSlurm(timeout_s)._run("scontrol", "show", "job", "-d", "-o", str(job_id)), job_id)
+    """The job's instance, partition, QOS, restart count, nodes and GPUs (the one call the root agent makes
+    to learn them), from Slurm's JSON, never from the text form that holds the job's name and paths."""
+    return jobrecord.parse_record(CliSlurm(timeout_s).job(job_id), job_id)
 
 
 def other_node_addresses(nodes: list[str], hostname: str, slurm: "CliSlurm | None" = None) -> set[str]:
@@ -348,7 +277,8 @@ def other_node_addresses(nodes: list[str], hostname: str, slurm: "CliSlurm | Non
 def this_node(candidates: list[str], hostname: str, local: set[str] | None = None,
               timeout_s: float = 20.0) -> str | None:
     """Which of the job's nodes this process runs on: by NodeName or NodeHostname first, else by NodeAddr
-    among the local addresses (never from the job's environment, SLURMD_NODENAME included)."""
+    among the local addresses (never from the job's environment, SLURMD_NODENAME included). Node records
+    are read as text: every field there is the admin's or the node's, none a job's."""
     if not candidates:
         return None
     short = hostname.split(".")[0]

@@ -1,5 +1,5 @@
-"""What slurmctld says about jobs it still knows, in one `squeue -O` call (no accounting, no JSON: 22.05's
-`squeue --json` reports restart_cnt 0 after a requeue, `-O restartcnt` the real count).
+"""What slurmctld says about jobs it still knows, in one `squeue -O` call for the CLI (no accounting, no JSON:
+22.05's `squeue --json` ignores -j and -u and lists every job).
 
 The fields are joined by a separator no Slurm name can hold; the comment fields come last (free text).
 """
