@@ -48,6 +48,7 @@ class Agent:
     policy = JobPolicy()                 # the site policy for the job's partition and QOS (policy.py)
     interval_s = 0                       # the interval this task uses (the shim's, after the policy)
     last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
+    prepared: tuple[int, bool, float] | None = None   # the last PREPARE let through: epoch, final, when
     store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
     store_wait_s = 120.0                 # Config.store_wait_s
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
@@ -390,13 +391,24 @@ class Agent:
 
     def op_prepare(self, m: dict, fds: list[int]) -> dict:
         self._epoch_began(m)
+        # `final` is fixed here, where the policy judged it: CAPTURE takes this one, never its own (a
+        # "final" PREPARE, exempt from min_interval, followed by a periodic CAPTURE was a periodic capture
+        # as often as the job liked)
+        self.prepared = (_epoch(m), m.get("final") is True, time.monotonic())
         if self.events:
             self.events.preparing(_epoch(m))
         with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):
             return self.pipeline.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
-        final = validate.flag(m.get("final", True), "final")
+        epoch, said = _epoch(m), validate.flag(m.get("final", True), "final")
+        if self.prepared is None or self.prepared[0] != epoch:
+            raise ProtocolError(f"CAPTURE of epoch {epoch} without its PREPARE", epoch=epoch)
+        _, final, prepared_at = self.prepared
+        if "final" in m and said != final:
+            raise ProtocolError(f"CAPTURE says final={said}, its PREPARE said final={final}", epoch=epoch)
+        if not final:       # counted from its PREPARE, resumed or not (an aborted capture was one too)
+            self.last_periodic = prepared_at
         self.reporter.epoch_is_final(_epoch(m), final)
         with self.reporter.recorded(_epoch(m), "capture", self.pipeline):
             reply = self.pipeline.capture(_epoch(m), final=final)
@@ -406,7 +418,6 @@ class Agent:
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
         if self.events:
-            self.last_periodic = self.events.stopped_at.get(_epoch(m), self.last_periodic)
             self.events.resumed(_epoch(m))
         with self.reporter.recorded(_epoch(m), "resume", self.pipeline):
             reply = self.pipeline.resume(_epoch(m))

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration.slurmjob import WORK_ROOT, job_field, run, submit, workdir
+from tests.integration.slurmjob import WORK_ROOT, job_field, run, site_config, submit, workdir
 from tests.integration.test_security import _agent_and_attacker
 
 STORE = Path("/var/lib/slurmckpt/images")
@@ -90,6 +90,39 @@ def test_agent_answers_infinity_and_deep_nesting_frames_at_once() -> None:
         results = _agent_and_attacker("ckptuser1", "ckptuser1", code)
         assert results[0][1] == "ok", results
         assert results[1][1] == "ProtocolError" and results[1][2] < 5, (body[:40], results)
+
+
+def test_a_final_prepare_does_not_license_a_periodic_capture() -> None:
+    """Under a site minimum interval of 1 h the job's own (malicious) wrapper, after one periodic capture,
+    is refused a second periodic PREPARE; it then sends a "final" PREPARE (final captures are never refused
+    for their timing) and a periodic CAPTURE, which the old agent ran: a periodic capture, the tree running
+    on, as often as it liked. The real agent refuses that CAPTURE."""
+    attack = """
+import tempfile
+out, _ = tempfile.mkstemp()      # the wrapper's stdout, which a capture snapshots, is a file of the user's
+os.dup2(out, 1)
+os.dup2(out, 2)
+r, w = os.pipe()
+attempt("launch", "launch", [0, w, w], argv=["sleep", "120"], env={"PATH": "/usr/bin:/bin"}, cwd="/tmp")
+os.close(w)
+e = [ch.call("allocate_epoch")["epoch"] for _ in range(2)]
+attempt("prepare periodic", "prepare", epoch=e[0], final=False, trigger="interval")
+attempt("capture periodic", "capture", epoch=e[0], final=False)
+attempt("resume", "resume", epoch=e[0])
+attempt("second periodic prepare", "prepare", epoch=e[1], final=False, trigger="manual")
+attempt("final prepare", "prepare", epoch=e[1], final=True, trigger="sigterm")
+attempt("periodic capture after it", "capture", epoch=e[1], final=False)
+attempt("abort", "abort", epoch=e[1])
+"""
+    with site_config("policy:\n  default: {min_interval: 1h}\n"):
+        results = {name: (kind, detail) for name, kind, detail in
+                   _agent_and_attacker("ckptuser1", "ckptuser1", attack)}
+    assert results["launch"][0] == "ok" and results["capture periodic"][0] == "ok", results
+    assert results["second periodic prepare"][0] == "PermissionDenied", results      # the policy holds
+    assert results["final prepare"][0] == "ok", results
+    kind, detail = results["periodic capture after it"]
+    assert kind == "ProtocolError" and "its PREPARE said final=True" in detail, \
+        f"a final PREPARE let a periodic capture through: {results['periodic capture after it']}"
 
 
 # ---- another user against a running job's coordinator ------------------------------------------------------
