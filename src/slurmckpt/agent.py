@@ -25,7 +25,7 @@ from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import durable, ipc, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
-from slurmckpt.launch import Credentials, init_home, spawn_tree
+from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.restore import restore_rank
@@ -53,6 +53,7 @@ class Agent:
     store_wait_s = 120.0                 # Config.store_wait_s
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
+    srun_relay: str | None = None        # the batch step: its wrapper's srun relay (srun_relay.py)
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -67,6 +68,7 @@ class Agent:
         self.store.ensure()
         self.store_policy = StorePolicy.from_config(config)
         self.store_wait_s = config.store_wait_s   # staging, compression, quotas (rank_images.py)
+        self.srun_relay = self._relay_path() if ident.step == "batch" else None
         # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
         self.slurm_job = slurm_job
         self.instance = None if slurm_job is None else JobInstance(
@@ -190,7 +192,7 @@ class Agent:
         if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
                     **({"warning": why_not} if why_not else {}), **self._policy_plan(),
-                    "tree_procs": str(self.cgroup.path / "cgroup.procs")}
+                    "tree_procs": str(self.cgroup.path / "cgroup.procs"), **self._relay_plan()}
         me = rank_name(self.pipeline.step, self.ident.rank)
         if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
             epochs = []
@@ -203,8 +205,22 @@ class Agent:
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
-                "step": self.pipeline.step,
+                "step": self.pipeline.step, **self._relay_plan(),
                 **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
+
+    def _relay_plan(self) -> dict:
+        return {"srun_relay": self.srun_relay} if self.srun_relay else {}
+
+    def _relay_path(self) -> str | None:
+        """The batch step: where its wrapper serves the srun relay, the same path after every requeue (a
+        restored launcher's environment names it), in a directory only the job's user can enter
+        (launch.relay_dir; docs/security.md, "The srun relay and the step token")."""
+        try:
+            where = relay_dir(self.config.run_dir, self.ident.uid, self.ident.gid)
+        except (OSError, SlurmckptError) as e:
+            log.warning("no srun relay directory (%s): an MPI launcher's srun runs unrelayed", e)
+            return None
+        return os.path.join(where, str(self.ident.job))
 
     def _adopt_step(self, token: object, epochs: list[dict]) -> None:
         """The step of the newest committed epoch whose record at this rank carries `token` becomes this
