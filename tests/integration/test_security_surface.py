@@ -1,0 +1,95 @@
+"""What users write that root reads or shows: a job's summary (root's file its user can read but not
+change; root's CLI parses it defensively and is not steered by a file root did not write), TIME_WAIT
+sockets of another user on the ports a restore frees, and user strings in root's agent log. Each test
+fails if its attack works."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import sys
+from pathlib import Path
+
+from tests.integration.slurmjob import WORK_ROOT, run, submit, workdir
+
+PY = sys.executable
+CLI = "/opt/slurmckpt/venv/bin/slurmckpt"
+SUMMARIES = Path("/var/lib/slurmckpt/summaries")
+
+# ckptuser1 against its own job's summary: read it, then try every way to change or replace it
+SUMMARY_ATTACK = r"""
+import errno, json, os, sys
+path = sys.argv[1]
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e))
+out = {"uid": os.getuid()}
+try:
+    out["job"] = json.load(open(path))["job"]
+except OSError as e:
+    out["job"] = errno.errorcode.get(e.errno, str(e))
+out["write"] = attempt(lambda: os.open(path, os.O_WRONLY))
+out["chmod"] = attempt(lambda: os.chmod(path, 0o600))
+out["rename"] = attempt(lambda: os.rename(path, path + ".mine"))
+out["unlink"] = attempt(lambda: os.unlink(path))
+out["create"] = attempt(lambda: os.open(path + ".new", os.O_WRONLY | os.O_CREAT, 0o600))
+print(json.dumps(out))
+"""
+
+
+def _as(user: str, code: str, *args: str) -> dict:
+    script = WORK_ROOT / user / "surface_attack.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(code)
+    script.chmod(0o644)
+    return json.loads(run("runuser", "-u", user, "--", PY, str(script), *args).stdout.strip().splitlines()[-1])
+
+
+def _cluster() -> str:
+    return re.search(r"ClusterName\s*=\s*(\S+)", run("scontrol", "show", "config").stdout).group(1)
+
+
+def test_a_user_cannot_rewrite_its_summary_and_the_cli_is_not_steered_by_one_root_did_not_write() -> None:
+    """The old summary was the job user's file (0400, but theirs to chmod and rewrite), and root's CLI
+    parsed it: deep nesting crashed `slurmckpt status`, and a run record saying "disabled" made root's
+    `slurmckpt checkpoint` refuse a job that runs under slurmckpt. Now the file is root's, the user reads it
+    (ACL) and can neither write, chmod, replace nor remove it, other users cannot read it, and a file root
+    did not write (the user's, as the old one was) or cannot parse is ignored, never a crash."""
+    wd = workdir("ckptuser1", "surface-summary")
+    job = submit("ckptuser1", wd, "#!/bin/bash\nsleep 300\n", "--checkpoint-interval=10s")
+    try:
+        job.wait_output(r"committed \(interval\)", timeout=120)
+        path = SUMMARIES / _cluster() / f"{job.id}.json"
+        st = path.stat()
+        assert (st.st_uid, st.st_mode & 0o777) == (0, 0o440), (st.st_uid, oct(st.st_mode))
+        mine = _as("ckptuser1", SUMMARY_ATTACK, str(path))
+        assert mine["uid"] == pwd.getpwnam("ckptuser1").pw_uid and mine["job"] == job.id, mine
+        assert (mine["write"], mine["chmod"], mine["rename"], mine["unlink"], mine["create"]) == \
+            ("EACCES", "EPERM", "EACCES", "EACCES", "EACCES"), f"the job's user could change its summary: {mine}"
+        assert _as("ckptuser2", SUMMARY_ATTACK, str(path))["job"] == "EACCES"
+        assert re.search(r"newest checkpoint: epoch \d+", run(CLI, "status", str(job.id), user="ckptuser1").stdout)
+
+        # what a user could write before: deep nesting, then a run record that disables checkpoints, in a
+        # file of its own (root puts them there here: the user no longer can)
+        saved = path.read_bytes()
+        pw = pwd.getpwnam("ckptuser1")
+        path.write_bytes(b"[" * 200_000)
+        p = run(CLI, "status", str(job.id), check=False)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        summary = json.loads(saved)
+        summary["run"]["disabled"] = "forged by the job's user"
+        path.write_text(json.dumps(summary))
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+        os.chmod(path, 0o600)
+        p = run(CLI, "status", str(job.id))
+        assert "forged" not in p.stdout and "no checkpoint summary visible" in p.stdout, p.stdout
+        p = run(CLI, "checkpoint", str(job.id), check=False)
+        assert p.returncode == 0 and "disabled" not in p.stdout + p.stderr, p.stdout + p.stderr
+        job.wait_output(r"committed \(manual\)", timeout=90)
+        assert job.state() == "RUNNING"
+    finally:
+        run("scancel", str(job.id), check=False)
