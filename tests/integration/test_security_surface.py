@@ -9,6 +9,7 @@ import os
 import pwd
 import re
 import sys
+import time
 from pathlib import Path
 
 from tests.integration.slurmjob import WORK_ROOT, run, submit, workdir
@@ -91,5 +92,77 @@ def test_a_user_cannot_rewrite_its_summary_and_the_cli_is_not_steered_by_one_roo
         assert p.returncode == 0 and "disabled" not in p.stdout + p.stderr, p.stdout + p.stderr
         job.wait_output(r"committed \(manual\)", timeout=90)
         assert job.state() == "RUNNING"
+    finally:
+        run("scancel", str(job.id), check=False)
+
+
+# A job listening on one loopback address of its node; ckptuser2 leaves a TIME_WAIT entry on the same port
+# number at another address of that node (its own connection), right before the job is requeued.
+LISTENING_JOB = r"""
+import os, socket, time
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(4)
+with open("port.tmp", "w") as f:
+    f.write(str(srv.getsockname()[1]))
+os.rename("port.tmp", "port")
+for i in range(600):
+    print(f"tw step {i}", flush=True)
+    time.sleep(0.2)
+"""
+OTHER_TIME_WAIT = r"""
+import json, socket, sys
+port = int(sys.argv[1])
+srv = socket.socket()
+srv.bind(("127.0.0.2", port))
+srv.listen(1)
+client = socket.create_connection(("127.0.0.2", port))
+conn, _ = srv.accept()
+ends = ["127.0.0.2", port, *client.getsockname()]
+conn.close()                 # the accepted end closes first: its TIME_WAIT is at 127.0.0.2:port
+client.recv(1)
+client.close()
+print(json.dumps({"uid": __import__("os").getuid(), "ends": ends}))
+"""
+
+
+def _time_wait(node: str) -> set[tuple[str, int, str, int]]:
+    out = set()
+    for line in run("ip", "netns", "exec", node, "ss", "-Htan", "state", "time-wait").stdout.splitlines():
+        local, remote = line.split()[-2:]
+        (la, lp), (ra, rp) = (e.rsplit(":", 1) for e in (local, remote))
+        out.add((la.strip("[]").removeprefix("::ffff:"), int(lp), ra.strip("[]").removeprefix("::ffff:"), int(rp)))
+    return out
+
+
+def test_a_restore_frees_its_listening_port_of_its_own_time_wait_only() -> None:
+    """Before its restore binds the job's listener again, the agent destroyed every TIME_WAIT entry whose
+    local port had that number: ckptuser2's own, at another address of the node, went too. Now only the
+    job's own connections (recorded at the capture) are destroyed: ckptuser2's entry survives the restore,
+    which does not wait for it (it does not keep the job's address and port)."""
+    node = "node1"
+    wd = workdir("ckptuser1", "surface-timewait")
+    (wd / "listening.py").write_text(LISTENING_JOB)
+    job = submit("ckptuser1", wd, f"#!/bin/bash\n{PY} listening.py\n", "-w", node, "--checkpoint-interval=30m")
+    try:
+        job.wait_output(r"tw step 5\n", timeout=120)
+        port = int((wd / "port").read_text())
+        script = WORK_ROOT / "ckptuser2" / "surface_timewait.py"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(OTHER_TIME_WAIT)
+        script.chmod(0o644)
+        theirs = json.loads(run("ip", "netns", "exec", node, "runuser", "-u", "ckptuser2", "--", PY, str(script),
+                                str(port)).stdout.strip().splitlines()[-1])
+        assert theirs["uid"] == pwd.getpwnam("ckptuser2").pw_uid
+        ends = tuple(theirs["ends"])
+        t0 = time.monotonic()
+        assert ends in _time_wait(node), "ckptuser2 made no TIME_WAIT entry"
+        job.requeue()
+        job.wait_output(r"restored from checkpoint epoch", timeout=120)
+        still = ends in _time_wait(node)
+        assert time.monotonic() - t0 < 55, "too slow to tell: the entry would have timed out by itself"
+        assert still, f"ckptuser2's TIME_WAIT on port {port} was destroyed by the job's restore"
+        n = len(re.findall(r"tw step", job.text()))
+        job.wait_for(lambda: len(re.findall(r"tw step", job.text())) > n + 3, "the restored job running on", 60)
     finally:
         run("scancel", str(job.id), check=False)
