@@ -166,3 +166,30 @@ def test_a_restore_frees_its_listening_port_of_its_own_time_wait_only() -> None:
         job.wait_for(lambda: len(re.findall(r"tw step", job.text())) > n + 3, "the restored job running on", 60)
     finally:
         run("scancel", str(job.id), check=False)
+
+
+AGENT_LOGS = Path("/var/log/slurmckpt")
+FORGED = "2030-01-01 00:00:00,000 slurmckpt.agent job=1 step=batch rank=0 pid=1 INFO FORGED-BY-THE-JOB"
+
+
+def test_a_program_name_with_a_newline_forges_no_line_in_the_agent_log() -> None:
+    """The step's agent logs the program it launched (argv[0]) and its paths: a program whose name holds a
+    newline and a whole fake record. The agent's log shows the name escaped on the launch record's line;
+    no line of it starts with the fake record (on the old formatter it was a line of its own)."""
+    wd = workdir("ckptuser1", "surface-log")
+    name = "prog\n" + FORGED
+    script = ("#!/bin/bash\n"
+              f"name=$(printf {json.dumps(name)})\n"          # printf makes the \\n a newline
+              'cp /bin/true "./$name"\n'
+              'srun "./$name" && echo step-done\n')
+    job = submit("ckptuser1", wd, script, "--checkpoint-interval=30m")
+    try:
+        assert job.wait_done(timeout=120) == "COMPLETED", job.text()
+        assert "step-done" in job.text(), job.text()
+        text = "".join(p.read_text(errors="replace") for p in sorted(AGENT_LOGS.glob(f"agent-{job.id}.*.log")))
+        assert "FORGED-BY-THE-JOB" in text, "the name never reached the agent log: the test proves nothing"
+        forged = [line for line in text.splitlines() if line.startswith("2030-") or "FORGED" in line.split(" ")[0]]
+        assert not forged, f"a forged record in the agent log: {forged}"
+        assert f"launched ./prog\\n{FORGED}" in text, [l for l in text.splitlines() if "launched" in l]
+    finally:
+        run("scancel", str(job.id), check=False)

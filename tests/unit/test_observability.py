@@ -275,3 +275,44 @@ def test_no_syslog_daemon_falls_back_to_the_file_and_says_why(tmp_path: Path):
     handler = agentlog.handler_for(config, 9, "batch", 0)
     handler.close()
     assert "unreachable" in (tmp_path / "logs" / "agent-9.batch.0.log").read_text()
+
+
+FORGED = "2030-01-01 00:00:00,000 slurmckpt.agent job=1 step=batch rank=0 pid=1 INFO forged"
+
+
+@pytest.mark.parametrize("target", ["file", "syslog"])
+def test_user_strings_never_forge_a_record_in_the_agent_log(tmp_path: Path, target: str):
+    """argv[0], paths and criu's log of the user's files reach log records as they are: newlines, carriage
+    returns, escape sequences, line separators and bidi overrides. Every record is one line of printable
+    text (agentlog.escape in the formatter), its traceback included; on the old formatter the first record
+    was three lines, the second a forged record of its own."""
+    sink = None
+    if target == "syslog":
+        sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sink.bind(str(tmp_path / "log.sock"))
+        sink.settimeout(5)
+    config = Config.from_mapping({"log_dir": str(tmp_path / "logs"), "log_target": target,
+                                  "syslog_address": str(tmp_path / "log.sock")})
+    agentlog.setup(config, 9, "batch", 0)
+    log = logging.getLogger("slurmckpt.agent")
+    try:
+        log.info("launched %s as pid %d", f"./x\n{FORGED}\r\x1b[2J\u2028\u202e", 42)
+        try:
+            raise OSError(f"no such file: /home/u/a\n{FORGED}")
+        except OSError:
+            log.exception("restore failed")
+        data = (tmp_path / "logs" / "agent-9.batch.0.log").read_text() if sink is None else \
+            sink.recv(4096).decode() + "\n" + sink.recv(8192).decode()
+    finally:
+        for h in list(logging.getLogger().handlers):
+            h.close()
+            logging.getLogger().removeHandler(h)
+        if sink:
+            sink.close()
+    lines = data.rstrip("\n").split("\n")
+    assert len(lines) == 2 and not any(line.startswith("2030-") for line in lines), lines
+    assert "launched ./x\\n2030-01-01 00:00:00,000 slurmckpt.agent" in lines[0]
+    assert lines[0].rstrip("\x00").endswith("\\r\\x1b[2J\\u2028\\u202e as pid 42"), lines[0]
+    assert "restore failed\\nTraceback (most recent call last):\\n" in lines[1] and "\\n2030-01-01" in lines[1]
+    assert all(line.rstrip("\x00").isprintable() for line in lines)
+    assert agentlog.escape("plain text: ü ✓") == "plain text: ü ✓"
