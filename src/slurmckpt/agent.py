@@ -25,7 +25,7 @@ from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import durable, ipc, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
-from slurmckpt.launch import Credentials, init_home, spawn_tree
+from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.restore import restore_rank
@@ -49,10 +49,12 @@ class Agent:
     policy = JobPolicy()                 # the site policy for the job's partition and QOS (policy.py)
     interval_s = 0                       # the interval this task uses (the shim's, after the policy)
     last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
+    prepared: tuple[int, bool, float] | None = None   # the last PREPARE let through: epoch, final, when
     store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
     store_wait_s = 120.0                 # Config.store_wait_s
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
+    srun_relay: str | None = None        # the batch step: its wrapper's srun relay (srun_relay.py)
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -67,6 +69,7 @@ class Agent:
         self.store.ensure()
         self.store_policy = StorePolicy.from_config(config)
         self.store_wait_s = config.store_wait_s   # staging, compression, quotas (rank_images.py)
+        self.srun_relay = self._relay_path() if ident.step == "batch" else None
         # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
         self.slurm_job = slurm_job
         self.instance = None if slurm_job is None else JobInstance(
@@ -190,7 +193,7 @@ class Agent:
         if why_not is not None:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
                     **({"warning": why_not} if why_not else {}), **self._policy_plan(),
-                    "tree_procs": str(self.cgroup.path / "cgroup.procs")}
+                    "tree_procs": str(self.cgroup.path / "cgroup.procs"), **self._relay_plan()}
         me = rank_name(self.pipeline.step, self.ident.rank)
         if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
             epochs = []
@@ -203,8 +206,22 @@ class Agent:
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
-                "step": self.pipeline.step,
+                "step": self.pipeline.step, **self._relay_plan(),
                 **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
+
+    def _relay_plan(self) -> dict:
+        return {"srun_relay": self.srun_relay} if self.srun_relay else {}
+
+    def _relay_path(self) -> str | None:
+        """The batch step: where its wrapper serves the srun relay, the same path after every requeue (a
+        restored launcher's environment names it), in a directory only the job's user can enter
+        (launch.relay_dir; docs/security.md, "The srun relay and the step token")."""
+        try:
+            where = relay_dir(self.config.run_dir, self.ident.uid, self.ident.gid)
+        except (OSError, SlurmckptError) as e:
+            log.warning("no srun relay directory (%s): an MPI launcher's srun runs unrelayed", e)
+            return None
+        return os.path.join(where, str(self.ident.job))
 
     def _adopt_step(self, token: object, epochs: list[dict]) -> None:
         """The step of the newest committed epoch whose record at this rank carries `token` becomes this
@@ -394,13 +411,24 @@ class Agent:
 
     def op_prepare(self, m: dict, fds: list[int]) -> dict:
         self._epoch_began(m)
+        # `final` is fixed here, where the policy judged it: CAPTURE takes this one, never its own (a
+        # "final" PREPARE, exempt from min_interval, followed by a periodic CAPTURE was a periodic capture
+        # as often as the job liked)
+        self.prepared = (_epoch(m), m.get("final") is True, time.monotonic())
         if self.events:
             self.events.preparing(_epoch(m))
         with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):
             return self.pipeline.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
-        final = validate.flag(m.get("final", True), "final")
+        epoch, said = _epoch(m), validate.flag(m.get("final", True), "final")
+        if self.prepared is None or self.prepared[0] != epoch:
+            raise ProtocolError(f"CAPTURE of epoch {epoch} without its PREPARE", epoch=epoch)
+        _, final, prepared_at = self.prepared
+        if "final" in m and said != final:
+            raise ProtocolError(f"CAPTURE says final={said}, its PREPARE said final={final}", epoch=epoch)
+        if not final:       # counted from its PREPARE, resumed or not (an aborted capture was one too)
+            self.last_periodic = prepared_at
         self.reporter.epoch_is_final(_epoch(m), final)
         with self.reporter.recorded(_epoch(m), "capture", self.pipeline):
             reply = self.pipeline.capture(_epoch(m), final=final)
@@ -410,7 +438,6 @@ class Agent:
 
     def op_resume(self, m: dict, fds: list[int]) -> dict:
         if self.events:
-            self.last_periodic = self.events.stopped_at.get(_epoch(m), self.last_periodic)
             self.events.resumed(_epoch(m))
         with self.reporter.recorded(_epoch(m), "resume", self.pipeline):
             reply = self.pipeline.resume(_epoch(m))

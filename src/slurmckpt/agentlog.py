@@ -2,7 +2,9 @@
 task, `<log_dir>/agent-<job>.<step>.<rank>.log`, rotated by size (`log_max_bytes`, `log_backups`), and every
 agent start removes the files of tasks older than `log_keep_days`; `log_target: syslog` sends the records to
 `syslog_address` (/dev/log, which journald reads on systemd hosts) with the tag `slurmckpt-agent`.
-Every record names job, step, rank and pid.
+Every record names job, step, rank and pid, and is one line of printable text: records carry strings the
+job's user chose (argv[0], paths, criu's log of the user's files), so the formatter (`OneLine`) escapes
+every control character, newlines included (`escape`): no user string forges a record.
 """
 from __future__ import annotations
 
@@ -18,6 +20,26 @@ from pathlib import Path
 from slurmckpt.config import Config
 
 FORMAT = "%(name)s job={job} step={step} rank={rank} pid=%(process)d %(levelname)s %(message)s"
+
+
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape(text: str) -> str:
+    """`text` as one line of printable characters: newline, carriage return and tab as \\n \\r \\t, any other
+    character Python does not print (C0/C1 controls, DEL, escape sequences, line separators, bidi overrides)
+    as \\xNN, \\uNNNN or \\UNNNNNNNN."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else
+                   f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}") for c in text)
+
+
+class OneLine(logging.Formatter):
+    """Each record, its traceback included, as one escaped line (`escape`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape(super().format(record))
 
 
 def task_log_path(config: Config, job: int, step: str, rank: int) -> Path:
@@ -39,12 +61,12 @@ def handler_for(config: Config, job: int, step: str, rank: int) -> logging.Handl
                                                          "logging to this file"}))
             return handler
         handler.ident = "slurmckpt-agent: "
-        handler.setFormatter(logging.Formatter(fields))
+        handler.setFormatter(OneLine(fields))
         return handler
     Path(config.log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(task_log_path(config, job, step, rank),
                                                    maxBytes=config.log_max_bytes, backupCount=config.log_backups)
-    handler.setFormatter(logging.Formatter("%(asctime)s " + fields))
+    handler.setFormatter(OneLine("%(asctime)s " + fields))
     return handler
 
 

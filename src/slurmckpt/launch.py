@@ -157,6 +157,34 @@ def init_home(run_dir: str, name: str, creds: Credentials) -> str:
     return path
 
 
+def relay_dir(run_dir: str, uid: int, gid: int) -> str:
+    """`<run_dir>/srun-relay/<uid>`: where the user's batch wrappers serve their srun relays (srun_relay.py).
+    Made by root in root's 0755 `<run_dir>/srun-relay`, so no other user can create it first or put anything in
+    it; the user's own, mode 0700, so only the user binds, connects or removes there. An entry already there
+    (a file or a symlink can only be root's) that is no directory is refused, never followed."""
+    os.makedirs(run_dir, mode=0o755, exist_ok=True)
+    _require_root_dir(run_dir)
+    parent = os.path.join(run_dir, "srun-relay")
+    try:
+        os.mkdir(parent, 0o755)
+    except FileExistsError:
+        pass
+    _require_root_dir(parent, fix=True)
+    path = os.path.join(parent, str(uid))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionDenied("not a directory (refusing a symlink or file)", path=path)
+    if st.st_uid != uid or st.st_gid != gid:
+        os.chown(path, uid, gid, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
 def _require_root_dir(path: str, fix: bool = False) -> None:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):

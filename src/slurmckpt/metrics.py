@@ -6,6 +6,12 @@ renders the whole node's metrics into `metrics_textfile` by atomic rename (node_
 file). Counters and histograms only grow (they restart from 0 when run_dir, a tmpfs, is emptied at boot,
 which Prometheus reads as a counter reset). Gauges are per agent: an entry whose agent process is gone
 (psutil: pid and start time) no longer counts.
+
+Label values come from a fixed set (`Metric.values`): what a job chooses (a trigger or stage its own
+coordinator names) is counted as "other" when it is none of them, so no job adds series. Labels the site
+names (policy rules) keep at most MAX_LABEL_VALUES values each. The state file is read whole up to
+MAX_STATE_BYTES and checked entry by entry; one that cannot be read back (too large, not JSON, not shaped
+so) starts afresh, which Prometheus reads as a counter reset, rather than stopping every agent of the node.
 """
 from __future__ import annotations
 
@@ -22,9 +28,20 @@ from typing import Iterator
 
 import psutil
 
+from slurmckpt.triggers import TRIGGERS
+
 log = logging.getLogger("slurmckpt.metrics")
 
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+OTHER = "other"             # a label value outside the metric's set
+MAX_LABEL_VALUES = 32       # values of a label the site names (past it: "other")
+MAX_GAUGE_ENTRIES = 65536   # agents of a node that a gauge keeps (they are live processes)
+MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger state file is not ours
+# The pipeline's stages and the coordinator's phases (pipeline.py, coordinator/server.py; a unit test keeps
+# them in step), and the triggers of captures (triggers.TRIGGERS)
+STAGES = ("check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle", "drain-output",
+          "record", "dump", "snapshot-output", "persist", "size", "prepare", "capture", "resume", "allocate",
+          "membership", "commit")
 
 
 @dataclass(frozen=True)
@@ -33,21 +50,30 @@ class Metric:
     kind: str            # counter | gauge | histogram
     help: str
     label: str = ""      # the one label a counter is split by ("" = none)
+    values: tuple[str, ...] = ()     # its values (any other counts as "other"); () = the site's, capped
+
+    def label_value(self, value: str, present: dict) -> str:
+        """`value` as this counter records it, given the values it has (`present`)."""
+        if not self.label:
+            return ""
+        if self.values:
+            return value if value in self.values else OTHER
+        return value if value in present or len(present) - (OTHER in present) < MAX_LABEL_VALUES else OTHER
 
 
 METRICS = (
     Metric("slurmckpt_captures_total", "counter", "Ranks captured on this node (images dumped), by trigger.",
-           "trigger"),
+           "trigger", (*TRIGGERS, OTHER)),
     Metric("slurmckpt_commits_total", "counter", "Checkpoint epochs committed by agents on this node (one per "
-           "job and epoch), by trigger.", "trigger"),
+           "job and epoch), by trigger.", "trigger", (*TRIGGERS, OTHER)),
     Metric("slurmckpt_capture_failures_total", "counter", "Capture failures recorded by agents on this node, by "
-           "the pipeline stage or coordinator phase that failed.", "stage"),
+           "the pipeline stage or coordinator phase that failed.", "stage", (*STAGES, OTHER)),
     Metric("slurmckpt_captured_bytes_total", "counter", "Bytes of checkpoint images written by ranks on this "
            "node."),
     Metric("slurmckpt_stall_seconds", "histogram", "How long a periodic capture stopped a rank's tree: from "
            "PREPARE (GPU lock, freeze) to RESUME (thaw)."),
     Metric("slurmckpt_restores_total", "counter", "Restores of a checkpoint on this node, by result (ok, "
-           "failed).", "result"),
+           "failed).", "result", ("ok", "failed", OTHER)),
     Metric("slurmckpt_restore_seconds", "histogram", "Time to restore a rank from a committed checkpoint."),
     Metric("slurmckpt_policy_refusals_total", "counter", "Captures or tasks refused by the site policy, by "
            "rule.", "rule"),
@@ -129,7 +155,8 @@ class NodeMetrics:
     def count(self, name: str, label: str = "", by: float = 1) -> None:
         def change(state: dict) -> None:
             counters = state.setdefault("counters", {}).setdefault(name, {})
-            counters[label] = counters.get(label, 0) + by
+            key = BY_NAME[name].label_value(label, counters)
+            counters[key] = counters.get(key, 0) + by
         self._update(name, change)
 
     def observe(self, name: str, seconds: float) -> None:
@@ -170,8 +197,7 @@ class NodeMetrics:
         fd = os.open(self.state, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX)
-            raw = os.read(fd, 1 << 22)
-            state = json.loads(raw) if raw.strip() else {}
+            state = _read_state(fd, self.state)
             yield state
             data = json.dumps(state, sort_keys=True).encode()
             os.lseek(fd, 0, os.SEEK_SET)
@@ -179,6 +205,60 @@ class NodeMetrics:
             os.write(fd, data)
         finally:
             os.close(fd)
+
+
+def _read_state(fd: int, path: Path) -> dict:
+    """The node's state from the locked file: whole, and only what `_checked` keeps; {} (and a warning)
+    when it cannot be read back, so that the next update starts afresh instead of failing forever."""
+    size = os.fstat(fd).st_size
+    if size > MAX_STATE_BYTES:
+        log.warning("metrics state %s is %d bytes, more than slurmckpt writes: starting afresh", path, size)
+        return {}
+    raw = b""
+    while chunk := os.read(fd, 1 << 20):
+        raw += chunk
+    try:
+        state = json.loads(raw) if raw.strip() else {}
+    except (ValueError, RecursionError) as e:
+        log.warning("metrics state %s unreadable (%s): starting afresh", path, e)
+        return {}
+    return _checked(state)
+
+
+def _number_or_none(value: object) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
+
+
+def _checked(state: object) -> dict:
+    """Known metrics only, each shaped as this module writes it and within its bounds."""
+    if not isinstance(state, dict):
+        return {}
+    out: dict = {"counters": {}, "histograms": {}, "gauges": {}}
+    for name, values in (state.get("counters") or {}).items() if isinstance(state.get("counters"), dict) else ():
+        m = BY_NAME.get(name)
+        if m is None or m.kind != "counter" or not isinstance(values, dict):
+            continue
+        kept: dict = {}
+        for key, value in values.items():
+            if isinstance(key, str) and _number_or_none(value) is not None:
+                key = m.label_value(key, kept) if m.label else ""
+                kept[key] = kept.get(key, 0) + value
+        out["counters"][name] = kept
+    for name, h in (state.get("histograms") or {}).items() if isinstance(state.get("histograms"), dict) else ():
+        m = BY_NAME.get(name)
+        if (m and m.kind == "histogram" and isinstance(h, dict) and isinstance(h.get("buckets"), list)
+                and len(h["buckets"]) == len(SECONDS_BUCKETS) and all(type(c) is int for c in h["buckets"])
+                and type(h.get("count")) is int and _number_or_none(h.get("sum")) is not None):
+            out["histograms"][name] = {"buckets": h["buckets"], "sum": h["sum"], "count": h["count"]}
+    for name, entries in (state.get("gauges") or {}).items() if isinstance(state.get("gauges"), dict) else ():
+        m = BY_NAME.get(name)
+        if m is None or m.kind != "gauge" or not isinstance(entries, dict):
+            continue
+        out["gauges"][name] = dict(list(
+            (task, e) for task, e in entries.items()
+            if isinstance(task, str) and isinstance(e, dict) and _number_or_none(e.get("value")) is not None
+            and type(e.get("pid")) is int and _number_or_none(e.get("started")) is not None)[-MAX_GAUGE_ENTRIES:])
+    return out
 
 
 def publish(path: Path, text: str) -> None:
@@ -198,7 +278,12 @@ def publish(path: Path, text: str) -> None:
 
 def read_state(state_dir: str, node: str | None = None) -> dict:
     """For `slurmckpt metrics`: the node's state as last written (empty when no agent ran here)."""
+    path = Path(state_dir) / f"metrics-{node or node_name()}.json"
     try:
-        return json.loads((Path(state_dir) / f"metrics-{node or node_name()}.json").read_text() or "{}")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return {}
+    try:
+        return _read_state(fd, path)
+    finally:
+        os.close(fd)

@@ -272,7 +272,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch)),
         "pmi": [] if replay else _pmi_socket(p, pids),
         "srun_standins": [] if replay else _standin_sockets(p, pids),
-        "tcp_listen": [] if replay else tcp_ports.listening(pids),     # freed of TIME_WAIT before a restore
+        "tcp_ports": {} if replay else tcp_ports.record(pids),     # their own TIME_WAIT gone before a restore
         **({"step_token": p.step_token} if p.step_token else {}),
         **({} if replay else capture_checks.tcp_leaving_the_node(p, pids)),
     }

@@ -81,7 +81,7 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
     hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
                           f"slurmckpt job {p.store.job}")
-    tcp_ports.free(manifest.get("tcp_listen", []))     # a TIME_WAIT on a listening port fails criu's bind
+    tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
         with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):

@@ -7,6 +7,12 @@ the stand-in, which mpirun waits for, is. Each stand-in's socket is registered w
 dumps it as external and, at a restore, puts a new socket in its place whose other end comes back here
 (`adopt`): the restored stand-in resends its request and the real srun runs again, its step restoring the
 old step's images by the token it carries (SLURMCKPT_STEP_TOKEN; agent.py `plan`).
+
+The relay listens on a file system socket whose path the agent gives (`plan`'s `srun_relay`:
+`<run_dir>/srun-relay/<uid>/<job>`), the same after a requeue: a restored launcher's environment names it. Its
+directory is the user's, 0700, in root's `<run_dir>/srun-relay` (launch.relay_dir): no other user can bind the
+name first or connect to it. An abstract name could be neither: every name bound in a network namespace is
+listed in /proc/net/unix, and anyone there may bind a free one.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -33,44 +40,79 @@ STEP_TOKEN = "SLURMCKPT_STEP_TOKEN"     # in the real srun's environment: its st
 Call = Callable[..., dict]
 
 
-def relay_name(job: int, uid: int) -> str:
-    """One name per job and user on a node, the same after a requeue: a restored mpirun's environment names
-    it, and the sruns it starts later find the new wrapper there."""
-    return f"slurmckpt-srun-{job}-{uid}"
-
-
 class SrunRelay:
-    def __init__(self, name: str, standin_dir: str, call: Call, say: Callable[[str], None]) -> None:
-        self.name, self.standin_dir, self.call, self.say = name, standin_dir, call, say
+    def __init__(self, path: str, standin_dir: str, call: Call, say: Callable[[str], None]) -> None:
+        self.name, self.standin_dir, self.call, self.say = path, standin_dir, call, say
         self.sessions: dict[int, Session] = {}       # real srun pid -> its session
         self.real = user_srun()                     # the task's PATH: the stand-in is not in it
         self.lock = threading.Lock()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self.listener.bind("\0" + name)
+            self._bind(path)
             self.listener.listen(16)
+            self.inode = os.lstat(path).st_ino
         except OSError:
             self.listener.close()
             raise
         threading.Thread(target=self._accept, daemon=True, name="srun-relay").start()
 
+    def _bind(self, path: str) -> None:
+        """A socket left at the path by an earlier start of the job (no one listens: refused) is replaced;
+        one still served (that start's wrapper on its way out) raises EADDRINUSE."""
+        try:
+            self.listener.bind(path)
+            return
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)
+                self.listener.bind(path)
+                return
+        raise OSError(errno.EADDRINUSE, "the srun relay is still served by an earlier start", path)
+
     @classmethod
-    def start(cls, job: int, standin_dir: str, call: Call, say: Callable[[str], None]) -> SrunRelay | None:
-        """None where no stand-in is installed or the name is taken (then an MPI launcher's srun is the real
-        one, and such a batch step is replayed as before)."""
+    def start(cls, path: object, standin_dir: str, call: Call, say: Callable[[str], None]) -> SrunRelay | None:
+        """None where no stand-in is installed, the agent gave no path or the path is not in a directory of
+        our own that only we can enter (then an MPI launcher's srun is the real one, and such a batch step
+        is replayed as before)."""
         if standin_dir == "auto":
             standin_dir = os.path.join(sys.prefix, "libexec", "slurmckpt", "standin")
-        if not os.access(os.path.join(standin_dir, SRUN), os.X_OK):
+        if not os.access(os.path.join(standin_dir, SRUN), os.X_OK) or not isinstance(path, str):
+            return None
+        try:
+            st = os.lstat(os.path.dirname(path))
+        except OSError as e:
+            log.warning("srun relay not started (%s): mpirun's srun runs unrelayed", e)
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            log.warning("srun relay not started: %s is not a directory only we can enter", os.path.dirname(path))
             return None
         for attempt in range(20):       # the previous start's wrapper may still be on its way out
             try:
-                return cls(relay_name(job, os.getuid()), standin_dir, call, say)
+                return cls(path, standin_dir, call, say)
             except OSError as e:
                 if e.errno != errno.EADDRINUSE or attempt == 19:
                     log.warning("srun relay not started (%s): mpirun's srun runs unrelayed", e)
                     return None
                 time.sleep(0.5)
         return None
+
+    def close(self) -> None:
+        """The task ends: no more stand-ins; the socket file goes unless a newer start replaced it."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)     # wakes the accepting thread
+        except OSError:
+            pass
+        self.listener.close()
+        try:
+            if os.lstat(self.name).st_ino == self.inode:
+                os.unlink(self.name)
+        except OSError:
+            pass
 
     def tree_env(self, env: dict[str, str]) -> dict[str, str]:
         """The batch tree's environment: the stand-in first in PATH, told where the real srun is."""

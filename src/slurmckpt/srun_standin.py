@@ -34,7 +34,7 @@ import sys
 from slurmckpt import procfs
 from slurmckpt.channel import Channel
 
-RELAY = "SLURMCKPT_SRUN_RELAY"           # abstract socket name the wrapper serves (the tree's env only)
+RELAY = "SLURMCKPT_SRUN_RELAY"           # the socket path the wrapper serves (the tree's env only)
 REAL_SRUN = "SLURMCKPT_REAL_SRUN"        # the real srun's path, found by the wrapper in the task's PATH
 # Launchers whose srun starts daemons that talk back to them (OpenMPI's mpirun/orterun/prterun, MPICH's
 # hydra with its slurm bootstrap)
@@ -62,12 +62,16 @@ def exec_real(argv: list[str], environ: dict[str, str]) -> None:
     os.execve(real, [real, *argv[1:]], env)
 
 
-def connect(name: str) -> socket.socket:
-    """The wrapper's socket, checked to be served by the job's own user."""
+def connect(path: str) -> socket.socket:
+    """The wrapper's socket (a path in a directory only the job's user enters, srun_relay.py), checked to
+    be served by the job's own user."""
+    if not path.startswith("/"):
+        raise ConnectionRefusedError(f"the relay is no socket path: {path!r}")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect("\0" + name)
+    s.connect(path)
     _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     if uid != os.getuid():
+        s.close()
         raise ConnectionRefusedError(f"the relay is served by uid {uid}, not ours")
     return s
 

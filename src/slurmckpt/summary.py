@@ -3,15 +3,23 @@
 
 The agents publish a per-job summary, `<summary_dir>/<cluster>/<job>.json`: epochs (number, time, trigger,
 ranks, nodes, bytes), withdrawn epochs, recent failed captures, slurmckpt's note and the current run. It is
-rebuilt from the store (root-only) every time, never read back by root: the file belongs to the job's uid,
-mode 0400, in root-owned 0755 directories, so its user can read it and nobody else can (other users get
-EACCES), and nobody but root can replace it. The images stay under the root-only (0700) store.
+rebuilt from the store (root-only) every time. The file is root's, mode 0440 through a POSIX ACL whose one
+named entry gives the job's uid read access (`user:<uid>:r--`, no group, nobody else), in root-owned 0755
+directories: its user reads it, other users get EACCES, and nobody but root can write, chmod, replace or
+remove it (a file owned by the user was theirs to rewrite, and root's CLI read it). A file system without
+POSIX ACLs keeps it root's alone (a warning says so). Readers (`read`) take only a regular root-owned
+file nobody else can write, of bounded size, and keep only the fields and types `build` writes, for the
+job and cluster asked. The images stay under the root-only (0700) store.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import stat
+import struct
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,8 +27,13 @@ from pathlib import Path
 from slurmckpt.errors import PermissionDenied, StorageError
 from slurmckpt.storage import JobStore, atomic_write_json
 
+log = logging.getLogger("slurmckpt.summary")
+
 RUN_FILE = "run.json"            # root-only, in the job's store: the current run as its batch agent saw it
 FAILURES_SHOWN = 5
+MAX_BYTES = 1 << 20              # a summary holds keep_epochs epochs and 5 failures: far below this
+MAX_LIST = 1000                  # entries of a list in a summary that a reader keeps
+ACL_XATTR = "system.posix_acl_access"
 
 
 def epoch_bytes(store: JobStore, entry: dict) -> int:
@@ -97,8 +110,9 @@ def publish(store: JobStore, summary_dir: str, uid: int) -> Path:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fchown(fd, uid, -1)
+        os.fchown(fd, 0, 0)
         os.fchmod(fd, 0o400)
+        _let_read(fd, uid, target)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -108,11 +122,111 @@ def publish(store: JobStore, summary_dir: str, uid: int) -> Path:
     return target
 
 
-def read(summary_dir: str, cluster: str, job: int) -> dict | None:
-    """As the caller (a user reads only their own jobs'): the summary, or None when there is none or the
-    caller may not read it."""
+def _let_read(fd: int, uid: int, target: Path) -> None:
+    """The job's uid, and it alone, may read the root-owned file: an access ACL (acl(5), the xattr's binary
+    form) of owner r, user:<uid> r, group none, mask r, other none."""
+    if not _set_acl(fd, uid):
+        log.warning("%s: the file system has no POSIX ACLs, so the job's user cannot read its summary "
+                    "(it stays root's alone)", target)
+
+
+def _set_acl(fd: int, uid: int) -> bool:
+    undefined = 0xFFFFFFFF
+    entries = ((0x01, 4, undefined), (0x02, 4, uid), (0x04, 0, undefined), (0x10, 4, undefined), (0x20, 0, undefined))
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, who) for tag, perm, who in entries)
     try:
-        value = json.loads(path_of(summary_dir, cluster, job).read_text())
-    except (OSError, ValueError):
+        os.setxattr(fd, ACL_XATTR, acl)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        return False
+
+
+def users_can_read(summary_dir: str) -> bool:
+    """For `slurmckpt doctor`: whether summaries in `summary_dir` can be given to their users (POSIX ACLs),
+    tried on a temporary file there."""
+    fd, tmp = tempfile.mkstemp(dir=summary_dir, prefix=".acl-probe-")
+    try:
+        return _set_acl(fd, 65534)
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+
+
+def read(summary_dir: str, cluster: str, job: int) -> dict | None:
+    """As the caller (a user reads only their own jobs'): the summary, or None when there is none, the caller
+    may not read it, or it is not one root wrote (not a regular file, not root's, writable by others, larger
+    than MAX_BYTES, not JSON). Only the fields and types `build` writes are kept (`checked`)."""
+    try:
+        fd = os.open(path_of(summary_dir, cluster, job), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
-    return value if isinstance(value, dict) else None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022 or st.st_size > MAX_BYTES:
+            return None
+        raw = os.read(fd, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return checked(value, cluster, job)
+
+
+def _int(v: object) -> int | None:
+    return v if type(v) is int else None
+
+
+def _num(v: object) -> float | None:
+    return v if type(v) in (int, float) and v == v and abs(v) != float("inf") else None
+
+
+def _str(v: object) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _dicts(v: object) -> list[dict]:
+    return [d for d in v[:MAX_LIST] if isinstance(d, dict)] if isinstance(v, list) else []
+
+
+def checked(value: object, cluster: str, job: int) -> dict | None:
+    """The summary as `build` writes it, each field of its type (a field that is not is left out, an entry
+    whose number is not one is dropped), for `cluster` and `job` only: what readers act on or print."""
+    if not isinstance(value, dict) or value.get("cluster") != cluster or value.get("job") != job:
+        return None
+    epochs = [{"epoch": e["epoch"], "committed_at": _num(e.get("committed_at")), "trigger": _str(e.get("trigger")),
+               "ranks": _int(e.get("ranks")) or 0, "bytes": _int(e.get("bytes")) or 0,
+               "nodes": [n for n in e.get("nodes", [])[:MAX_LIST] if isinstance(n, str)]
+               if isinstance(e.get("nodes"), list) else []}
+              for e in _dicts(value.get("epochs")) if _int(e.get("epoch")) is not None]
+    withdrawn = [{"epoch": _int(w.get("epoch")), "at": _num(w.get("at")), "reason": _str(w.get("reason"))}
+                 for w in _dicts(value.get("withdrawn"))]
+    failed = [f for f in _dicts(value.get("failed_captures")) if _failure(f)]
+    run = value.get("run") if isinstance(value.get("run"), dict) else {}
+    run_types = {"restart_count": _int, "started_at": _num, "batch_node": _str, "interval_s": _int,
+                 "disabled": _str, "restored_epoch": _int, "fresh_start": _str}
+    kept_run = {k: check(run[k]) for k, check in run_types.items() if k in run and check(run[k]) is not None}
+    if isinstance(run.get("policy"), dict):            # policy.JobPolicy.describe(): scalars and "settings"
+        kept_run["policy"] = {k: _scalars(v) if k == "settings" else v for k, v in run["policy"].items()
+                              if isinstance(k, str) and (v is None or type(v) in (int, str, bool)
+                                                         or (k == "settings" and isinstance(v, dict)))}
+    return {"version": _int(value.get("version")), "cluster": cluster, "job": job,
+            "updated_at": _num(value.get("updated_at")), "epochs": epochs, "withdrawn": withdrawn,
+            "failed_captures": failed, "note": _str(value.get("note")), "run": kept_run}
+
+
+def _scalars(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(k, str) and (v is None or type(v) in (int, float, str, bool))}
+
+
+def _failure(f: dict) -> bool:
+    """A failed capture as fresh_start.CaptureFailure holds it (its fields and their types)."""
+    return (set(f) == {"epoch", "at", "rank", "node", "final", "trigger", "stage", "reason", "seen_by"}
+            and _int(f["epoch"]) is not None and _num(f["at"]) is not None and f["final"] in (True, False, None)
+            and type(f["final"]) in (bool, type(None))
+            and all(isinstance(f[k], str) for k in ("rank", "node", "trigger", "stage", "reason", "seen_by")))

@@ -111,7 +111,7 @@ class Wrapper:
             self.env = dataclasses.replace(self.env, step=plan["step"])          # restored launcher
             self.member.env = self.env
         if self.env.step == "batch":
-            self.srun_relay = SrunRelay.start(self.env.job_id, self.config.srun_standin_dir, self.call,
+            self.srun_relay = SrunRelay.start(plan.get("srun_relay"), self.config.srun_standin_dir, self.call,
                                               lambda text: say(self.env, text))
         self._apply_interval(plan)
         self.tree_procs = plan.get("tree_procs")
@@ -123,6 +123,8 @@ class Wrapper:
             say(self.env, str(plan["warning"]))             # after a restore rewrote the output
         code = self._supervise(wake_r)
         self.member.stop()
+        if self.srun_relay:
+            self.srun_relay.close()
         with self.agent_lock:
             self.ending = True
             self.agent.close()          # the agent ends what is left of the tree and exits

@@ -20,7 +20,7 @@ USER = "ckptuser1"
 def test_doctor_passes_on_the_test_cluster() -> None:
     out = run(CLI, "doctor").stdout
     for check in ("criu version", "criu check", "plugstack.conf line", "SPANK plugin", "namespace init",
-                  "image store"):
+                  "image store", "job summaries for their users"):
         assert f"[ok] {check}" in out, out
 
 

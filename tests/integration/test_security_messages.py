@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import pwd
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.integration.slurmjob import WORK_ROOT, job_field, run, submit, workdir
+from tests.integration.slurmjob import WORK_ROOT, job_field, run, site_config, submit, workdir
 from tests.integration.test_security import _agent_and_attacker
 
 STORE = Path("/var/lib/slurmckpt/images")
@@ -90,6 +91,39 @@ def test_agent_answers_infinity_and_deep_nesting_frames_at_once() -> None:
         results = _agent_and_attacker("ckptuser1", "ckptuser1", code)
         assert results[0][1] == "ok", results
         assert results[1][1] == "ProtocolError" and results[1][2] < 5, (body[:40], results)
+
+
+def test_a_final_prepare_does_not_license_a_periodic_capture() -> None:
+    """Under a site minimum interval of 1 h the job's own (malicious) wrapper, after one periodic capture,
+    is refused a second periodic PREPARE; it then sends a "final" PREPARE (final captures are never refused
+    for their timing) and a periodic CAPTURE, which the old agent ran: a periodic capture, the tree running
+    on, as often as it liked. The real agent refuses that CAPTURE."""
+    attack = """
+import tempfile
+out, _ = tempfile.mkstemp()      # the wrapper's stdout, which a capture snapshots, is a file of the user's
+os.dup2(out, 1)
+os.dup2(out, 2)
+r, w = os.pipe()
+attempt("launch", "launch", [0, w, w], argv=["sleep", "120"], env={"PATH": "/usr/bin:/bin"}, cwd="/tmp")
+os.close(w)
+e = [ch.call("allocate_epoch")["epoch"] for _ in range(2)]
+attempt("prepare periodic", "prepare", epoch=e[0], final=False, trigger="interval")
+attempt("capture periodic", "capture", epoch=e[0], final=False)
+attempt("resume", "resume", epoch=e[0])
+attempt("second periodic prepare", "prepare", epoch=e[1], final=False, trigger="manual")
+attempt("final prepare", "prepare", epoch=e[1], final=True, trigger="sigterm")
+attempt("periodic capture after it", "capture", epoch=e[1], final=False)
+attempt("abort", "abort", epoch=e[1])
+"""
+    with site_config("policy:\n  default: {min_interval: 1h}\n"):
+        results = {name: (kind, detail) for name, kind, detail in
+                   _agent_and_attacker("ckptuser1", "ckptuser1", attack)}
+    assert results["launch"][0] == "ok" and results["capture periodic"][0] == "ok", results
+    assert results["second periodic prepare"][0] == "PermissionDenied", results      # the policy holds
+    assert results["final prepare"][0] == "ok", results
+    kind, detail = results["periodic capture after it"]
+    assert kind == "ProtocolError" and "its PREPARE said final=True" in detail, \
+        f"a final PREPARE let a periodic capture through: {results['periodic capture after it']}"
 
 
 # ---- another user against a running job's coordinator ------------------------------------------------------
@@ -225,7 +259,7 @@ out = {"uid": os.getuid()}
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(10)
 try:
-    s.connect("\0" + name)
+    s.connect(name)
     out["connected"] = True
 except OSError as e:
     out["connected"] = str(e)
@@ -256,38 +290,95 @@ def _relay_attack(node: str, user: str, name: str, marker: Path) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_another_user_cannot_have_a_jobs_srun_relay_run_a_step() -> None:
-    """The batch wrapper's srun relay (an abstract socket in the node's network namespace, which every user
-    there can reach) closes on a connection of another user before reading it: a well-formed request from
-    ckptuser2 gets no answer, runs no srun step and leaves the job checkpointing; the same request from the
-    job's own user does run its step (what the attack would have done)."""
-    wd = workdir("ckptuser1", "relay-attack")
-    job = submit("ckptuser1", wd, "#!/bin/bash\nsleep 400\n", "--checkpoint-interval=10s")
+# ckptuser2 takes, before ckptuser1's next jobs start, every name their relays could have: the abstract names
+# the relays used to have (anyone in the node's network namespace may bind a free one) and the socket paths
+# they have now; then holds them while those jobs run.
+SQUAT = r"""
+import json, os, socket, sys, time
+out, held = {"uid": os.getuid(), "abstract": [], "paths": []}, []
+for name in json.loads(sys.argv[1]):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        job.wait_output(r"committed \(interval\)", timeout=120)
-        node = job_field(job.id, "BatchHost") or job_field(job.id, "NodeList")
-        name = f"slurmckpt-srun-{job.id}-{pwd.getpwnam('ckptuser1').pw_uid}"
-        listening = run("ip", "netns", "exec", node, "ss", "-Hxl").stdout
-        assert f"@{name}" in listening, f"no relay to attack: {listening}"
+        s.bind("\0" + name); s.listen(1); held.append(s); out["abstract"].append("bound")
+    except OSError as e:
+        out["abstract"].append(type(e).__name__)
+for path in json.loads(sys.argv[2]):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        s.bind(path); s.listen(1); held.append(s); out["paths"].append("bound")
+    except OSError as e:
+        out["paths"].append(type(e).__name__)
+print(json.dumps(out), flush=True)
+time.sleep(300)
+"""
+RELAY_CHECK = r"""
+import os, sys
+from slurmckpt.srun_standin import connect
+path = os.environ.get("SLURMCKPT_SRUN_RELAY", "")
+try:
+    connect(path).close()
+    print(f"relay-check {sys.argv[1]} served at {path}", flush=True)
+except Exception as e:
+    print(f"relay-check {sys.argv[1]} FAILED at {path!r}: {e}", flush=True)
+"""
+
+
+def test_another_user_can_neither_take_nor_reach_a_jobs_srun_relay() -> None:
+    """ckptuser2 squats, before ckptuser1's job starts, the relay names of its next job ids: the old
+    abstract names (which it gets: anyone may bind them; the job's relay then could not start and a
+    requeued MPI job started from the beginning) and the socket paths (refused: the directory is
+    ckptuser1's, 0700, in root's). The job's relay is served, by ckptuser1, at the same path before and
+    after a requeue (the restored batch script's environment names it); ckptuser2 cannot connect there,
+    so its well-formed request runs no step, while the same request from the job's own user does."""
+    uid = pwd.getpwnam("ckptuser1").pw_uid
+    node = "node1"
+    nxt = int(re.search(r"NEXT_JOB_ID\s*=\s*(\d+)", run("scontrol", "show", "config").stdout).group(1))
+    ids = range(nxt, nxt + 3)
+    squat_py = WORK_ROOT / "ckptuser2" / "relay_squat.py"
+    squat_py.parent.mkdir(parents=True, exist_ok=True)
+    squat_py.write_text(SQUAT)
+    squat_py.chmod(0o644)
+    squatter = subprocess.Popen(
+        ["ip", "netns", "exec", node, "runuser", "-u", "ckptuser2", "--", PY, str(squat_py),
+         json.dumps([f"slurmckpt-srun-{i}-{uid}" for i in ids]),
+         json.dumps([f"/run/slurmckpt/srun-relay/{uid}/{i}" for i in ids])], stdout=subprocess.PIPE, text=True)
+    wd = workdir("ckptuser1", "relay-attack")
+    (wd / "relay_check.py").write_text(RELAY_CHECK)
+    job = None
+    try:
+        squatted = json.loads(squatter.stdout.readline())
+        assert squatted["uid"] == pwd.getpwnam("ckptuser2").pw_uid
+        assert squatted["abstract"] == ["bound"] * 3, f"the old names could not be squatted: {squatted}"
+        assert squatted["paths"] == ["PermissionError"] * 3, f"another user took a relay path: {squatted}"
+        job = submit("ckptuser1", wd, "#!/bin/bash\nfor i in $(seq 1 300); do\n"
+                     f"  {PY} relay_check.py $i\n  sleep 1\ndone\n", "-w", node, "--checkpoint-interval=10s")
+        assert job.id in ids, f"job {job.id} is not one of the squatted ids {list(ids)}"
+        path = f"/run/slurmckpt/srun-relay/{uid}/{job.id}"
+        job.wait_output(r"relay-check \d+ served", timeout=120)
+        assert f"served at {path}" in job.text(), job.text()
         marker = wd / "relay-attack-marker"          # ckptuser1's directory: only a step of the job writes it
-        before = _commits(job)
-        out = _relay_attack(node, "ckptuser2", name, marker)
+        out = _relay_attack(node, "ckptuser2", path, marker)
         assert out["uid"] == pwd.getpwnam("ckptuser2").pw_uid
-        assert out["connected"] is True, out
-        assert out["answer"] == "closed", f"the relay answered another user: {out}"
-        assert out["seconds"] < 5, out
-        time.sleep(5)
-        assert not marker.exists(), "another user's request ran a step of the job"
-        steps = run("squeue", "-h", "-s", "-j", str(job.id), "-o", "%i").stdout.split()
-        assert not [s for s in steps if not s.endswith((".batch", ".extern"))], steps
-        job.wait_for(lambda: _commits(job) > before + 1, "an interval commit after the attack", timeout=90)
-        assert job.state() == "RUNNING"
-        # the control: the job's own user is served (its step runs), so the refusal above was the uid check
-        own = _relay_attack(node, "ckptuser1", name, marker)
+        assert "Permission denied" in str(out["connected"]), f"another user reached the relay: {out}"
+        job.wait_output(r"committed \(interval\)", timeout=120)
+        # the control: the job's own user is served (its step runs), so the refusal above was the directory
+        own = _relay_attack(node, "ckptuser1", path, marker)
         assert own["connected"] is True and own["answer"] not in ("closed", "TimeoutError"), own
         job.wait_for(marker.exists, "the job's own user's srun step", timeout=60)
+        job.requeue()
+        job.wait_output(r"restored from checkpoint epoch", timeout=180)
+
+        def after() -> str:
+            return job.text().split("restored from checkpoint epoch", 1)[1]
+        job.wait_for(lambda: re.search(r"relay-check \d+ (served|FAILED)", after()), "a relay check after the "
+                     "restore", timeout=60)
+        assert "FAILED" not in job.text() and f"served at {path}" in after(), job.text()
     finally:
-        run("scancel", str(job.id), check=False)
+        squatter.kill()
+        squatter.wait()
+        if job is not None:
+            run("scancel", str(job.id), check=False)
 
 
 # ---- the CLI -----------------------------------------------------------------------------------------------

@@ -306,9 +306,14 @@ def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_pa
     c.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
     c.pipeline.step = "batch"
     c.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
+    c.config = SimpleNamespace(run_dir=str(tmp_path / "run"))
+    c.srun_relay = c._relay_path()
     commit(c.store, 1, {"batch.0": {"kind": "image"}, "1.0": {"kind": "image"}})
     rank_record(c.store, 1, "1.0", step_token="0123456789abcdef")
-    assert c.op_plan({"token": "0123456789abcdef"}, [])["step"] == "batch"
+    plan = c.op_plan({"token": "0123456789abcdef"}, [])
+    assert plan["step"] == "batch"
+    assert plan["srun_relay"] == str(tmp_path / "run" / "srun-relay" / "1001" / "43")     # the batch step's relay
+    assert "srun_relay" not in b.op_plan({}, [])
 
 
 def test_a_stand_in_socket_must_be_a_unix_stream_socket_and_a_restore_needs_one_per_stand_in(tmp_path):

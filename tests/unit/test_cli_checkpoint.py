@@ -56,13 +56,14 @@ def test_the_run_record_says_the_batch_step_is_wrapped_and_nothing_else_is_asked
     wrapper handles the signal; accounting and the script are not asked."""
     summaries = site / "summaries" / "c"
     summaries.mkdir(parents=True)
-    (summaries / "7.json").write_text(json.dumps({"run": {"restart_count": 2, "interval_s": 600}}))
+    (summaries / "7.json").write_text(json.dumps({"cluster": "c", "job": 7, "run": {"restart_count": 2, "interval_s": 600}}))
     slurm = _fake(squeue=squeue_answer(squeue_line(7, restarts=2))).install(monkeypatch)
     r = CliRunner().invoke(cli, ["checkpoint", "7"])
     assert r.exit_code == 0, r.output
     assert [c[0] for c in slurm.calls if c[0] != "scontrol"] == ["squeue", "scancel"]
     assert slurm.ran("scancel") == [["scancel", "--batch", f"--signal={int(lookup_signal())}", "7"]]
-    (summaries / "7.json").write_text(json.dumps({"run": {"restart_count": 2, "disabled": "not in debug"}}))
+    (summaries / "7.json").write_text(json.dumps({"cluster": "c", "job": 7,
+                                                  "run": {"restart_count": 2, "disabled": "not in debug"}}))
     r = CliRunner().invoke(cli, ["checkpoint", "7"])
     assert r.exit_code == 1 and "disabled" in r.output and "nothing was sent" in r.output
 

@@ -28,6 +28,7 @@ def site(tmp_path: Path, monkeypatch) -> Path:
     (tmp_path / "summaries" / "c").mkdir(parents=True)
     at = time.mktime((2026, 12, 3, 18, 20, 1, 0, 0, -1))
     (tmp_path / "summaries" / "c" / "7.json").write_text(json.dumps({
+        "version": 1, "cluster": "c", "job": 7,
         "epochs": [{"epoch": 4, "committed_at": at, "trigger": "interval", "ranks": 2, "bytes": 3 << 20,
                     "nodes": ["node1", "node2"]}],
         "run": {"restart_count": 2, "started_at": at, "batch_node": "node1", "interval_s": 600},

@@ -18,8 +18,9 @@ from slurmckpt.channel import Channel
 from slurmckpt.coordinator import connection
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import VERSION, Sealer, new_token
-from slurmckpt.errors import ProtocolError, SlurmckptError
+from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError
 from slurmckpt.fresh_start import FailureReporter
+from slurmckpt.policy import JobPolicy
 from slurmckpt.storage import JobStore
 
 from test_coordinator import Committer, Job, Raw, still_serves, wait_for  # noqa: E402  (tests/unit helpers)
@@ -37,7 +38,7 @@ def agent(tmp_path: Path) -> Agent:
     a.config = SimpleNamespace(keep_epochs=2)
     a.instance = a.slurm_job = a.store_note = None    # job-instance binding: not what these tests are about
     a.pipeline = SimpleNamespace(capture=lambda epoch, final: {"final": final},
-                                 prepare=lambda epoch: {}, resume=lambda epoch: {})
+                                 prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None)
     a.reporter = FailureReporter(a.store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                  background=False)
     return a
@@ -131,10 +132,40 @@ def test_epoch_taking_operations_refuse_bad_epochs(agent, epoch):
 def test_capture_final_must_be_a_bool_and_reject_reason_bounded_text(agent):
     with pytest.raises(ProtocolError, match="final"):
         agent.op_capture({"epoch": 1, "final": "no"}, [])
+    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
     assert agent.op_capture({"epoch": 1, "final": False}, []) == {"final": False}
     for reason in (["x"], 5, "x" * 70_000):
         with pytest.raises(ProtocolError, match="reason"):
             agent.op_reject_epoch({"epoch": 1, "reason": reason}, [])
+
+
+def test_final_is_fixed_at_prepare_so_min_interval_cannot_be_dodged(agent):
+    """The policy judges PREPARE's `final` (a final capture is never refused for its timing); a CAPTURE that
+    then says final=False would be a periodic capture (the tree runs on) below min_interval. CAPTURE takes
+    PREPARE's flag: a differing one is refused, a missing one is PREPARE's, and a CAPTURE without its
+    PREPARE is refused."""
+    agent.policy = JobPolicy(min_interval=3600, min_from="partition low")
+    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
+    assert agent.op_capture({"epoch": 1, "final": False}, []) == {"final": False}
+    with pytest.raises(PermissionDenied, match="minimum interval"):
+        agent.op_prepare({"epoch": 2, "final": False, "trigger": "interval"}, [])
+    agent.op_prepare({"epoch": 2, "final": True, "trigger": "sigterm"}, [])        # exempt: a final one
+    with pytest.raises(ProtocolError, match="its PREPARE said final=True"):
+        agent.op_capture({"epoch": 2, "final": False}, [])                          # the attack
+    assert agent.op_capture({"epoch": 2}, []) == {"final": True}                     # the tree ends after it
+    with pytest.raises(ProtocolError, match="without its PREPARE"):
+        agent.op_capture({"epoch": 3, "final": True}, [])
+
+
+def test_an_aborted_periodic_capture_counts_for_min_interval(agent):
+    """min_interval counts from a periodic capture's PREPARE whether the epoch resumed or was aborted after
+    its images were dumped: PREPARE, CAPTURE, ABORT in a loop captured as often as the job liked."""
+    agent.policy = JobPolicy(min_interval=3600, min_from="partition low")
+    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
+    agent.op_capture({"epoch": 1, "final": False}, [])
+    agent.op_abort({"epoch": 1}, [])
+    with pytest.raises(PermissionDenied, match="minimum interval"):
+        agent.op_prepare({"epoch": 2, "final": False, "trigger": "manual"}, [])
 
 
 def test_storage_paths_refuse_what_validation_refuses(agent):

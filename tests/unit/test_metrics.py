@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slurmckpt.metrics import METRICS, SECONDS_BUCKETS, NodeMetrics, read_state, render
+from slurmckpt.metrics import MAX_LABEL_VALUES, METRICS, SECONDS_BUCKETS, NodeMetrics, read_state, render
 
 
 def families(text: str) -> dict:
@@ -47,7 +47,8 @@ def test_counters_histograms_and_label_values_as_prometheus_reads_them(tmp_path:
     m.count("slurmckpt_captures_total", "interval")
     m.count("slurmckpt_captures_total", "interval")
     m.count("slurmckpt_captures_total", "sigterm")
-    m.count("slurmckpt_capture_failures_total", 'dump "quoted"\\ and\nnewline')
+    m.count("slurmckpt_capture_failures_total", "dump")
+    m.count("slurmckpt_policy_refusals_total", 'partition "quoted"\\ and\nnewline')   # site-named: kept
     m.count("slurmckpt_captured_bytes_total", by=3 * 2**30)
     for seconds in (0.05, 0.3, 7.0, 1000.0):
         m.observe("slurmckpt_stall_seconds", seconds)
@@ -56,7 +57,8 @@ def test_counters_histograms_and_label_values_as_prometheus_reads_them(tmp_path:
     s = samples(text)
     assert s[("slurmckpt_captures_total", (("trigger", "interval"),))] == 2
     assert s[("slurmckpt_captures_total", (("trigger", "sigterm"),))] == 1
-    assert s[("slurmckpt_capture_failures_total", (("stage", 'dump "quoted"\\ and\nnewline'),))] == 1
+    assert s[("slurmckpt_capture_failures_total", (("stage", "dump"),))] == 1
+    assert s[("slurmckpt_policy_refusals_total", (("rule", 'partition "quoted"\\ and\nnewline'),))] == 1
     assert s[("slurmckpt_captured_bytes_total", ())] == 3 * 2**30
     buckets = {dict(k[1])["le"]: v for k, v in s.items() if k[0] == "slurmckpt_stall_seconds_bucket"}
     assert buckets["0.1"] == 1 and buckets["0.5"] == 2 and buckets["10.0"] == 3 and buckets["600.0"] == 3
@@ -142,3 +144,63 @@ def test_the_file_is_world_readable_whatever_the_umask(tmp_path: Path):
         os.umask(old)
     assert (tmp_path / "new" / "m.prom").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
+
+
+def test_label_values_a_job_chooses_add_no_series_and_the_state_stays_small(tmp_path: Path):
+    """A job's own coordinator names the trigger and the failed stage: 3000 different ones are counted as
+    "other", the series stay the fixed set, and the state file stays small. Site-named labels (policy rules)
+    keep at most MAX_LABEL_VALUES values."""
+    m = NodeMetrics(str(tmp_path / "m.prom"), str(tmp_path / "run"), "7.batch.0", node="n1")
+    for i in range(1000):
+        m.count("slurmckpt_captures_total", f"job-chose-{i}")
+        m.count("slurmckpt_commits_total", f"job-chose-{i}")
+        m.count("slurmckpt_capture_failures_total", f"x{i}")
+    m.count("slurmckpt_captures_total", "interval")
+    for i in range(MAX_LABEL_VALUES + 20):
+        m.count("slurmckpt_policy_refusals_total", f"partition p{i}")
+    s = samples((tmp_path / "m.prom").read_text())
+    assert s[("slurmckpt_captures_total", (("trigger", "other"),))] == 1000
+    assert s[("slurmckpt_captures_total", (("trigger", "interval"),))] == 1
+    assert s[("slurmckpt_capture_failures_total", (("stage", "other"),))] == 1000
+    assert s[("slurmckpt_policy_refusals_total", (("rule", "other"),))] == 20
+    assert len([k for k in s if k[0] == "slurmckpt_policy_refusals_total"]) == MAX_LABEL_VALUES + 1
+    assert len(s) < 80, len(s)
+    assert (tmp_path / "run" / "metrics-n1.json").stat().st_size < 8192
+
+
+@pytest.mark.parametrize("content", [
+    b"{" + b'"counters": {"slurmckpt_captures_total": {' + b",".join(b'"t%d": 1' % i for i in range(400000)) + b"}}}",
+    b"[" * 100000, b"not json", b'{"counters": 5, "gauges": {"slurmckpt_agents": {"t": {"value": "x"}}}}',
+    b'{"counters": {"slurmckpt_captures_total": {"interval": "NaN"}, "nope": {}}, "histograms": '
+    b'{"slurmckpt_stall_seconds": {"buckets": [1], "sum": 0, "count": 1}}}'])
+def test_a_state_the_agents_cannot_read_back_starts_afresh_instead_of_stopping_the_nodes_metrics(tmp_path, content):
+    """A state an earlier release let grow past 4 MiB (read cut there: not JSON any more), or one that is
+    not JSON or not shaped as written, used to make every agent of the node fail its update, for good. The
+    next update now starts from what can be kept (or from nothing) and the file is written again."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics-n1.json").write_bytes(content)
+    m = NodeMetrics(str(tmp_path / "m.prom"), str(tmp_path / "run"), "7.batch.0", node="n1")
+    m.count("slurmckpt_captures_total", "interval")
+    m.count("slurmckpt_captures_total", "interval")
+    s = samples((tmp_path / "m.prom").read_text())
+    assert s[("slurmckpt_captures_total", (("trigger", "interval"),))] == 2
+    assert (tmp_path / "run" / "metrics-n1.json").stat().st_size < 8192
+    assert read_state(str(tmp_path / "run"), "n1")["counters"]["slurmckpt_captures_total"]["interval"] == 2
+
+
+def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
+    """The stage and trigger sets are written out here (metrics.py imports no pipeline): each stage of the
+    pipeline's tables, each phase the agent runs and each stage the coordinator names, and each trigger the
+    wrapper, the coordinator and the schedule start an epoch with, is one of them."""
+    import re
+    from slurmckpt.agent import PHASE_OPS
+    from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES
+    from slurmckpt.metrics import STAGES
+    from slurmckpt.triggers import TRIGGERS
+    src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
+    named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))
+    assert named and {st.name for st in PREPARE_STAGES + CAPTURE_STAGES} | set(PHASE_OPS) | named <= set(STAGES)
+    started = set(re.findall(r'(?:self\.trigger|self\.epoch)\("([a-z-]+)"', (src / "wrapper.py").read_text()
+                             + (src / "coordinator" / "host.py").read_text()))
+    started |= set(re.findall(r'\[\("([a-z-]+)", True\)\]', (src / "triggers.py").read_text()))
+    assert started == set(TRIGGERS), started

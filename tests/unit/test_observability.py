@@ -105,21 +105,22 @@ def test_the_field_is_one_printable_line_cut_in_the_note_never_in_the_checkpoint
 
 
 # ---- the summary ----------------------------------------------------------------------------------------------
-def test_the_summary_belongs_to_the_jobs_user_alone_and_is_rebuilt_from_the_store(tmp_path: Path):
+def test_the_summary_is_roots_readable_by_the_jobs_user_and_rebuilt_from_the_store(tmp_path: Path):
+    """Root's file, 0440 by an ACL naming the job's uid (tests/unit/test_summary.py tries it as the users)."""
     store = _store(tmp_path)
     _commit_epoch(store, 3, 4096)
     summary.update_run(store, {"restart_count": 1, "interval_s": 600})
     summary.update_run(store, {"restored_epoch": 3})
     out = summary.publish(store, str(tmp_path / "summaries"), uid=1001)
     st = out.stat()
-    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (1001, 0o400)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o440)
     for d in (out.parent, out.parent.parent):
         assert (d.stat().st_uid, stat.S_IMODE(d.stat().st_mode)) == (0, 0o755)
     data = summary.read(str(tmp_path / "summaries"), "c", 7)
     assert data["epochs"][0]["epoch"] == 3 and data["epochs"][0]["bytes"] == 4096
     assert data["epochs"][0]["nodes"] == ["n1"] and data["run"] == {"restart_count": 1, "interval_s": 600,
                                                                     "restored_epoch": 3}
-    out.chmod(0o600)                        # its user may change it: root never reads it back
+    out.chmod(0o600)                        # whatever was there is replaced, never read back
     out.write_text(json.dumps({"epochs": [{"epoch": 99}]}))
     summary.publish(store, str(tmp_path / "summaries"), uid=1001)
     assert summary.read(str(tmp_path / "summaries"), "c", 7)["epochs"][0]["epoch"] == 3
@@ -274,3 +275,44 @@ def test_no_syslog_daemon_falls_back_to_the_file_and_says_why(tmp_path: Path):
     handler = agentlog.handler_for(config, 9, "batch", 0)
     handler.close()
     assert "unreachable" in (tmp_path / "logs" / "agent-9.batch.0.log").read_text()
+
+
+FORGED = "2030-01-01 00:00:00,000 slurmckpt.agent job=1 step=batch rank=0 pid=1 INFO forged"
+
+
+@pytest.mark.parametrize("target", ["file", "syslog"])
+def test_user_strings_never_forge_a_record_in_the_agent_log(tmp_path: Path, target: str):
+    """argv[0], paths and criu's log of the user's files reach log records as they are: newlines, carriage
+    returns, escape sequences, line separators and bidi overrides. Every record is one line of printable
+    text (agentlog.escape in the formatter), its traceback included; on the old formatter the first record
+    was three lines, the second a forged record of its own."""
+    sink = None
+    if target == "syslog":
+        sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sink.bind(str(tmp_path / "log.sock"))
+        sink.settimeout(5)
+    config = Config.from_mapping({"log_dir": str(tmp_path / "logs"), "log_target": target,
+                                  "syslog_address": str(tmp_path / "log.sock")})
+    agentlog.setup(config, 9, "batch", 0)
+    log = logging.getLogger("slurmckpt.agent")
+    try:
+        log.info("launched %s as pid %d", f"./x\n{FORGED}\r\x1b[2J\u2028\u202e", 42)
+        try:
+            raise OSError(f"no such file: /home/u/a\n{FORGED}")
+        except OSError:
+            log.exception("restore failed")
+        data = (tmp_path / "logs" / "agent-9.batch.0.log").read_text() if sink is None else \
+            sink.recv(4096).decode() + "\n" + sink.recv(8192).decode()
+    finally:
+        for h in list(logging.getLogger().handlers):
+            h.close()
+            logging.getLogger().removeHandler(h)
+        if sink:
+            sink.close()
+    lines = data.rstrip("\n").split("\n")
+    assert len(lines) == 2 and not any(line.startswith("2030-") for line in lines), lines
+    assert "launched ./x\\n2030-01-01 00:00:00,000 slurmckpt.agent" in lines[0]
+    assert lines[0].rstrip("\x00").endswith("\\r\\x1b[2J\\u2028\\u202e as pid 42"), lines[0]
+    assert "restore failed\\nTraceback (most recent call last):\\n" in lines[1] and "\\n2030-01-01" in lines[1]
+    assert all(line.rstrip("\x00").isprintable() for line in lines)
+    assert agentlog.escape("plain text: ü ✓") == "plain text: ü ✓"

@@ -3,14 +3,19 @@ the real srun (here a small script) outside it with the stand-in's argv, environ
 the signals between them and a restored stand-in's resend (srun_standin.py, srun_relay.py)."""
 from __future__ import annotations
 
+import atexit
+import errno
+import json
 import os
 import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.channel import Channel
-from slurmckpt.errors import ProtocolError
+from slurmckpt.errors import PermissionDenied, ProtocolError
+from slurmckpt.launch import relay_dir
 from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay, request_of
-from slurmckpt.srun_standin import REAL_SRUN, RELAY, exec_real, install
+from slurmckpt.srun_standin import REAL_SRUN, RELAY, connect, exec_real, install
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -28,13 +34,14 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 class Relay:
     """A relay whose 'real srun' is `script`, with a reaper standing in for the wrapper's waitpid loop."""
 
-    def __init__(self, tmp_path: Path, script: str) -> None:
+    def __init__(self, tmp_path: Path, script: str, where: Path | None = None) -> None:
         fake = tmp_path / "real-srun"
         fake.write_text("#!/bin/sh\n" + script)
         fake.chmod(0o755)
         self.calls: list[tuple[str, int]] = []
         self.said: list[str] = []
-        self.relay = SrunRelay(f"slurmckpt-test-{secrets.token_hex(4)}", str(tmp_path), self._call, self.said.append)
+        self.relay = SrunRelay(str((where or tmp_path) / f"relay-{secrets.token_hex(4)}"), str(tmp_path), self._call,
+                               self.said.append)
         self.relay.real = str(fake)
         self.stop = False
         threading.Thread(target=self._reap, daemon=True).start()
@@ -134,14 +141,15 @@ def test_another_user_cannot_have_the_relay_run_anything(tmp_path):
     """A process of another uid that connects to the relay is closed on before a byte is read: nothing runs
     and nothing is registered with the agent."""
     assert os.geteuid() == 0, "run as root: the attacker is a forked child that drops to uid 65534"
-    r = Relay(tmp_path, f"touch {tmp_path}/ran\n")
+    r = Relay(tmp_path, f"touch {tmp_path}/ran\n", where=open_dir(tmp_path))   # the uid check, in depth:
+    os.chmod(r.relay.name, 0o777)                                   # a socket in a directory it may enter
     pid = os.fork()
     if pid == 0:
         try:
             os.setgid(65534)
             os.setuid(65534)
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect("\0" + r.relay.name)
+            s.connect(r.relay.name)
             try:
                 Channel(s).send({"argv": ["srun"], "env": {}, "cwd": "/"}, [0, 1, 2, s.fileno()])
                 os._exit(0 if s.recv(1) == b"" else 1)      # closed on us, nothing answered
@@ -154,6 +162,106 @@ def test_another_user_cannot_have_the_relay_run_anything(tmp_path):
     assert os.waitstatus_to_exitcode(raw) == 0
     time.sleep(0.2)
     assert not (tmp_path / "ran").exists() and r.calls == []
+
+
+def open_dir(tmp_path: Path) -> Path:
+    """A directory every uid may enter (pytest's tmp_path is root's 0700), removed with the test's."""
+    d = Path(tempfile.mkdtemp(prefix="slurmckpt-test-"))
+    d.chmod(0o755)
+    (tmp_path / "open-dir").symlink_to(d)
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+JOB_UID, OTHER_UID, JOB = 60001, 60002, 4242
+
+
+def as_user(uid: int, act) -> list:
+    """`act()` in a child that runs as `uid`: what it returned (a list of short results)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, json.dumps(act()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(out)
+
+
+def errno_of(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno or 0, str(e))
+
+
+def test_no_other_user_can_take_or_reach_a_jobs_relay_path(tmp_path):
+    """The relay's path (`<run_dir>/srun-relay/<uid>/<job>`, the same after a requeue) is in a directory root makes
+    for the job's user, 0700, inside root's 0755 `<run_dir>/srun-relay`: another user can create neither that
+    directory (before root does: the next user's) nor a socket in it, nor connect there. The job's user
+    binds there; a directory left with another owner or mode is given back to the user, 0700."""
+    assert os.geteuid() == 0, "run as root: the users are forked children"
+    run = open_dir(tmp_path) / "run"
+    where = relay_dir(str(run), JOB_UID, JOB_UID)
+    st = os.lstat(where)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (JOB_UID, JOB_UID, 0o700)
+    assert (os.lstat(run / "srun-relay").st_uid, stat.S_IMODE(os.lstat(run / "srun-relay").st_mode)) == (0, 0o755)
+    path = os.path.join(where, str(JOB))
+
+    def squat() -> list:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        return [errno_of(lambda: s.bind(path)), errno_of(lambda: os.mkdir(run / "srun-relay" / str(JOB_UID + 5))),
+                errno_of(lambda: s.connect(path))]
+    assert as_user(OTHER_UID, squat) == ["EACCES", "EACCES", "EACCES"]
+
+    def serve() -> list:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        return [os.lstat(path).st_uid]
+    assert as_user(JOB_UID, serve) == [JOB_UID]
+    assert as_user(OTHER_UID, squat)[2] == "EACCES"          # bound by the user now: still out of reach
+    os.chown(where, OTHER_UID, OTHER_UID)
+    os.chmod(where, 0o777)
+    assert relay_dir(str(run), JOB_UID, JOB_UID) == where
+    st = os.lstat(where)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (JOB_UID, 0o700)
+    os.symlink("/etc", run / "srun-relay" / str(OTHER_UID))
+    with pytest.raises(PermissionDenied, match="not a directory"):
+        relay_dir(str(run), OTHER_UID, OTHER_UID)
+
+
+def test_the_relay_starts_only_in_a_directory_of_its_own_and_replaces_a_stale_socket(tmp_path, monkeypatch):
+    """The wrapper binds only where the directory is its own and closed to others; a socket file an earlier
+    start left (nobody listens) is replaced, one still served is not taken over; the stand-in connects only
+    to a path (an abstract name anyone may have bound is refused)."""
+    standin = Path(install(str(tmp_path / "standin"), sys.executable)).parent
+    (tmp_path / "open").mkdir(mode=0o755)
+    (tmp_path / "open").chmod(0o755)
+    assert SrunRelay.start(str(tmp_path / "open" / "r"), str(standin), lambda *a, **k: {}, print) is None
+    assert SrunRelay.start(None, str(standin), lambda *a, **k: {}, print) is None
+    (tmp_path / "own").mkdir(mode=0o700)
+    path = str(tmp_path / "own" / "r")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()                                     # the file stays, no one listens
+    relay = SrunRelay.start(path, str(standin), lambda *a, **k: {}, print)
+    assert relay is not None and stat.S_ISSOCK(os.lstat(path).st_mode)
+    assert connect(path).close() is None              # served by our uid
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    assert SrunRelay.start(path, str(standin), lambda *a, **k: {}, print) is None    # still served: not taken
+    relay.close()
+    assert not os.path.exists(path)
+    with pytest.raises(ConnectionRefusedError, match="no socket path"):
+        connect("slurmckpt-srun-4242-1001")
 
 
 def test_a_stand_in_without_a_known_real_srun_says_so_and_never_runs_itself(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import psutil
 
-from slurmckpt import procfs
+from slurmckpt import procfs, summary
 from slurmckpt.cli.output import CliError, Column, Format, emit, output_options
 from slurmckpt.config import Config, config_paths, load_user_config
 from slurmckpt.errors import SlurmckptError
@@ -126,6 +126,15 @@ def check_node(r: Report, cfg: Config) -> None:
     ok, detail = _private_dir(cfg.summary_dir, 0o755)
     r.add(ok if os.path.exists(cfg.summary_dir) else None, "job summaries",
           detail if os.path.exists(cfg.summary_dir) else f"{cfg.summary_dir} missing (agents create it)")
+    if ok:
+        try:
+            acls = summary.users_can_read(cfg.summary_dir)
+        except OSError as e:
+            acls, why = None, f"could not try POSIX ACLs there: {e}"
+        else:
+            why = "POSIX ACLs: each job's user can read its summary" if acls else \
+                "no POSIX ACLs on this file system: summaries stay root's, users cannot read theirs"
+        r.add(acls or None, "job summaries for their users", why)
     if cfg.log_target == "file":
         ok, detail = _private_dir(cfg.log_dir, 0o700)
         r.add(ok, "agent logs", f"file, rotated at {cfg.log_max_bytes} bytes x{cfg.log_backups}: {detail}")
