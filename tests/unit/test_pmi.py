@@ -88,6 +88,14 @@ def test_a_capture_is_refused_while_pmi_bytes_are_in_flight() -> None:
         stepd.close()
 
 
+def until(probe, timeout: float = 5.0):
+    """The first true value `probe()` gives within `timeout` seconds (its last value if none)."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
 def test_a_rank_waiting_for_slurmstepds_answer_is_found_through_its_threads_syscall() -> None:
     """slurmstepd has read the request, so nothing is in flight, but the rank waits for the answer (a PMI
     barrier in MPI_Finalize): the check names the thread and the syscall and is retryable. Once answered,
@@ -98,7 +106,9 @@ def test_a_rank_waiting_for_slurmstepds_answer_is_found_through_its_threads_sysc
     try:
         assert stepd.recv(64) == b"cmd=barrier_in\n"
         assert pmi.bytes_in_flight(theirs.fileno()) == (0, 0)
-        assert pmi.waiting_for_answer([child.pid], ino) == (child.pid, child.pid, "read")
+        # The read drained the socket, which wakes its waiters: the unfrozen child shows "running" for a
+        # moment before it sleeps in read() again (the agent looks at a frozen tree, where it cannot)
+        assert until(lambda: pmi.waiting_for_answer([child.pid], ino)) == (child.pid, child.pid, "read")
         with pytest.raises(ExchangeInFlight, match=rf"thread {child.pid} of pid {child.pid} waits in read\(\)") as e:
             pmi.require_no_exchange(theirs.fileno(), ino, [child.pid], "0", 1)
         assert is_retryable(e.value)
