@@ -117,10 +117,11 @@ def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     secret.write_text("root's")
     (shm / "sem.evil").symlink_to(secret)
     with pytest.raises(PermissionDenied, match="sem.evil"):
-        shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "mode": 0o600, "data": "shm-0.data",
+        shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "size": 5, "mode": 0o600, "data": "shm-0.data",
                                      "links": []}], images)
     assert secret.read_text() == "root's"
-    entry = {"name": str(shm / "sem.mp-a"), "mode": 0o600, "data": "shm-0.data", "links": [str(shm / "link_remap.3")]}
+    entry = {"name": str(shm / "sem.mp-a"), "size": 5, "mode": 0o600, "data": "shm-0.data",
+             "links": [str(shm / "link_remap.3")]}
     shm_files.put_back(nobody, [entry], images)
     st = os.stat(shm / "sem.mp-a")
     assert (st.st_uid, (shm / "sem.mp-a").read_bytes()) == (65534, b"saved")
@@ -147,7 +148,7 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
         tmp_path.chmod(0o755)
         (images / "shm-0.data").write_bytes(b"at the cut")
         seg = shm / "ring"
-        first = {"name": str(seg), "mode": 0o600, "data": "shm-0.data", "links": []}
+        first = {"name": str(seg), "size": 10, "mode": 0o600, "data": "shm-0.data", "links": []}
         shm_files.put_back(nobody, [first], images, key="7.1.3.99", lock_dir=locks)
         assert seg.read_bytes() == b"at the cut"
         os.chown(seg, 65534, 65534)
@@ -160,3 +161,67 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
         assert seg.read_bytes() == b"at the cut"
     finally:
         shutil.rmtree(tmp_path)
+
+
+def _node_lock_free_within(lock_dir: Path, seconds: float) -> bool:
+    """Whether the node-wide restore lock (netlock.node_lock) can be taken within `seconds` (polled: a test
+    of the old write-back must fail, not hang behind it)."""
+    import fcntl
+    import time
+    deadline = time.monotonic() + seconds
+    with open(lock_dir / ".lock", "a") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+
+
+def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock() -> None:
+    """The job's user puts a FIFO at its own /dev/shm name between the capture and the restore: the
+    write-back used to open it for writing inside the node-wide restore lock and wait there for a reader,
+    for as long as the user liked, and every other user's restore on the node waited with it. Now the
+    open does not wait (O_NONBLOCK, a non-regular file refused) and no node-wide lock is held around it."""
+    if os.getuid() != 0:
+        pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
+    import threading
+    import time
+    from slurmckpt.errors import PermissionDenied
+    from slurmckpt.launch import Credentials
+    nobody = Credentials(65534, 65534, (), ())
+    tmp_path = Path(tempfile.mkdtemp(prefix="shm-fifo-"))
+    try:
+        shm, images, locks = tmp_path / "shm", tmp_path / "images", tmp_path / "locks"
+        for d in (shm, images, locks):
+            d.mkdir()
+        shm.chmod(0o1777)
+        tmp_path.chmod(0o755)
+        (images / "shm-0.data").write_bytes(b"at the cut")
+        os.mkfifo(shm / "ring", 0o600)
+        os.chown(shm / "ring", 65534, 65534)
+        entry = {"name": str(shm / "ring"), "size": 10, "mode": 0o600, "data": "shm-0.data", "links": []}
+        outcome: list[BaseException | None] = []
+
+        def restore() -> None:
+            try:
+                shm_files.put_back(nobody, [entry], images, key="7.1.3.99", lock_dir=locks)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+        attacker = threading.Thread(target=restore, daemon=True)
+        attacker.start()
+        time.sleep(0.5)
+        assert _node_lock_free_within(locks, 3), "another user's restore waits for the node-wide lock"
+        attacker.join(10)
+        assert not attacker.is_alive(), "the write-back is waiting on the user's FIFO"
+        assert isinstance(outcome[0], PermissionDenied) and "not a regular file" in str(outcome[0]), outcome
+        with pytest.raises(PermissionDenied, match="not a regular file"):       # the other ranks: its verdict
+            shm_files.put_back(nobody, [entry], images, key="7.1.3.99", lock_dir=locks)
+    finally:
+        os.close(os.open(shm / "ring", os.O_RDONLY | os.O_NONBLOCK))    # a reader: frees a writer left waiting
+        shutil.rmtree(tmp_path)
+
