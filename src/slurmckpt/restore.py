@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -40,7 +41,8 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
 
 def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
     key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
-    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
+    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds,
+                           same_node=manifest.get("node") == socket.gethostname())
     _rewrite_outputs(manifest, rdir, stdio)
     if manifest["kind"] == "replay":
         return None, manifest
