@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from slurmckpt import proctree, reclaim, space
+from slurmckpt import output_snapshot, proctree, reclaim, shm_files, space
 from slurmckpt.compression import PLAIN, Plain, Zstd
 from slurmckpt.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
@@ -52,11 +52,30 @@ def area(p: Any, epoch: int, purpose: str = "capture") -> Path:
     return p.policy.staging.area(p.store.cluster, p.store.job, purpose, epoch, p.step, p.rank)
 
 
+def copied_files(p: Any) -> tuple[tuple[str, int], ...]:
+    """What the capture copies besides the tree's memory, by the bytes each holds: the task's output files,
+    the /dev/shm files the tree holds open or mapped, and the deleted files it holds, which criu copies
+    into its images (ghost.py; at their size, which the ghost limit caps). A replayed batch step: its
+    output only."""
+    files = output_snapshot.measure(p.wrapper_pid) if p.wrapper_pid else []
+    if not p.replay:
+        pids = p.cgroup.pids()
+        files += [(f.name, f.allocated) for f in shm_files.held(pids, p.creds.uid)]
+        files += [(f"{f.path} (deleted)", f.size) for f in proctree.deleted_files(pids)]
+    return tuple(files)
+
+
 def reserve(p: Any, epoch: int) -> None:
-    """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on)."""
+    """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on).
+    The bytes counted for copied files become the capture's budget for them (space.CopyBudget)."""
     reclaim.collect_job(p.store)
-    need = space.Need(0, 0) if p.replay else space.expected(
-        proctree.memory_bytes(p.cgroup.pids()), space.previous_manifest(p.store, p.step, p.rank))
+    copies = copied_files(p)
+    if p.replay:
+        need = space.Need(sum(b for _, b in copies), sum(b for _, b in copies), copies)
+    else:
+        need = space.expected(proctree.memory_bytes(p.cgroup.pids()),
+                              space.previous_manifest(p.store, p.step, p.rank), copies)
+    p.copy_budget = space.CopyBudget(sum(b for _, b in copies))
     p.timings["expected_mib"] = round(need.raw / 2**20, 1)
     space.reserve_store(p.store, epoch, p.step, p.rank, need, p.policy.quotas, p.creds.uid)
     try:

@@ -7,7 +7,9 @@ so after a requeue onto another node or a reboot it is missing, and after a cras
 capture it holds what the tree wrote since, not what it held at the cut. So:
 
 - capture (tree frozen): every /dev/shm file of the job's user that the tree holds open or mapped, with a
-  name, is read as the user through that name (inode checked) into the rank's images (`shm-N.data`);
+  name, is read as the user through that name (inode checked) into the rank's images (`shm-N.data`): its
+  data ranges only (sparse.py: a segment sized with ftruncate and never touched costs nothing), charged to
+  the capture's budget of copied bytes (space.CopyBudget), which PREPARE counted and reserved;
 - glibc's sem_open maps a semaphore by a temporary name it removes once the real name is linked. criu dumps
   a file held by a removed name that has another name only with --link-remap: it links the file to
   /dev/shm/link_remap.N for the dump (and removes that link again when the tree runs on), and the restore
@@ -22,7 +24,8 @@ capture it holds what the tree wrote since, not what it held at the cut. So:
 
 Files of other users are left to criu (by name, as without slurmckpt); files with no name left (nlink 0) are
 criu's ghost files (ghost.py). The copy is made while the tree is frozen, so a big segment lengthens the
-stall (at the speed of a memory copy); it is restored exactly, so it is not refused.
+stall (at the speed of a memory copy); it is restored exactly, so it is not refused unless it is over the
+capture's bounds (space.py).
 """
 from __future__ import annotations
 
@@ -32,8 +35,9 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from slurmckpt import asuser, criu_images, netlock, procfs
+from slurmckpt import asuser, criu_images, netlock, procfs, sparse
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.launch import Credentials
 
@@ -45,6 +49,7 @@ DELETED = " (deleted)"
 class ShmFile:
     name: str                          # a name it has now (written back under it at the restore)
     size: int
+    allocated: int                     # bytes it holds (sparse.allocated): what its copy takes
     mode: int
     dev: int
     ino: int
@@ -71,7 +76,7 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
                 key = (st.st_dev, st.st_ino)
                 f = found.get(key)
                 if f is None:
-                    f = found[key] = ShmFile("", st.st_size, stat.S_IMODE(st.st_mode), *key)
+                    f = found[key] = ShmFile("", st.st_size, sparse.allocated(st), stat.S_IMODE(st.st_mode), *key)
                 if link.endswith(DELETED):
                     f.removed.add(link[:-len(DELETED)])
                 elif not f.name:
@@ -94,18 +99,21 @@ def needs_link_remap(files: list[ShmFile]) -> bool:
     return any(f.removed for f in files)
 
 
-def save(creds: Credentials, files: list[ShmFile], images: Path) -> list[dict]:
-    """Copy each file's content (read as the user, through its name, refused unless it is the very inode
-    the tree holds) into `images`. Returns the rank record's entries."""
+def save(creds: Credentials, files: list[ShmFile], images: Path,
+         charge: Callable[[int, str, int], None]) -> list[dict]:
+    """Copy each file's data (read as the user, through its name, refused unless it is the very inode the
+    tree holds) into `images`, holes left out; `charge(bytes, name, size)` before each range (it raises to
+    refuse the capture). Returns the rank record's entries."""
     out = []
     for i, f in enumerate(files):
         src = asuser.open_expected(creds, f.name, os.O_RDONLY, f.dev, f.ino, f"a file in {SHM_DIR} the job holds,")
         data = f"shm-{i}.data"
         try:
-            size = _copy(src, images / data)
+            size = os.fstat(src).st_size
+            ranges = sparse.copy_data(src, images / data, size, lambda n: charge(n, f.name, size), f.name)
         finally:
             os.close(src)
-        out.append({"name": f.name, "size": size, "mode": f.mode, "data": data,
+        out.append({"name": f.name, "size": size, "ranges": ranges, "mode": f.mode, "data": data,
                     "removed": sorted(f.removed), "links": []})
     return out
 
@@ -166,11 +174,7 @@ def _write_back(e: dict, src_fd: int, content: bool) -> None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             raise OSError(errno.EPERM, "not a regular file of the job's user", e["name"])
         if content:
-            os.ftruncate(fd, 0)
-            while block := os.read(src_fd, 1 << 20):
-                view = memoryview(block)
-                while view:
-                    view = view[os.write(fd, view):]
+            sparse.write_back(fd, src_fd, e.get("ranges"), e["size"])
     finally:
         os.close(fd)
     for link in e["links"]:
@@ -196,11 +200,3 @@ def remove_links(creds: Credentials, entries: list[dict]) -> None:
                 pass
     asuser.run_as_user(creds, unlink_all, "cannot remove criu's temporary links in /dev/shm")
 
-
-def _copy(src: int, dst: Path) -> int:
-    size = 0
-    with os.fdopen(os.dup(src), "rb") as fin, open(dst, "wb") as fout:
-        while block := fin.read(8 << 20):
-            fout.write(block)
-            size += len(block)
-    return size

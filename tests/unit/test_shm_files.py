@@ -225,3 +225,33 @@ def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock(
         os.close(os.open(shm / "ring", os.O_RDONLY | os.O_NONBLOCK))    # a reader: frees a writer left waiting
         shutil.rmtree(tmp_path)
 
+
+def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_path) -> None:
+    """A segment sized with ftruncate and barely touched (shm_open's way): its copy takes the bytes it
+    holds, not its size, and charges them; the write-back gives the same size, content and holes."""
+    seg = Path("/dev/shm") / f"slurmckpt-test-sparse-{os.getpid()}"
+    try:
+        with open(seg, "wb") as f:
+            f.write(b"slot 0")
+            f.truncate(1 << 30)
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            files = shm_files.held([os.getpid()], os.getuid())
+            mine = [f for f in files if f.name == str(seg)]
+            assert mine and mine[0].allocated == st.st_blocks * 512 < 1 << 20
+            from slurmckpt.launch import Credentials
+            me = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
+            charged: list[tuple[int, str, int]] = []
+            entries = shm_files.save(me, mine, tmp_path, lambda n, name, size: charged.append((n, name, size)))
+        finally:
+            os.close(fd)
+        assert (tmp_path / "shm-0.data").stat().st_size == sum(n for n, _, _ in charged) < 1 << 20
+        assert {(name, size) for _, name, size in charged} == {(str(seg), 1 << 30)}
+        seg.unlink()
+        shm_files.put_back(me, entries, tmp_path)
+        st = seg.stat()
+        assert (st.st_size, seg.open("rb").read(6)) == (1 << 30, b"slot 0")
+        assert st.st_blocks * 512 < 1 << 20, "the holes were written"
+    finally:
+        seg.unlink(missing_ok=True)
