@@ -22,7 +22,7 @@ from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import durable, ipc, pmi, procfs, watchdog
+from slurmckpt import durable, ipc, lease, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, spawn_tree
@@ -450,12 +450,10 @@ class Agent:
     def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
         """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
         and coordinators (storage.allocate_epoch), refused to an older run than the store's. Its lease covers
-        every phase the epoch may still take."""
-        c = self.config
-        lease = c.prepare_timeout_s + c.capture_timeout_s + c.persist_timeout_s + 120
+        every phase the epoch may still take at the configured limits (the ranks extend it: lease.py)."""
         at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
-        epoch = self.store.allocate_epoch(at_least, lease, f"{socket.gethostname()}:{self._task_name}",
-                                          run=self.ident.restart_count)
+        epoch = self.store.allocate_epoch(at_least, lease.base_s(self.config),
+                                          f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
         return {"epoch": validate.epoch(epoch)}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:

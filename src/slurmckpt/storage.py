@@ -27,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from slurmckpt import validate
+from slurmckpt import lease, validate
 from slurmckpt.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
 from slurmckpt.errors import StorageError
 
@@ -40,7 +40,7 @@ RANK_MANIFEST = "rank.json"
 JOB_MANIFEST = "manifest.json"
 PREVIOUS = JOB_MANIFEST + ".prev"
 COUNTER = "allocated-epoch"     # the highest epoch number ever allocated for the job
-LEASE = ".lease"                # in an epoch directory: who allocated it, until when it may still commit
+LEASE = lease.LEASE             # in an epoch directory: who allocated it, until when it may still commit
 RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
 TRASH = ".trash-"
 
@@ -197,8 +197,8 @@ class JobStore:
     def allocate_epoch(self, at_least: int, lease_s: float, owner: str, run: int | None = None) -> int:
         """A new epoch number for this job, unique across its steps, coordinators and nodes: under the job
         lock, above every number seen, its directory made (with a lease: until when it may still commit;
-        reclaim.py removes it after that if uncommitted) and the counter advanced. Refused to a `run` older
-        than the store's (see above)."""
+        lease.py, reclaim.py removes it after that if uncommitted) and the counter advanced. Refused to a
+        `run` older than the store's (see above)."""
         self.ensure()
         with self.lock():
             _fenced(self.read_manifest(), run, at_least, "a new epoch")
@@ -210,8 +210,7 @@ class JobStore:
                 except FileExistsError:
                     epoch += 1
             try:
-                atomic_write_json(self.epoch_dir(epoch) / LEASE, {"owner": owner, "run": run,
-                                                                  "expires_at": time.time() + lease_s})
+                lease.write(self.epoch_dir(epoch), owner, lease.clock() + lease_s, run)
                 self.raise_counter(epoch)
             except StorageError:
                 shutil.rmtree(self.epoch_dir(epoch), ignore_errors=True)     # nothing used the number yet
@@ -316,7 +315,7 @@ class JobStore:
                             key=lambda e: e["epoch"])
             manifest["epochs"], dropped = _keep_newest(epochs, keep)
             self.write_manifest(manifest)
-            for name in (LEASE, *(p.name for p in self.epoch_dir(epoch).glob(RESERVE + "*"))):
+            for name in (p.name for p in self.epoch_dir(epoch).glob(".*") if p.name.startswith((LEASE, RESERVE))):
                 _unlink(self.epoch_dir(epoch) / name)
             for gone in dropped:       # only after the new manifest is durable; deleted off the critical path
                 self.to_trash(self.epoch_dir(gone["epoch"]))
