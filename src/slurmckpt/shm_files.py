@@ -58,8 +58,10 @@ class ShmFile:
 
 def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
     """The user's regular files in `shm_dir` that `pids` hold open or mapped and that still have a name,
-    once per inode, biggest first. Read through /proc links (stat only, never a path as root)."""
+    once per inode, biggest first. Read through /proc links (stat only, never a path as root). Only files of
+    `shm_dir`'s own file system: one the user mounted below it (a FUSE directory) could block root's copy."""
     found: dict[tuple[int, int], ShmFile] = {}
+    shm_dev = os.stat(shm_dir).st_dev
     for pid in pids:
         for folder, names in (("fd", procfs.fds(pid)), ("map_files", procfs.map_files(pid))):
             for name in names:
@@ -71,7 +73,7 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
                     st = os.stat(link_path)
                 except OSError:
                     continue
-                if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or st.st_uid != uid:
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or st.st_uid != uid or st.st_dev != shm_dev:
                     continue
                 key = (st.st_dev, st.st_ino)
                 f = found.get(key)

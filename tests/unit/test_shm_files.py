@@ -255,3 +255,21 @@ def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_pat
         assert st.st_blocks * 512 < 1 << 20, "the holes were written"
     finally:
         seg.unlink(missing_ok=True)
+
+
+def test_a_file_system_mounted_below_dev_shm_is_not_ours_to_copy(tmp_path) -> None:
+    """A user can mount a file system of its own (FUSE) on a directory in /dev/shm; a file there, held by
+    the tree, could make root's copy block for as long as the user likes: only /dev/shm's own files are
+    taken (criu handles the rest by name)."""
+    from smallfs import tmpfs
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "seg").write_bytes(b"x" * 4096)
+    with tmpfs(shm / "mounted", 1 << 20) as sub:
+        (sub / "seg").write_bytes(b"y" * 4096)
+        maps = [_mapped(shm / "seg"), _mapped(sub / "seg")]
+        try:
+            assert [f.name for f in shm_files.held([os.getpid()], os.getuid(), str(shm))] == [str(shm / "seg")]
+        finally:
+            for m in maps:
+                m.close()
