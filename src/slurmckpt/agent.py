@@ -22,7 +22,7 @@ from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import durable, ipc, pmi, procfs, watchdog
+from slurmckpt import durable, ipc, lease, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
@@ -77,6 +77,14 @@ class Agent:
         self.store_note = claim(self.store, self.instance) if self.instance else None
         if self.store_note:
             log.warning("%s", self.store_note)
+        # from now on no older run of the job commits (storage.py: a late commit of a run cut off by a requeue)
+        try:
+            run = self.store.enter_run(ident.restart_count)
+            if run > ident.restart_count:
+                log.warning("run %d of the job has started already: this run (%d) commits nothing", run,
+                            ident.restart_count)
+        except StorageError as e:       # this run's first commit enters it instead
+            log.warning("cannot record run %d in the store: %s", ident.restart_count, e)
         self.cgroup = TaskCgroup.for_task(config.freezer_root, ident.tree)
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
         self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
@@ -463,7 +471,7 @@ class Agent:
         note = claim(self.store, self.instance, keep_epoch=_epoch(m)) if getattr(self, "instance", None) else None
         if note:
             log.warning("%s", note)
-        self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs)
+        self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs, run=self.ident.restart_count)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
         if self.events:
@@ -472,11 +480,11 @@ class Agent:
 
     def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
         """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
-        and coordinators (storage.allocate_epoch). Its lease covers every phase the epoch may still take."""
-        c = self.config
-        lease = c.prepare_timeout_s + c.capture_timeout_s + c.persist_timeout_s + 120
+        and coordinators (storage.allocate_epoch), refused to an older run than the store's. Its lease covers
+        every phase the epoch may still take at the configured limits (the ranks extend it: lease.py)."""
         at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
-        epoch = self.store.allocate_epoch(at_least, lease, f"{socket.gethostname()}:{self._task_name}")
+        epoch = self.store.allocate_epoch(at_least, lease.base_s(self.config),
+                                          f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
         return {"epoch": validate.epoch(epoch)}
 
     def op_restore(self, m: dict, fds: list[int]) -> dict:

@@ -25,6 +25,7 @@ and the restore is refused if they changed since (shared_files / check_shared_fi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import stat
@@ -32,9 +33,12 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmckpt import netlock, procfs
+import xxhash
+
+from slurmckpt import asuser, netlock, procfs
 from slurmckpt.identity import TreeName
-from slurmckpt.errors import RestoreError
+from slurmckpt.errors import PermissionDenied, RestoreError
+from slurmckpt.launch import Credentials
 from slurmckpt.storage import file_checksum
 
 SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET
@@ -268,15 +272,19 @@ def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: s
 # followed a periodic capture it holds what the ranks wrote since (measured: the restored ranks then skip
 # hundreds of messages), and on another node it is missing. Its size and xxh3 are recorded at the capture
 # (every rank is frozen then) and the first rank of the node to restore compares them; all ranks of that
-# restore share its verdict (a marker file), since the ranks restored earlier already write to the file.
+# restore share its verdict (netlock.first_on_node), since the ranks restored earlier already write to the
+# file. Root reads these files only through the tree's own mappings (/proc/PID/map_files); at the restore
+# the path is the user's and is opened and read as the user, outside any node-wide lock, for a bounded time.
 def shared_files(pids: list[int], peers: set[int]) -> list[str]:
     """Paths of files the tree maps shared that one of `peers` (other ranks of the job) maps too, with write
-    access on at least one side. Regular files only (not device mappings such as the GPU driver's)."""
-    mine: dict[tuple[str, int], tuple[str, bool]] = {}
+    access on at least one side. Regular files only (not device mappings such as the GPU driver's), as the
+    mapping holds them (stat through /proc/PID/map_files, never the path)."""
+    mine: dict[tuple[str, int], tuple[str, bool, int, str]] = {}
     for pid in pids:
-        for key, path, perms, _ in _mappings(pid):
+        for key, path, perms, rng in _mappings(pid):
             if _linked(path):
-                mine[key] = (path, mine.get(key, (path, False))[1] or "w" in perms)
+                writable = key in mine and mine[key][1]
+                mine[key] = (path, writable or "w" in perms, pid, rng)
     if not mine:
         return []
     theirs: dict[tuple[str, int], bool] = {}
@@ -286,9 +294,9 @@ def shared_files(pids: list[int], peers: set[int]) -> list[str]:
                 theirs[key] = theirs.get(key, False) or "w" in perms
     out = []
     for key, writable in theirs.items():
-        path, mine_writable = mine[key]
+        path, mine_writable, pid, rng = mine[key]
         try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
+            regular = stat.S_ISREG(procfs.path(pid, "map_files", rng).stat().st_mode)
         except OSError:
             regular = False
         if regular and (writable or mine_writable):
@@ -297,53 +305,67 @@ def shared_files(pids: list[int], peers: set[int]) -> list[str]:
 
 
 def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict]:
-    """Size and xxh3 of `paths` as the tree maps them (read through /proc/PID/map_files: the very inode,
-    whatever the path names now). Called while the tree is frozen."""
+    """Size, xxh3, device and inode of `paths` as the tree maps them (read through /proc/PID/map_files: the
+    very inode, whatever the path names now). Called while the tree is frozen."""
     want, out = set(paths), []
     for pid in pids:
         for _, path, _, rng in _mappings(pid):
             if path in want:
                 src = procfs.path(pid, "map_files", rng)
                 try:
-                    out.append({"path": path, "size": src.stat().st_size, "xxh3": file_checksum(src)})
+                    st = src.stat()
+                    out.append({"path": path, "size": st.st_size, "xxh3": file_checksum(src),
+                                "dev": st.st_dev, "ino": st.st_ino})
                 except OSError:
                     continue
                 want.discard(path)
     return out
 
 
-def check_shared_files(entries: list[dict], key: str, uid: int, lock_dir: Path | None = None) -> None:
+def check_shared_files(entries: list[dict], key: str, creds: Credentials, same_node: bool,
+                       lock_dir: Path | None = None) -> None:
     """Before a rank's restore: raise RestoreError naming the first file that no longer holds what it held
     at the capture (see above). The first rank of the restore `key` on this node decides for all. The path
-    is the user's: only a regular file of the job's user `uid` is read (no symlink at the end), so the
-    verdict says nothing about anybody else's files."""
-    if not entries:
-        return
+    is the user's: it is opened as the job's user (`creds`), so the verdict says nothing about a file the
+    user could not open; only a regular file of the user is read (no symlink at the end), and it must be
+    the file the capture fingerprinted: the same inode, and on the node that made the capture
+    (`same_node`) the same device (another node's mount of a shared file system numbers it otherwise)."""
     lock_dir = lock_dir or netlock.LOCK_DIR
-    with netlock.node_lock(lock_dir):
-        for e in entries:
-            marker = lock_dir / f"{key}.file.{hashlib.sha1(e['path'].encode()).hexdigest()[:16]}"
-            if marker.exists():
-                verdict = marker.read_text()
-            else:
-                verdict = _compare(e, uid)
-                marker.write_text(verdict)
-            if verdict != "ok":
-                raise RestoreError(f"{e['path']} (mapped shared with another rank) {verdict}: the ranks would "
-                                   "not see what they shared at the checkpoint")
+    for e in entries:
+        marker = lock_dir / f"{key}.file.{hashlib.sha1(e['path'].encode()).hexdigest()[:16]}"
+        verdict, _ = netlock.first_on_node(marker, lambda e=e: _compare(e, creds, same_node),
+                                           asuser.time_for(e["size"]) + asuser.OPEN_TIMEOUT_S)
+        if verdict != "ok":
+            raise RestoreError(f"{e['path']} (mapped shared with another rank) {verdict}: the ranks would "
+                               "not see what they shared at the checkpoint")
 
 
-def _compare(entry: dict, uid: int) -> str:
+def _compare(entry: dict, creds: Credentials, same_node: bool) -> str:
+    path = entry["path"]
+
+    def measure() -> bytes:       # in a child that is the job's user
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            facts = {"regular": stat.S_ISREG(st.st_mode), "uid": st.st_uid, "dev": st.st_dev,
+                     "ino": st.st_ino, "size": st.st_size}
+            if facts["regular"] and st.st_size == entry["size"]:
+                h = xxhash.xxh3_64()      # read(), not mmap: a file cut short meanwhile is no SIGBUS
+                while block := os.read(fd, 8 << 20):
+                    h.update(block)
+                facts["xxh3"] = h.hexdigest()
+            return json.dumps(facts).encode()
+        finally:
+            os.close(fd)
     try:
-        fd = os.open(entry["path"], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        return f"cannot be opened ({e.strerror}); it exists only on the node and in the run that made it"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-            return "is no longer a regular file of the job's user"
-        if st.st_size != entry["size"] or file_checksum(procfs.path("self", "fd", fd)) != entry["xxh3"]:
-            return "changed since the checkpoint (written after it, e.g. before a crash)"
-        return "ok"
-    finally:
-        os.close(fd)
+        facts = json.loads(asuser.call_as_user(creds, measure, "opened as the job's user",
+                                               asuser.time_for(entry["size"])))
+    except PermissionDenied as e:
+        return f"cannot be {e}; it exists only on the node and in the run that made it"
+    if not facts["regular"] or facts["uid"] != creds.uid:
+        return "is no longer a regular file of the job's user"
+    if "ino" in entry and (facts["ino"] != entry["ino"] or (same_node and facts["dev"] != entry["dev"])):
+        return "is not the file mapped at the checkpoint (replaced since)"
+    if facts["size"] != entry["size"] or facts.get("xxh3") != entry["xxh3"]:
+        return "changed since the checkpoint (written after it, e.g. before a crash)"
+    return "ok"

@@ -21,7 +21,9 @@ import fcntl
 import ipaddress
 import json
 import logging
+import os
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -139,7 +141,8 @@ def run_iptables(cmd: list[str], stdin: str) -> None:
 
 @contextmanager
 def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
-    """Serialises the short bookkeeping steps of the restores running on this node (not the restores)."""
+    """Serialises the short bookkeeping steps of the restores running on this node (not the restores).
+    Every user's restore waits for it: nothing done under it touches a path, fd or process of a user."""
     lock_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
     with open(lock_dir / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -220,3 +223,50 @@ def _lift_stale(key: str, runner: Runner, lock_dir: Path) -> None:
             _unlock(runner, marker, json.loads(marker.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             marker.unlink(missing_ok=True)
+
+
+# ---- one verdict per restore of the node ------------------------------------------------------------------
+# Ranks of one node that share a file (a /dev/shm segment, a file mapped shared) each recorded it at the
+# cut; its check or write-back is done once per restore of the node, by the first rank, and the others take
+# its verdict (the ranks restored first already use the file again). That work touches the user's paths, so
+# it never runs under node_lock: the marker is claimed by creating it (O_EXCL), the work runs outside any
+# lock, and its verdict replaces the marker (rename). Only the ranks of the same restore wait for it.
+
+
+def first_on_node(marker: Path, work: Callable[[], str], wait_s: float, poll_s: float = 0.05,
+                  clock: Callable[[], float] = time.monotonic) -> tuple[str, bool]:
+    """(verdict, whether this caller ran `work`) for `marker` (a name in LOCK_DIR under restore_key).
+    The first caller runs `work` and records what it returns ("ok" or why not); a failure of `work` is
+    recorded as a verdict too, and raised. The others wait for the verdict at most `wait_s`."""
+    marker.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        return _verdict_of(marker, wait_s, poll_s, clock), False
+    try:
+        verdict = work()
+    except BaseException as e:
+        _record(marker, f"failed on the rank restored first on this node: {e}")
+        raise
+    _record(marker, verdict)
+    return verdict, True
+
+
+def _record(marker: Path, verdict: str) -> None:
+    tmp = marker.with_name(f".{marker.name}.tmp.{os.getpid()}.{time.monotonic_ns()}")
+    tmp.write_text(verdict or "?")
+    os.rename(tmp, marker)
+
+
+def _verdict_of(marker: Path, wait_s: float, poll_s: float, clock: Callable[[], float]) -> str:
+    deadline = clock() + wait_s
+    while True:
+        try:
+            verdict = marker.read_text()
+        except FileNotFoundError:       # lifted meanwhile (_lift_stale of a later restart)
+            return "its marker was removed by a later start of the job"
+        if verdict:             # empty: claimed, the work still running
+            return verdict
+        if clock() >= deadline:
+            return f"the rank restored first on this node gave no verdict within {wait_s:.0f}s"
+        time.sleep(poll_s)

@@ -1,7 +1,7 @@
 """What a frozen tree wrote to its stdio pipes before the freeze, still on its way to the output file.
 
 A step rank's stdout and stderr are pipes to slurmstepd, which relays them to srun, which appends them to
-the batch output file. The batch rank snapshots that file at the capture (pipeline._snapshot_output); a
+the batch output file. The batch rank snapshots that file at the capture (output_snapshot.take); a
 line that still sits in a rank's pipe at that moment would be missing from the restored output, though the
 restored rank has already printed it. So after the freeze each rank waits until slurmstepd has read its
 pipes empty; the batch rank's snapshot, one barrier later, then only waits for slurmstepd and srun to pass

@@ -19,16 +19,14 @@ process (measured on the H200). Restore is the same list read backwards: restore
 from __future__ import annotations
 
 import logging
-import os
 import re
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-from slurmckpt import (asuser, capture_checks, ghost, ipc, netlock, output_pipes, pmi, procfs, proctree,
-                       rank_images, shm_files, tcp_ports)
+from slurmckpt import (capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs,
+                       proctree, rank_images, shm_files, space, tcp_ports)
 from slurmckpt.criu import CheckpointEngine
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
@@ -86,6 +84,8 @@ class RankPipeline:
     step_token: str = ""       # a relayed srun's step: its name across restores (agent.py, plan)
     footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
     policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank_images.py)
+    # bytes this epoch may copy from the user's files (PREPARE's count, rank_images.reserve; space.py)
+    copy_budget: space.CopyBudget = field(default_factory=lambda: space.CopyBudget(0))
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -113,6 +113,7 @@ class RankPipeline:
         self._require_tree()
         self.done, self.record, self.timings, self.gpu_record = [], {}, {}, None
         self.tcp_peers, self.shared_files, self.tcp_outside = [], [], {}
+        self.copy_budget = space.CopyBudget(0)
         self.replay = self.step == "batch" and proctree.has_slurm_client(self.cgroup.pids())
         self._run(PREPARE_STAGES, epoch)
         return {"timings": self.timings}
@@ -269,7 +270,7 @@ def _record(p: RankPipeline, epoch: int) -> None:
         "tcp_ranks": [] if replay else netlock.still_established(pids, p.tcp_peers),
         "shared_files": [] if replay else ipc.fingerprint_files(pids, p.shared_files),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
-        "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch)),
+        "shm_files": shm_files.save(p.creds, shm, rank_images.staged(p, epoch), p.copy_budget.charge),
         "pmi": [] if replay else _pmi_socket(p, pids),
         "srun_standins": [] if replay else _standin_sockets(p, pids),
         "tcp_ports": {} if replay else tcp_ports.record(pids),     # their own TIME_WAIT gone before a restore
@@ -363,63 +364,7 @@ def _discard_images(p: RankPipeline, epoch: int) -> None:
 
 
 def _snapshot_output(p: RankPipeline, epoch: int) -> None:
-    """Copy the task's output files (the wrapper's stdout/stderr when Slurm gave it regular files) up to
-    their size at the freeze: Slurm truncates the output file on requeue (without --open-mode=append) and
-    restore rewrites it to exactly this content, so the job's output holds everything exactly once.
-    The wrapper is the user's: its fds are read as the user (asuser.py), never through /proc as root."""
-    rdir = rank_images.area(p, epoch)
-    if p.replay:
-        _wait_output_settled(p.wrapper_pid)
-    outputs, seen = [], {}
-    for fd in (1, 2):
-        t = proctree.fd_target(p.wrapper_pid, fd)
-        if t is None or not t.regular:
-            continue
-        if t.path_only:
-            raise CaptureError(f"the task's fd {fd} is an O_PATH descriptor ({t.link}): its output cannot be "
-                               "kept across a restore", step=p.step, rank=p.rank)
-        if t.link not in seen:
-            seen[t.link] = f"output-{fd}.snap"
-            # Reopened through the wrapper's fd link, as the user: the kernel checks the user's read permission
-            # on the file itself (an O_PATH or write-only fd to a file the user cannot read gives nothing).
-            src = asuser.open_expected(p.creds, str(procfs.path(p.wrapper_pid, "fd", fd)), os.O_RDONLY, t.dev, t.ino,
-                                       f"the task's fd {fd} ({t.link}),")
-            try:
-                _copy_prefix(src, rdir / seen[t.link], t.size, t.link)
-            finally:
-                os.close(src)
-        outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": seen[t.link]})
-    if p.peer_alive and not p.peer_alive():
-        raise CaptureError("the task's wrapper exited during the capture", step=p.step, rank=p.rank)
-    p.record["outputs"] = outputs
-
-
-def _wait_output_settled(wrapper_pid: int, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
-    """Every step rank is frozen by now; what they wrote before still travels through slurmstepd and srun
-    to the batch output file. Wait until the file stops growing, so the snapshot holds all of it."""
-    def size() -> int:
-        try:
-            return procfs.fd_stat(wrapper_pid, 1).st_size
-        except OSError:
-            return -1
-    start = time.monotonic()
-    last, since = size(), time.monotonic()
-    while time.monotonic() - start < limit_s and time.monotonic() - since < quiet_s:
-        time.sleep(0.05)
-        now = size()
-        if now != last:
-            last, since = now, time.monotonic()
-
-
-def _copy_prefix(src: int, dst: Path, size: int, name: str) -> None:
-    with os.fdopen(os.dup(src), "rb") as fin, open(dst, "wb") as fout:
-        remaining = size
-        while remaining:
-            block = fin.read(min(remaining, 8 << 20))
-            if not block:
-                raise CaptureError(f"output file shrank during capture ({name})")
-            fout.write(block)
-            remaining -= len(block)
+    p.record["outputs"] = output_snapshot.take(p, rank_images.area(p, epoch))
 
 
 def _persist_final(p: RankPipeline, epoch: int) -> None:

@@ -2,11 +2,12 @@
 (docs/storage.md). In order:
 
     space (PREPARE, before any lock or freeze)   GC this job's dead epochs; check and reserve room in the
-                                                 store (free space, quotas) and in staging
+                                                 store (free space, quotas) and in staging; the epoch's
+                                                 lease extended to cover this rank's bytes (lease.py)
     record/dump/snapshot-output (CAPTURE)        into the rank's staging area (node-local)
     persist (final: in CAPTURE, at full speed;   staging -> store: compress, checksum, fsync, rank.json;
-            periodic: in RESUME, after the thaw, staging cleaned either way
-            at bounded priority)
+            periodic: in RESUME, after the thaw, staging cleaned either way; the epoch's lease renewed
+            at bounded priority)                 meanwhile
     restore                                      store -> staging (verified while unpacked) -> criu
 
 Each function takes the rank's pipeline (pipeline.RankPipeline) as `p`.
@@ -19,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from slurmckpt import proctree, reclaim, space
+from slurmckpt import lease, output_snapshot, proctree, reclaim, shm_files, space
 from slurmckpt.compression import PLAIN, Plain, Zstd
+from slurmckpt.coordinator import budget
 from slurmckpt.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.persist import Priority, bounded, materialize, persist_rank
 from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.storage import JobStore, rank_name
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,13 @@ class StorePolicy:
     codec: Plain | Zstd = PLAIN
     priority: Priority | None = field(default_factory=Priority)    # None: periodic persists at full speed
     quotas: space.Quotas = field(default_factory=space.Quotas)
+    lease_s: float = 30 + 600 + 1800 + lease.MARGIN_S     # an epoch's lease at the default limits (lease.py)
 
     @classmethod
     def from_config(cls, config: Any) -> "StorePolicy":
         return cls(Staging(Path(config.staging_dir), config.staging_max), config.codec(),
                    Priority(config.persist_nice, config.persist_io_class),
-                   space.Quotas(config.quota_job, config.quota_user))
+                   space.Quotas(config.quota_job, config.quota_user), lease.base_s(config))
 
     @classmethod
     def beside(cls, store: JobStore) -> "StorePolicy":
@@ -52,17 +55,41 @@ def area(p: Any, epoch: int, purpose: str = "capture") -> Path:
     return p.policy.staging.area(p.store.cluster, p.store.job, purpose, epoch, p.step, p.rank)
 
 
+def copied_files(p: Any) -> tuple[tuple[str, int], ...]:
+    """What the capture copies besides the tree's memory, by the bytes each holds: the task's output files,
+    the /dev/shm files the tree holds open or mapped, and the deleted files it holds, which criu copies
+    into its images (ghost.py; at their size, which the ghost limit caps). A replayed batch step: its
+    output only."""
+    files = output_snapshot.measure(p.wrapper_pid) if p.wrapper_pid else []
+    if not p.replay:
+        pids = p.cgroup.pids()
+        files += [(f.name, f.allocated) for f in shm_files.held(pids, p.creds.uid)]
+        files += [(f"{f.path} (deleted)", f.size) for f in proctree.deleted_files(pids)]
+    return tuple(files)
+
+
 def reserve(p: Any, epoch: int) -> None:
-    """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on)."""
+    """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on).
+    The bytes counted for copied files become the capture's budget for them (space.CopyBudget)."""
     reclaim.collect_job(p.store)
-    need = space.Need(0, 0) if p.replay else space.expected(
-        proctree.memory_bytes(p.cgroup.pids()), space.previous_manifest(p.store, p.step, p.rank))
+    copies = copied_files(p)
+    if p.replay:
+        need = space.Need(sum(b for _, b in copies), sum(b for _, b in copies), copies)
+    else:
+        need = space.expected(proctree.memory_bytes(p.cgroup.pids()),
+                              space.previous_manifest(p.store, p.step, p.rank), copies)
+    p.copy_budget = space.CopyBudget(sum(b for _, b in copies))
     p.timings["expected_mib"] = round(need.raw / 2**20, 1)
     space.reserve_store(p.store, epoch, p.step, p.rank, need, p.policy.quotas, p.creds.uid)
     try:
         space.reserve_staging(p.policy.staging, area(p, epoch), need)
+        # the capture of a large epoch outlasts the limits its lease was allocated with: the budget's rates
+        images = need.raw + (p.footprint.gpu_bytes if p.footprint else 0)
+        lease.extend(p.store, epoch, rank_name(p.step, p.rank), lease.clock() + p.policy.lease_s
+                     + budget.SAFETY * (images / budget.CRIU_DUMP_BPS + images / budget.SEAL_BPS))
     except BaseException:
         space.release_store(p.store, epoch, p.step, p.rank)
+        p.policy.staging.remove(area(p, epoch))
         raise
 
 
@@ -86,8 +113,9 @@ def persist(p: Any, epoch: int, background: bool) -> None:
     where = area(p, epoch)
     meta = {**p.record, "timings": dict(p.timings)}
     try:
-        manifest = bounded(p.policy.priority if background else None,
-                           lambda: persist_rank(p.store, epoch, p.step, p.rank, where, meta, p.policy.codec))
+        with lease.kept(p.store, epoch, rank_name(p.step, p.rank), p.policy.lease_s):    # however long it takes
+            manifest = bounded(p.policy.priority if background else None,
+                               lambda: persist_rank(p.store, epoch, p.step, p.rank, where, meta, p.policy.codec))
     except SlurmckptError:
         p.failed_stage = "persist"
         raise

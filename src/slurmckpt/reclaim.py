@@ -1,7 +1,8 @@
 """What the store and staging give back (docs/storage.md, "Garbage collection").
 
-- Uncommitted epochs: an epoch directory the job manifest does not list, once its lease ran out (its
-  coordinator can no longer commit it) or, without a lease, once untouched for GRACE_S. At every agent
+- Uncommitted epochs: an epoch directory the job manifest does not list, once its lease ran out (no rank
+  works on it and its coordinator can no longer commit it: lease.py) or, without a lease, once untouched
+  for GRACE_S. At every agent
   start and every capture (this job), and by `slurmckpt gc` (every job).
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
   ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron),
@@ -16,19 +17,19 @@ Removal renames first (under the job's lock, so no commit sees half a directory)
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from slurmckpt import lease
 from slurmckpt.durable import is_temp
 from slurmckpt.errors import StorageError
 from slurmckpt.identity import TreeName
 from slurmckpt.staging import Staging
 from slurmckpt.task_cgroup import TaskCgroup
-from slurmckpt.storage import LEASE, TRASH, JobStore, epoch_of, list_jobs, tree_bytes
+from slurmckpt.storage import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 GRACE_S = 3600.0
 FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
@@ -56,11 +57,11 @@ def _newest_mtime(path: Path) -> float:
 def _why_dead(epoch_dir: Path, now: float) -> str | None:
     """Why an uncommitted epoch directory can go, or None while its coordinator may still commit it."""
     try:
-        expires = float(json.loads((epoch_dir / LEASE).read_text())["expires_at"])
+        expires = lease.expiry(epoch_dir)
     except FileNotFoundError:
         idle = now - _newest_mtime(epoch_dir)
         return f"uncommitted, no lease, untouched for {idle:.0f}s" if idle > GRACE_S else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return "uncommitted, its lease is unreadable"
     return f"uncommitted, its lease ran out {now - expires:.0f}s ago" if expires < now else None
 
@@ -70,7 +71,7 @@ def collect_job(store: JobStore, dry_run: bool = False, now: float | None = None
     committed is then unknown)."""
     if not store.job_dir.is_dir():
         return []
-    now = time.time() if now is None else now
+    now = lease.clock() if now is None else now
     out: list[Removal] = []
     try:
         with store.lock():

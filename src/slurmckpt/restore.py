@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slurmckpt import asuser, crossnode, ipc, netlock, pmi, proctree, rank_images, shm_files, tcp_ports
+from slurmckpt import (asuser, crossnode, ipc, netlock, output_snapshot, pmi, proctree, rank_images, shm_files,
+                       tcp_ports)
 from slurmckpt.criu import InheritedFd
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.launch import Credentials
@@ -40,8 +42,9 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
 
 def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
     key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
-    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds.uid)
-    _rewrite_outputs(manifest, rdir, stdio)
+    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds,
+                           same_node=manifest.get("node") == socket.gethostname())
+    output_snapshot.rewrite(manifest, rdir, stdio)
     if manifest["kind"] == "replay":
         return None, manifest
     _truncate_written_files(manifest["truncate"], p.creds)
@@ -128,25 +131,6 @@ def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:
     if p.cgroup.pids():
         raise RestoreError(f"the restored tree did not die after a failed restore: {p.cgroup.pids()}",
                            step=p.step, rank=p.rank)
-
-
-def _rewrite_outputs(manifest: dict, rdir: Path, stdio: list[int]) -> None:
-    done = set()
-    for entry in manifest.get("outputs", []):
-        if entry["snapshot"] in done:
-            continue
-        fd = stdio[entry["fd"]]
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RestoreError(f"the task's fd {entry['fd']} is not a regular file now (it was "
-                               f"{entry['link']} at the capture): cannot restore its output")
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        with open(rdir / entry["snapshot"], "rb") as f:
-            while block := f.read(8 << 20):
-                view = memoryview(block)
-                while view:
-                    view = view[os.write(fd, view):]
-        done.add(entry["snapshot"])
 
 
 def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:

@@ -7,20 +7,25 @@ so after a requeue onto another node or a reboot it is missing, and after a cras
 capture it holds what the tree wrote since, not what it held at the cut. So:
 
 - capture (tree frozen): every /dev/shm file of the job's user that the tree holds open or mapped, with a
-  name, is read as the user through that name (inode checked) into the rank's images (`shm-N.data`);
+  name, is read as the user through that name (inode checked) into the rank's images (`shm-N.data`): its
+  data ranges only (sparse.py: a segment sized with ftruncate and never touched costs nothing), charged to
+  the capture's budget of copied bytes (space.CopyBudget), which PREPARE counted and reserved;
 - glibc's sem_open maps a semaphore by a temporary name it removes once the real name is linked. criu dumps
   a file held by a removed name that has another name only with --link-remap: it links the file to
   /dev/shm/link_remap.N for the dump (and removes that link again when the tree runs on), and the restore
   opens it by that name. The names criu used are read from the images after the dump (criu_images.py);
 - restore: as the user, each file is written back under its name (created if missing, only ever a regular
-  file of the user), and the link_remap names are linked to it; criu removes those once it opened them.
+  file of the user: opened O_NONBLOCK|O_NOFOLLOW, so a FIFO, a lease or a symlink put at the name is
+  refused at once), and the link_remap names are linked to it; criu removes those once it opened them.
   Ranks of one node that share a segment (ipc_pair.py's ring) each saved it at the cut; it is written back
-  once per restore of the node, by the first rank: the others find the ranks restored before them already
-  writing to it.
+  once per restore of the node, by the first rank (netlock.first_on_node: no node-wide lock is held while
+  the user's path is written, and the write is killed past its time limit), the others wait for its
+  verdict: the ranks restored before them already write to it.
 
 Files of other users are left to criu (by name, as without slurmckpt); files with no name left (nlink 0) are
 criu's ghost files (ghost.py). The copy is made while the tree is frozen, so a big segment lengthens the
-stall (at the speed of a memory copy); it is restored exactly, so it is not refused.
+stall (at the speed of a memory copy); it is restored exactly, so it is not refused unless it is over the
+capture's bounds (space.py).
 """
 from __future__ import annotations
 
@@ -28,11 +33,12 @@ import errno
 import hashlib
 import os
 import stat
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from slurmckpt import asuser, criu_images, netlock, procfs
+from slurmckpt import asuser, criu_images, netlock, procfs, sparse
+from slurmckpt.errors import PermissionDenied
 from slurmckpt.launch import Credentials
 
 SHM_DIR = "/dev/shm"
@@ -43,6 +49,7 @@ DELETED = " (deleted)"
 class ShmFile:
     name: str                          # a name it has now (written back under it at the restore)
     size: int
+    allocated: int                     # bytes it holds (sparse.allocated): what its copy takes
     mode: int
     dev: int
     ino: int
@@ -51,8 +58,10 @@ class ShmFile:
 
 def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
     """The user's regular files in `shm_dir` that `pids` hold open or mapped and that still have a name,
-    once per inode, biggest first. Read through /proc links (stat only, never a path as root)."""
+    once per inode, biggest first. Read through /proc links (stat only, never a path as root). Only files of
+    `shm_dir`'s own file system: one the user mounted below it (a FUSE directory) could block root's copy."""
     found: dict[tuple[int, int], ShmFile] = {}
+    shm_dev = os.stat(shm_dir).st_dev
     for pid in pids:
         for folder, names in (("fd", procfs.fds(pid)), ("map_files", procfs.map_files(pid))):
             for name in names:
@@ -64,12 +73,12 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
                     st = os.stat(link_path)
                 except OSError:
                     continue
-                if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or st.st_uid != uid:
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or st.st_uid != uid or st.st_dev != shm_dev:
                     continue
                 key = (st.st_dev, st.st_ino)
                 f = found.get(key)
                 if f is None:
-                    f = found[key] = ShmFile("", st.st_size, stat.S_IMODE(st.st_mode), *key)
+                    f = found[key] = ShmFile("", st.st_size, sparse.allocated(st), stat.S_IMODE(st.st_mode), *key)
                 if link.endswith(DELETED):
                     f.removed.add(link[:-len(DELETED)])
                 elif not f.name:
@@ -92,18 +101,21 @@ def needs_link_remap(files: list[ShmFile]) -> bool:
     return any(f.removed for f in files)
 
 
-def save(creds: Credentials, files: list[ShmFile], images: Path) -> list[dict]:
-    """Copy each file's content (read as the user, through its name, refused unless it is the very inode
-    the tree holds) into `images`. Returns the rank record's entries."""
+def save(creds: Credentials, files: list[ShmFile], images: Path,
+         charge: Callable[[int, str, int], None]) -> list[dict]:
+    """Copy each file's data (read as the user, through its name, refused unless it is the very inode the
+    tree holds) into `images`, holes left out; `charge(bytes, name, size)` before each range (it raises to
+    refuse the capture). Returns the rank record's entries."""
     out = []
     for i, f in enumerate(files):
         src = asuser.open_expected(creds, f.name, os.O_RDONLY, f.dev, f.ino, f"a file in {SHM_DIR} the job holds,")
         data = f"shm-{i}.data"
         try:
-            size = _copy(src, images / data)
+            size = os.fstat(src).st_size
+            ranges = sparse.copy_data(src, images / data, size, lambda n: charge(n, f.name, size), f.name)
         finally:
             os.close(src)
-        out.append({"name": f.name, "size": size, "mode": f.mode, "data": data,
+        out.append({"name": f.name, "size": size, "ranges": ranges, "mode": f.mode, "data": data,
                     "removed": sorted(f.removed), "links": []})
     return out
 
@@ -120,39 +132,59 @@ def put_back(creds: Credentials, entries: list[dict], images: Path, key: str | N
              lock_dir: Path | None = None) -> None:
     """Before criu restores: as the user, each file written back under its name and linked under the names
     criu will open. Only a regular file of the user is written (created if missing, never through a
-    symlink); PermissionDenied names the file otherwise. With `key` (netlock.restore_key: this restore of
-    the job on this node) a file is written back once per restore: ranks of one node that share a segment
-    each saved the same bytes at the cut, and the ranks restored first already write to it again (a second
-    write-back would put old slots under their new counters)."""
+    symlink, never a FIFO); PermissionDenied names the file otherwise, or when the write took longer than
+    its time limit. With `key` (netlock.restore_key: this restore of the job on this node) a file's
+    content is written back once per restore: ranks of one node that share a segment each saved the same
+    bytes at the cut, and the ranks restored first already write to it again (a second write-back would
+    put old slots under their new counters); the others wait for the first one's verdict (at most as long
+    as its write may take), and only link their names."""
     lock_dir = lock_dir or netlock.LOCK_DIR
     for e in entries:
-        marker = lock_dir / f"{key}.shm.{hashlib.sha1(e['name'].encode()).hexdigest()[:16]}" if key else None
-        with open(images / e["data"], "rb") as src, (netlock.node_lock(lock_dir) if marker else nullcontext()):
-            content = marker is None or not marker.exists()
+        what = f"cannot put back {e['name']} for the restore"
+        with open(images / e["data"], "rb") as src:
+            def write(content: bool, e: dict = e, src_fd: int = src.fileno()) -> str:
+                asuser.run_as_user(creds, lambda: _write_back(e, src_fd, content), what,
+                                   asuser.time_for(e["size"] if content else 0))
+                return "ok"
+            if key is None:
+                write(True)
+                continue
+            marker = lock_dir / f"{key}.shm.{hashlib.sha1(e['name'].encode()).hexdigest()[:16]}"
+            verdict, wrote = netlock.first_on_node(marker, lambda: write(True),
+                                                   asuser.time_for(e["size"]) + asuser.OPEN_TIMEOUT_S)
+            if verdict != "ok":
+                raise PermissionDenied(f"{what}: {verdict}", uid=creds.uid)
+            if not wrote:
+                write(False)
 
-            def write_back(e: dict = e, src_fd: int = src.fileno(), content: bool = content) -> None:
-                fd = os.open(e["name"], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, e["mode"])
-                try:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                        raise OSError(errno.EPERM, "not a regular file of the job's user", e["name"])
-                    if content:
-                        os.ftruncate(fd, 0)
-                        while block := os.read(src_fd, 1 << 20):
-                            view = memoryview(block)
-                            while view:
-                                view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                for link in e["links"]:
-                    try:
-                        os.unlink(link)
-                    except FileNotFoundError:
-                        pass
-                    os.link(e["name"], link)
-            asuser.run_as_user(creds, write_back, f"cannot put back {e['name']} for the restore")
-            if marker is not None and content:
-                marker.write_text("put back\n")
+
+def _write_back(e: dict, src_fd: int, content: bool) -> None:
+    """In the child that is the job's user: the file at e["name"] (a regular file of the user, created if
+    missing) given the saved content, then criu's link_remap names linked to it."""
+    try:
+        st = os.lstat(e["name"])
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EPERM, "not a regular file of the job's user (a FIFO, link or device put "
+                          "there since the checkpoint)", e["name"])
+    except FileNotFoundError:
+        pass
+    # O_NONBLOCK: whatever replaced the file between the lstat and here answers at once (a FIFO without a
+    # reader: ENXIO; a lease: EWOULDBLOCK), and the fstat below refuses it
+    fd = os.open(e["name"], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, e["mode"])
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError(errno.EPERM, "not a regular file of the job's user", e["name"])
+        if content:
+            sparse.write_back(fd, src_fd, e.get("ranges"), e["size"])
+    finally:
+        os.close(fd)
+    for link in e["links"]:
+        try:
+            os.unlink(link)
+        except FileNotFoundError:
+            pass
+        os.link(e["name"], link)
 
 
 def remove_links(creds: Credentials, entries: list[dict]) -> None:
@@ -170,11 +202,3 @@ def remove_links(creds: Credentials, entries: list[dict]) -> None:
                 pass
     asuser.run_as_user(creds, unlink_all, "cannot remove criu's temporary links in /dev/shm")
 
-
-def _copy(src: int, dst: Path) -> int:
-    size = 0
-    with os.fdopen(os.dup(src), "rb") as fin, open(dst, "wb") as fout:
-        while block := fin.read(8 << 20):
-            fout.write(block)
-            size += len(block)
-    return size

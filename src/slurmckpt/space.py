@@ -1,11 +1,15 @@
 """Space rules, checked in PREPARE before anything is locked or frozen (docs/storage.md, "Space").
 
-A rank expects to write `raw` bytes to staging (its tree's anonymous memory, or its previous image if that
-was larger: it holds the GPU memory the GPU checkpoint copied to the host) and `stored` bytes to the store
-(raw times the previous image's compression ratio; 1 before the first). The capture is refused, naming what
-does not fit, when the staging area or the store lacks the room, or when the job's or its user's images
-(committed, being written, reserved) would exceed `quota_job` / `quota_user`. What passes is reserved (under
-the job's lock in the store, the node's lock in staging) so that ranks checking at once see each other.
+A rank expects to write `raw` bytes to staging (its tree's anonymous memory plus the files the capture copies
+besides criu's images, or its previous image if that was larger: it holds the GPU memory the GPU checkpoint
+copied to the host) and `stored` bytes to the store (raw times the previous image's compression ratio; 1
+before the first). The files copied (the output snapshot, /dev/shm files the tree holds open or mapped) are
+counted by the bytes they hold, not their size (a sparse file costs its user nothing). The capture is
+refused, naming what does not fit and the biggest files copied, when the staging area or the store lacks
+the room, or when the job's or its user's images (committed, being written, reserved) would exceed
+`quota_job` / `quota_user`. What passes is reserved (under the job's lock in the store, the node's lock in
+staging) so that ranks checking at once see each other; the copies are then held to what was counted
+(`CopyBudget`), whatever the files hold by the time they are copied.
 """
 from __future__ import annotations
 
@@ -24,6 +28,37 @@ from slurmckpt.storage import RESERVE, TRASH, JobStore, epoch_of, rank_name, tre
 class Need:
     raw: int          # bytes in staging
     stored: int       # bytes in the store
+    copies: tuple[tuple[str, int], ...] = ()     # files copied besides criu's images: (name, bytes held)
+
+    def named(self) -> str:
+        """The biggest files the capture copies, for a refusal."""
+        big = sorted(self.copies, key=lambda c: -c[1])[:3]
+        return f"; it copies {', '.join(f'{n} ({gib(b)})' for n, b in big)}" if big else ""
+
+
+COPY_MARGIN = 64 << 20    # what the tree may add to its copied files between PREPARE and the freeze
+
+
+@dataclass
+class CopyBudget:
+    """The bytes a capture may copy from files the user controls (output snapshots, /dev/shm files): what
+    PREPARE counted and reserved, plus COPY_MARGIN and an eighth for what the tree writes before the freeze.
+    A copy that would pass it is refused before it writes (the user can grow a file, or fill its holes,
+    between the count and the copy)."""
+    counted: int
+    spent: int = 0
+
+    @property
+    def limit(self) -> int:
+        return self.counted + COPY_MARGIN + self.counted // 8
+
+    def charge(self, n: int, name: str, size: int) -> None:
+        if self.spent + n > self.limit:
+            raise CaptureError(f"capture refused: {name} (size {gib(size)}) holds more data than this capture "
+                               f"may copy: the files copied besides the memory images would take over "
+                               f"{gib(self.spent + n)}, {gib(self.counted)} were counted and reserved for them "
+                               f"in PREPARE (limit {gib(self.limit)})")
+        self.spent += n
 
 
 @dataclass(frozen=True)
@@ -36,15 +71,17 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def expected(memory: int, previous: dict | None) -> Need:
-    """From the tree's memory now and the rank's previous rank.json (None before its first capture)."""
+def expected(memory: int, previous: dict | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
+    """From the tree's memory now, the files the capture copies (name, bytes held) and the rank's previous
+    rank.json (None before its first capture)."""
+    now = memory + sum(b for _, b in copies)
     if not previous:
-        return Need(memory, memory)
+        return Need(now, now, copies)
     raw = sum(int(f.get("raw_size", f["size"])) for f in previous["files"].values())
     stored = sum(int(f["size"]) for f in previous["files"].values())
     ratio = stored / raw if raw else 1.0
-    biggest = max(memory, raw)
-    return Need(biggest, int(biggest * ratio))
+    biggest = max(now, raw)
+    return Need(biggest, int(biggest * ratio), copies)
 
 
 def previous_manifest(store: JobStore, step: str, rank: int) -> dict | None:
@@ -111,17 +148,17 @@ def reserve_store(store: JobStore, epoch: int, step: str, rank: int, need: Need,
         free = free_bytes(store.job_dir)
         if need.stored > free:
             raise CaptureError(f"capture refused: the image store ({store.root}) has {gib(free)} free, this rank's "
-                               f"images need about {gib(need.stored)}", rank=rname)
+                               f"images need about {gib(need.stored)}{need.named()}", rank=rname)
         if quotas.job and pending + need.stored > quotas.job:
             raise CaptureError(f"capture refused: job {store.job}'s images would take {gib(pending + need.stored)} "
                                f"(in the store now {gib(pending)}, this rank {gib(need.stored)}), over quota_job "
-                               f"{gib(quotas.job)}", rank=rname)
+                               f"{gib(quotas.job)}{need.named()}", rank=rname)
         if quotas.user:
             used = user_usage(store, uid)
             if used + need.stored > quotas.user:
                 raise CaptureError(f"capture refused: uid {uid}'s images would take {gib(used + need.stored)} "
                                    f"(in the store now {gib(used)}, this rank {gib(need.stored)}), over "
-                                   f"quota_user {gib(quotas.user)}", rank=rname)
+                                   f"quota_user {gib(quotas.user)}{need.named()}", rank=rname)
         store.epoch_dir(epoch).mkdir(mode=0o700, exist_ok=True)
         (store.epoch_dir(epoch) / f"{RESERVE}{rname}").write_text(json.dumps({"stored": need.stored}))
 
@@ -134,10 +171,10 @@ def reserve_staging(staging: Staging, area: Path, need: Need) -> None:
         free = free_bytes(staging.root)
         if need.raw > free:
             raise CaptureError(f"capture refused: the staging area ({staging.root}) has {gib(free)} free, this "
-                               f"rank's dump needs about {gib(need.raw)}")
+                               f"rank's dump needs about {gib(need.raw)}{need.named()}")
         if staging.cap and used + need.raw > staging.cap:
             raise CaptureError(f"capture refused: the staging area ({staging.root}) would hold "
-                               f"{gib(used + need.raw)}, over staging_max {gib(staging.cap)}")
+                               f"{gib(used + need.raw)}, over staging_max {gib(staging.cap)}{need.named()}")
         staging.make(area, reserve=need.raw)
 
 

@@ -6,6 +6,10 @@ coordinator's agent rewrites the job manifest (`manifest.json`) by atomic rename
 persisted. Every read-modify-write of the manifest (commit, reject, prune, epoch allocation) runs under the
 job's POSIX lock; the manifest it replaces is kept as `manifest.json.prev` and read when the newest is
 unreadable. Restore reads only epochs listed there, and verifies the checksums before CRIU sees a byte.
+
+Commits are fenced by the run: the manifest's `run` is the highest restart count whose agents started
+(`enter_run`); an older run's allocation or commit is refused: after a requeue its agents may live on (a node
+cut off from slurmctld), and its late commit would become the newest and keep-N prune the live run's.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import xxhash
 
-from slurmckpt import validate
+from slurmckpt import lease, validate
 from slurmckpt.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
 from slurmckpt.errors import StorageError
 
@@ -36,7 +40,7 @@ RANK_MANIFEST = "rank.json"
 JOB_MANIFEST = "manifest.json"
 PREVIOUS = JOB_MANIFEST + ".prev"
 COUNTER = "allocated-epoch"     # the highest epoch number ever allocated for the job
-LEASE = ".lease"                # in an epoch directory: who allocated it, until when it may still commit
+LEASE = lease.LEASE             # in an epoch directory: who allocated it, until when it may still commit
 RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
 TRASH = ".trash-"
 
@@ -165,7 +169,17 @@ class JobStore:
             self.write_manifest(manifest)
             return True
 
-    # ---- epoch numbers -----------------------------------------------------------------------------------
+    # ---- runs and epoch numbers ------------------------------------------------------------------------------
+    def enter_run(self, run: int) -> int:
+        """An agent of run `run` (restart count) started: older runs commit nothing now. The store's run."""
+        self.ensure()
+        with self.lock():
+            manifest = self.read_manifest()
+            if _run_of(manifest) is None or run > _run_of(manifest):
+                manifest["run"] = run
+                self.write_manifest(manifest)
+            return manifest["run"]
+
     def _counter(self) -> int:
         try:
             return int((self.job_dir / COUNTER).read_text().strip() or 0)
@@ -180,12 +194,14 @@ class JobStore:
             seen += [n for p in self.job_dir.iterdir() if (n := epoch_of(p.name)) is not None]
         return max([*seen, self._counter()], default=0) + 1
 
-    def allocate_epoch(self, at_least: int, lease_s: float, owner: str) -> int:
+    def allocate_epoch(self, at_least: int, lease_s: float, owner: str, run: int | None = None) -> int:
         """A new epoch number for this job, unique across its steps, coordinators and nodes: under the job
         lock, above every number seen, its directory made (with a lease: until when it may still commit;
-        reclaim.py removes it after that if uncommitted) and the counter advanced."""
+        lease.py, reclaim.py removes it after that if uncommitted) and the counter advanced. Refused to a
+        `run` older than the store's (see above)."""
         self.ensure()
         with self.lock():
+            _fenced(self.read_manifest(), run, at_least, "a new epoch")
             epoch = max(self.next_epoch(), at_least)
             while True:
                 try:
@@ -194,7 +210,7 @@ class JobStore:
                 except FileExistsError:
                     epoch += 1
             try:
-                atomic_write_json(self.epoch_dir(epoch) / LEASE, {"owner": owner, "expires_at": time.time() + lease_s})
+                lease.write(self.epoch_dir(epoch), owner, lease.clock() + lease_s, run)
                 self.raise_counter(epoch)
             except StorageError:
                 shutil.rmtree(self.epoch_dir(epoch), ignore_errors=True)     # nothing used the number yet
@@ -279,25 +295,27 @@ class JobStore:
                                    epoch=epoch, rank=name)
 
     # ---- commit --------------------------------------------------------------------------------------------
-    def commit(self, epoch: int, ranks: dict[str, dict], reason: str, keep: int) -> dict:
+    def commit(self, epoch: int, ranks: dict[str, dict], reason: str, keep: int, run: int | None = None) -> dict:
         """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record: kind
         image|replay need a complete rank.json and every stored file at its size; kind completed records a
-        finished task's exit code. Committing an epoch again adds ranks to it (never drops another's)."""
+        finished task's exit code. Committing an epoch again adds ranks to it (never drops another's).
+        `run` (the agent's restart count) older than the store's: refused, nothing becomes newest or pruned."""
         with self.lock():
+            manifest = self.read_manifest()
+            _fenced(manifest, run, epoch, "commit")
             for name, record in ranks.items():
                 if record.get("kind") in ("image", "replay"):
                     self._require_complete(epoch, name)
-            manifest = self.read_manifest()
             if any(r["epoch"] == epoch for r in manifest.get("rejected", [])):
                 raise StorageError("epoch was withdrawn; it is never committed again", epoch=epoch)
             old = next((e for e in manifest["epochs"] if e["epoch"] == epoch), None)
             entry = {"epoch": epoch, "reason": reason, "committed_at": time.time(),
-                     "ranks": {**(old["ranks"] if old else {}), **ranks}}
+                     "ranks": {**(old["ranks"] if old else {}), **ranks}, **({"run": run} if run is not None else {})}
             epochs = sorted([e for e in manifest["epochs"] if e["epoch"] != epoch] + [entry],
                             key=lambda e: e["epoch"])
             manifest["epochs"], dropped = _keep_newest(epochs, keep)
             self.write_manifest(manifest)
-            for name in (LEASE, *(p.name for p in self.epoch_dir(epoch).glob(RESERVE + "*"))):
+            for name in (p.name for p in self.epoch_dir(epoch).glob(".*") if p.name.startswith((LEASE, RESERVE))):
                 _unlink(self.epoch_dir(epoch) / name)
             for gone in dropped:       # only after the new manifest is durable; deleted off the critical path
                 self.to_trash(self.epoch_dir(gone["epoch"]))
@@ -346,6 +364,22 @@ def _keep_newest(epochs: list[dict], keep: int) -> tuple[list[dict], list[dict]]
         wanted.update(holding[-keep:])
     wanted.update(e["epoch"] for e in epochs[-keep:] if not e["ranks"])    # epochs that hold no rank
     return [e for e in epochs if e["epoch"] in wanted], [e for e in epochs if e["epoch"] not in wanted]
+
+
+def _fenced(manifest: dict, run: int | None, epoch: int, what: str) -> None:
+    """Refuse `what` to a run older than the manifest's; a newer run becomes the manifest's."""
+    current = _run_of(manifest)
+    if run is not None and current is not None and run < current:
+        raise StorageError(f"{what} refused: this is run {run} of the job (restart count), and run {current} "
+                           "has started since (the job was requeued); an older run's checkpoint never "
+                           "becomes the newest one", epoch=epoch)
+    if run is not None and (current is None or run > current):
+        manifest["run"] = run
+
+
+def _run_of(manifest: dict) -> int | None:
+    run = manifest.get("run")
+    return run if type(run) is int else None
 
 
 def _unlink(path: Path) -> None:

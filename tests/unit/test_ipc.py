@@ -13,6 +13,7 @@ import pytest
 
 from slurmckpt import ipc
 from slurmckpt.identity import TreeName
+from slurmckpt.launch import Credentials
 from slurmckpt.task_cgroup import TaskCgroup
 
 OTHER = "job 9 step 0 rank 1"
@@ -211,6 +212,7 @@ def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(pro
     rw = f"import mmap, os\nfd = os.open({str(shm)!r}, os.O_RDWR)\nm = mmap.mmap(fd, 4096, mmap.MAP_SHARED)"
     ro = f"import mmap, os\nfd = os.open({str(shm)!r}, os.O_RDONLY)\nm = mmap.mmap(fd, 4096, mmap.MAP_SHARED, " \
          "mmap.PROT_READ)"
+    me = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
     try:
         a, b = pair(procs, a_script=rw, b_script=ro)
         c = holder(script=ro)
@@ -219,24 +221,61 @@ def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(pro
         assert ipc.shared_files([b.pid], {c.pid}) == [], "read-only on both sides: nothing can change it"
         assert ipc.shared_files([a.pid], set()) == []
         entries = ipc.fingerprint_files([a.pid], [str(shm)])
-        assert entries == [{"path": str(shm), "size": 4096, "xxh3": file_checksum(shm)}]
+        st = shm.stat()
+        assert entries == [{"path": str(shm), "size": 4096, "xxh3": file_checksum(shm), "dev": st.st_dev,
+                            "ino": st.st_ino}]
 
-        ipc.check_shared_files(entries, "j.0.1", os.getuid(), tmp_path)   # unchanged: restorable
+        ipc.check_shared_files(entries, "j.0.1", me, True, tmp_path)   # unchanged: restorable
         shm.write_bytes(b"b" * 4096)                                   # a restored rank writes to it...
-        ipc.check_shared_files(entries, "j.0.1", os.getuid(), tmp_path)   # ...peers share the verdict
+        ipc.check_shared_files(entries, "j.0.1", me, True, tmp_path)   # ...peers share the verdict
         with pytest.raises(RestoreError, match="changed since the checkpoint"):
-            ipc.check_shared_files(entries, "j.0.2", os.getuid(), tmp_path)   # written after it
+            ipc.check_shared_files(entries, "j.0.2", me, True, tmp_path)   # written after it
         with pytest.raises(RestoreError, match="changed"):
-            ipc.check_shared_files(entries, "j.0.2", os.getuid(), tmp_path)   # every rank fails
+            ipc.check_shared_files(entries, "j.0.2", me, True, tmp_path)   # every rank fails
         shm.write_bytes(b"a" * 4096)
+        other = Credentials(os.getuid() + 1, os.getgid(), tuple(os.getgroups()), ())
+        if os.getuid() == 0:
+            os.chown(shm, other.uid, -1)
         with pytest.raises(RestoreError, match="job's user"):
-            ipc.check_shared_files(entries, "j.0.3", os.getuid() + 1, tmp_path)   # someone else's file
+            ipc.check_shared_files(entries, "j.0.3", me, True, tmp_path)   # someone else's file
+        os.chown(shm, os.getuid(), -1)
+        same = shm.read_bytes()
+        shm.unlink()
+        shm.write_bytes(same)                                          # same bytes, another file
+        with pytest.raises(RestoreError, match="not the file mapped at the checkpoint"):
+            ipc.check_shared_files(entries, "j.0.6", me, True, tmp_path)
         shm.unlink()
         with pytest.raises(RestoreError, match="cannot be opened"):
-            ipc.check_shared_files(entries, "j.0.4", os.getuid(), tmp_path)       # another node
-        ipc.check_shared_files([], "j.0.5", os.getuid(), tmp_path)
+            ipc.check_shared_files(entries, "j.0.4", me, True, tmp_path)       # another node
+        ipc.check_shared_files([], "j.0.5", me, True, tmp_path)
     finally:
         shm.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="drops to another uid")
+def test_shared_file_check_is_no_existence_oracle_for_unreadable_directories(tmp_path: Path) -> None:
+    """The path of a file mapped shared is the user's: swapped for one inside a directory only root may
+    read, the check must answer as it would for the user (who cannot tell whether the file exists), never
+    as root. Root's own open (the old check) tells the two apart: the attack's premise."""
+    from slurmckpt.errors import RestoreError
+    secret = tmp_path / "rootonly"
+    secret.mkdir(mode=0o700)
+    (secret / "present").write_bytes(b"x" * 4096)
+    nobody = Credentials(65534, 65534, (), ())
+    answers = {}
+    for name in ("present", "absent"):
+        try:
+            os.close(os.open(secret / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+            answers[f"root {name}"] = "opened"
+        except OSError as e:
+            answers[f"root {name}"] = e.strerror
+        entry = {"path": str(secret / name), "size": 4096, "xxh3": "0", "dev": 0, "ino": 0}
+        with pytest.raises(RestoreError) as err:
+            ipc.check_shared_files([entry], f"j.1.{name}", nobody, True, tmp_path / "locks")
+        answers[name] = str(err.value).replace(name, "NAME")
+    assert answers["root present"] != answers["root absent"], "premise: root's open is an existence oracle"
+    assert answers["present"] == answers["absent"], answers
+    assert "Permission denied" in answers["present"]
 
 
 def test_nccl_shared_memory_gets_a_hint(procs) -> None:

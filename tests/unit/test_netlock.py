@@ -148,3 +148,40 @@ def test_a_hold_left_by_an_earlier_attempt_is_lifted_by_the_next_one(tmp_path: P
     with netlock.hold_during_restore([[A, B]], "7.1.2.1", TAG, ipt, tmp_path):
         assert len(ipt.rules) == 4           # restart 1 lifted restart 0's, added its own
     assert len(ipt.rules) == 4 and len(list(tmp_path.glob("7.1.*"))) == 1 and not list(tmp_path.glob("7.0.*"))
+
+
+def test_one_verdict_per_restore_is_reached_without_the_node_lock(tmp_path: Path) -> None:
+    """The first rank of a restore does the work on the user's path; the node-wide lock stays free for every
+    other restore meanwhile, the other ranks of the same restore wait for the verdict, and a verdict that
+    does not come is a bounded wait, never a hang."""
+    import threading
+    import time
+    release = threading.Event()
+    results: dict[str, tuple[str, bool]] = {}
+
+    def slow() -> str:
+        release.wait(10)
+        return "ok"
+    first = threading.Thread(target=lambda: results.update(first=netlock.first_on_node(tmp_path / "k.shm.a", slow, 5)))
+    first.start()
+    while not (tmp_path / "k.shm.a").exists():
+        time.sleep(0.01)
+    took = time.monotonic()
+    with netlock.node_lock(tmp_path):
+        took = time.monotonic() - took
+    assert took < 1, "the node-wide lock was held around the work"
+    assert netlock.first_on_node(tmp_path / "k.shm.a", slow, 0.2) == \
+        ("the rank restored first on this node gave no verdict within 0s", False)
+    second = threading.Thread(target=lambda: results.update(second=netlock.first_on_node(tmp_path / "k.shm.a", slow, 5)))
+    second.start()
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert results == {"first": ("ok", True), "second": ("ok", False)}
+
+    def failing() -> str:
+        raise OSError("No such device or address")
+    with pytest.raises(OSError):
+        netlock.first_on_node(tmp_path / "k.file.b", failing, 1)
+    verdict, ran = netlock.first_on_node(tmp_path / "k.file.b", failing, 1)
+    assert not ran and verdict.startswith("failed on the rank restored first on this node: ")

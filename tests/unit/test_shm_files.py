@@ -117,10 +117,11 @@ def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     secret.write_text("root's")
     (shm / "sem.evil").symlink_to(secret)
     with pytest.raises(PermissionDenied, match="sem.evil"):
-        shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "mode": 0o600, "data": "shm-0.data",
+        shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "size": 5, "mode": 0o600, "data": "shm-0.data",
                                      "links": []}], images)
     assert secret.read_text() == "root's"
-    entry = {"name": str(shm / "sem.mp-a"), "mode": 0o600, "data": "shm-0.data", "links": [str(shm / "link_remap.3")]}
+    entry = {"name": str(shm / "sem.mp-a"), "size": 5, "mode": 0o600, "data": "shm-0.data",
+             "links": [str(shm / "link_remap.3")]}
     shm_files.put_back(nobody, [entry], images)
     st = os.stat(shm / "sem.mp-a")
     assert (st.st_uid, (shm / "sem.mp-a").read_bytes()) == (65534, b"saved")
@@ -147,7 +148,7 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
         tmp_path.chmod(0o755)
         (images / "shm-0.data").write_bytes(b"at the cut")
         seg = shm / "ring"
-        first = {"name": str(seg), "mode": 0o600, "data": "shm-0.data", "links": []}
+        first = {"name": str(seg), "size": 10, "mode": 0o600, "data": "shm-0.data", "links": []}
         shm_files.put_back(nobody, [first], images, key="7.1.3.99", lock_dir=locks)
         assert seg.read_bytes() == b"at the cut"
         os.chown(seg, 65534, 65534)
@@ -160,3 +161,115 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
         assert seg.read_bytes() == b"at the cut"
     finally:
         shutil.rmtree(tmp_path)
+
+
+def _node_lock_free_within(lock_dir: Path, seconds: float) -> bool:
+    """Whether the node-wide restore lock (netlock.node_lock) can be taken within `seconds` (polled: a test
+    of the old write-back must fail, not hang behind it)."""
+    import fcntl
+    import time
+    deadline = time.monotonic() + seconds
+    with open(lock_dir / ".lock", "a") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+
+
+def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock() -> None:
+    """The job's user puts a FIFO at its own /dev/shm name between the capture and the restore: the
+    write-back used to open it for writing inside the node-wide restore lock and wait there for a reader,
+    for as long as the user liked, and every other user's restore on the node waited with it. Now the
+    open does not wait (O_NONBLOCK, a non-regular file refused) and no node-wide lock is held around it."""
+    if os.getuid() != 0:
+        pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
+    import threading
+    import time
+    from slurmckpt.errors import PermissionDenied
+    from slurmckpt.launch import Credentials
+    nobody = Credentials(65534, 65534, (), ())
+    tmp_path = Path(tempfile.mkdtemp(prefix="shm-fifo-"))
+    try:
+        shm, images, locks = tmp_path / "shm", tmp_path / "images", tmp_path / "locks"
+        for d in (shm, images, locks):
+            d.mkdir()
+        shm.chmod(0o1777)
+        tmp_path.chmod(0o755)
+        (images / "shm-0.data").write_bytes(b"at the cut")
+        os.mkfifo(shm / "ring", 0o600)
+        os.chown(shm / "ring", 65534, 65534)
+        entry = {"name": str(shm / "ring"), "size": 10, "mode": 0o600, "data": "shm-0.data", "links": []}
+        outcome: list[BaseException | None] = []
+
+        def restore() -> None:
+            try:
+                shm_files.put_back(nobody, [entry], images, key="7.1.3.99", lock_dir=locks)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+        attacker = threading.Thread(target=restore, daemon=True)
+        attacker.start()
+        time.sleep(0.5)
+        assert _node_lock_free_within(locks, 3), "another user's restore waits for the node-wide lock"
+        attacker.join(10)
+        assert not attacker.is_alive(), "the write-back is waiting on the user's FIFO"
+        assert isinstance(outcome[0], PermissionDenied) and "not a regular file" in str(outcome[0]), outcome
+        with pytest.raises(PermissionDenied, match="not a regular file"):       # the other ranks: its verdict
+            shm_files.put_back(nobody, [entry], images, key="7.1.3.99", lock_dir=locks)
+    finally:
+        os.close(os.open(shm / "ring", os.O_RDONLY | os.O_NONBLOCK))    # a reader: frees a writer left waiting
+        shutil.rmtree(tmp_path)
+
+
+def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_path) -> None:
+    """A segment sized with ftruncate and barely touched (shm_open's way): its copy takes the bytes it
+    holds, not its size, and charges them; the write-back gives the same size, content and holes."""
+    seg = Path("/dev/shm") / f"slurmckpt-test-sparse-{os.getpid()}"
+    try:
+        with open(seg, "wb") as f:
+            f.write(b"slot 0")
+            f.truncate(1 << 30)
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            files = shm_files.held([os.getpid()], os.getuid())
+            mine = [f for f in files if f.name == str(seg)]
+            assert mine and mine[0].allocated == st.st_blocks * 512 < 1 << 20
+            from slurmckpt.launch import Credentials
+            me = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
+            charged: list[tuple[int, str, int]] = []
+            entries = shm_files.save(me, mine, tmp_path, lambda n, name, size: charged.append((n, name, size)))
+        finally:
+            os.close(fd)
+        assert (tmp_path / "shm-0.data").stat().st_size == sum(n for n, _, _ in charged) < 1 << 20
+        assert {(name, size) for _, name, size in charged} == {(str(seg), 1 << 30)}
+        seg.unlink()
+        shm_files.put_back(me, entries, tmp_path)
+        st = seg.stat()
+        assert (st.st_size, seg.open("rb").read(6)) == (1 << 30, b"slot 0")
+        assert st.st_blocks * 512 < 1 << 20, "the holes were written"
+    finally:
+        seg.unlink(missing_ok=True)
+
+
+def test_a_file_system_mounted_below_dev_shm_is_not_ours_to_copy(tmp_path) -> None:
+    """A user can mount a file system of its own (FUSE) on a directory in /dev/shm; a file there, held by
+    the tree, could make root's copy block for as long as the user likes: only /dev/shm's own files are
+    taken (criu handles the rest by name)."""
+    from smallfs import tmpfs
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "seg").write_bytes(b"x" * 4096)
+    with tmpfs(shm / "mounted", 1 << 20) as sub:
+        (sub / "seg").write_bytes(b"y" * 4096)
+        maps = [_mapped(shm / "seg"), _mapped(sub / "seg")]
+        try:
+            assert [f.name for f in shm_files.held([os.getpid()], os.getuid(), str(shm))] == [str(shm / "seg")]
+        finally:
+            for m in maps:
+                m.close()

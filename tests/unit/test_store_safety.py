@@ -45,7 +45,7 @@ def test_enospc_at_every_write_of_a_capture_keeps_the_previous_commit(fs, tmp_pa
     p = pipeline(store, staging, tree, first)
     capture(p, 1)
     p.engine.files = images(2)
-    monkeypatch.setattr(space, "expected", lambda memory, previous: space.Need(0, 0))   # grew after the check
+    monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))   # grew after the check
     failed_at: set[str] = set()
     for room in range(0, 2 << 20, PAGE):
         filler = leave_free(store_fs, room)
@@ -94,7 +94,7 @@ def test_enospc_in_staging_refuses_the_dump_and_keeps_the_previous_commit(fs, tm
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
     p = pipeline(store, staging, tree, images(1))
     capture(p, 1)
-    monkeypatch.setattr(space, "expected", lambda memory, previous: space.Need(0, 0))
+    monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))
     p.engine.files = images(2, kib=256)
     filler = leave_free(staging_fs, 128 << 10)
     with pytest.raises(SlurmckptError, match="stage dump failed: .*No space left"):
