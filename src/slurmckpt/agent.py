@@ -575,13 +575,6 @@ class Agent:
         return self.store.job_dir / f"coordinator-{scope}.json"
 
 
-def uses_gpus(env: dict[str, str]) -> bool:
-    """The user side's guess (the wrapper's memory defaults, the coordinator's sizing). The root side
-    takes a task's GPUs from Slurm's allocation (Agent._slurm_gpus_here), never from this."""
-    value = env.get("CUDA_VISIBLE_DEVICES", "")
-    return bool(value) and value not in ("NoDevFiles", "-1")
-
-
 def _epoch(m: dict) -> int:
     return validate.epoch(m.get("epoch"))
 

@@ -93,6 +93,13 @@ class Config:
     gpu_growth_defaults: bool = _key(True, "GPU tasks get XLA_PYTHON_CLIENT_PREALLOCATE=false and "
                                      "TF_FORCE_GPU_ALLOW_GROWTH=true unless the job set a memory variable of that "
                                      "framework itself (docs/gpu.md, \"Frameworks that preallocate\").")
+    nccl_checkpoint_transports: bool = _key(True, "GPU tasks get NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+                                            "NCCL_NVLS_ENABLE=0 unless the job set that variable itself: NCCL's "
+                                            "intra-node transports hold state the CUDA checkpoint API refuses "
+                                            "(docs/gpu.md, \"What slurmckpt sets in a checkpointed job\").")
+    torch_store_without_libuv: bool = _key(True, "Every task gets USE_LIBUV=0 unless the job set USE_LIBUV: "
+                                           "PyTorch's TCPStore (torch.distributed) then runs without libuv's "
+                                           "io_uring, which criu cannot checkpoint (docs/gpu.md).")
     criu_extra_args: tuple[str, ...] = _key((), "Extra arguments for every criu dump and restore (a list or one "
                                             "string).")
     ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "

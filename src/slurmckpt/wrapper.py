@@ -17,12 +17,10 @@ import sys
 import threading
 import time
 
-from slurmckpt import pmi, procfs, proctree
-from slurmckpt.agent import uses_gpus
+from slurmckpt import pmi, procfs, proctree, task_defaults
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks
-from slurmckpt.cuda.frameworks import growth_defaults
 from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
@@ -276,12 +274,11 @@ class Wrapper:
         if self.srun_relay:
             env = self.srun_relay.tree_env(env)
         argv = self.argv
-        if uses_gpus(env) and self.config.gpu_growth_defaults:    # docs/gpu.md, "Frameworks that preallocate"
-            added = growth_defaults(env)
-            env.update(added)
-            if added and self.env.rank == 0:     # one line per step, not one per rank
-                say(self.env, "GPU memory on demand for checkpoints: set " + " ".join(f"{k}={v}" for k, v in
-                              sorted(added.items())) + " (gpu_growth_defaults; docs/gpu.md)")
+        added = task_defaults.defaults(env, self.config)    # docs/gpu.md, "What slurmckpt sets ..."
+        env.update(added)
+        if task_defaults.uses_gpus(env) and added and self.env.rank == 0:     # one line per step
+            say(self.env, "checkpointable GPU job: set " + " ".join(f"{k}={v}" for k, v in sorted(added.items()))
+                + " (a job's own value stands; docs/gpu.md, \"What slurmckpt sets in a checkpointed job\")")
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
             env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks

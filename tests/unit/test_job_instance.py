@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import instance, ipc, proctree
+from slurmckpt import instance, ipc, proctree, task_defaults
 from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
 from slurmckpt.errors import SlurmError
@@ -278,7 +278,7 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
     monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args: modes.append(args[-1]) or 4242)
     monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
     here = socket.gethostname()
-    assert agent_mod.uses_gpus({"CUDA_VISIBLE_DEVICES": "0"}), "the old rule would have given it one"
+    assert task_defaults.uses_gpus({"CUDA_VISIBLE_DEVICES": "0"}), "the old rule would have given it one"
     for n, (gpus, env, own) in enumerate([({here: []}, {"CUDA_VISIBLE_DEVICES": "0"}, False),
                                           (None, {"CUDA_VISIBLE_DEVICES": "0"}, False),
                                           ({here: [1]}, {}, True), ({here: [0]}, {"CUDA_VISIBLE_DEVICES": ""}, True)]):

@@ -460,7 +460,26 @@ def test_gpu_tasks_start_with_memory_on_demand_unless_the_job_chose(make, said, 
     assert {k: launched[k] for k in added} == added
     assert not ({"XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH"} - set(added)) & set(launched)
     assert env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == launched.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    assert bool(added) == any("GPU memory on demand" in line for line in said)
+    assert bool(added) == any("checkpointable GPU job: set" in line for line in said)
+
+
+def test_every_task_starts_with_pytorchs_store_off_libuv_and_gpu_tasks_with_checkpointable_nccl(make, monkeypatch):
+    for name in ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    env = w.agent.calls[-1][1]["env"]
+    assert env["USE_LIBUV"] == "0" and "NCCL_P2P_DISABLE" not in env      # a CPU task: no NCCL settings
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")                        # the job's own choice stands
+    w._launch(relay=False)
+    env = w.agent.calls[-1][1]["env"]
+    assert (env["NCCL_P2P_DISABLE"], env["NCCL_SHM_DISABLE"], env["NCCL_NVLS_ENABLE"]) == ("0", "1", "0")
+    w.config = Config(nccl_checkpoint_transports=False, torch_store_without_libuv=False)
+    monkeypatch.delenv("NCCL_P2P_DISABLE")
+    w._launch(relay=False)
+    env = w.agent.calls[-1][1]["env"]
+    assert not {"USE_LIBUV", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"} & set(env)
 
 
 def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
@@ -481,4 +500,4 @@ def test_only_rank_0_of_a_step_says_it_set_the_growth_defaults(make, said, monke
     w.env = dataclasses.replace(w.env, rank=1)
     w._launch(relay=False)
     assert w.agent.calls[-1][1]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert not any("GPU memory on demand" in line for line in said)
+    assert not any("checkpointable GPU job" in line for line in said)
