@@ -23,6 +23,11 @@ def check_restorable(p: RankPipeline, epoch: int) -> None:
     if p.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
         _refuse_replayed_batch_talking_to_other_nodes(p, pids)
         return
+    rings = proctree.io_uring_holders(pids)
+    if rings:
+        raise CaptureError("; ".join(rings) + ": criu cannot checkpoint io_uring. slurmckpt sets USE_LIBUV=0 "
+                           "for PyTorch unless the job set USE_LIBUV itself; a program that makes its own ring "
+                           "cannot be checkpointed (docs/limitations.md)", step=p.step, rank=p.rank)
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}

@@ -74,6 +74,11 @@ def comm(pid: int) -> str:
     return _text(pid, "comm").rstrip("\n")
 
 
+def thread_comm(pid: int, tid: int) -> str:
+    """A thread's name (15 bytes at most): the name a library gave it, or its process's."""
+    return _text(pid, "task", str(tid), "comm").rstrip("\n")
+
+
 def status(pid: int | str) -> dict[str, list[str]]:
     """/proc/PID/status as name -> whitespace-separated values."""
     out = {}

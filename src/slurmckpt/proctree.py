@@ -185,6 +185,30 @@ def deleted_files(pids: list[int]) -> list[DeletedFile]:
     return sorted(found.values(), key=lambda f: (-f.size, f.path))
 
 
+IO_URING = "anon_inode:[io_uring]"
+# Libraries known to create io_uring instances on their own, by a part of their mapped path
+IO_URING_MAKERS = (("libtorch", "PyTorch's TCPStore (torch.distributed) through libuv, unless USE_LIBUV=0"),
+                   ("libuv", "libuv >= 1.45"), ("liburing", "liburing"))
+
+
+def io_uring_holders(pids: list[int]) -> list[str]:
+    """One line for every process of `pids` holding an io_uring instance, which criu cannot checkpoint:
+    its pid, name and executable, and the libraries it maps that are known to make one."""
+    out = []
+    for pid in pids:
+        if IO_URING not in procfs.fd_links(pid):
+            continue
+        mapped = {parts[5] for parts in procfs.maps(pid) if len(parts) == 6}
+        makers = [what for part, what in IO_URING_MAKERS if any(part in os.path.basename(m) for m in mapped)]
+        try:
+            name = procfs.comm(pid)
+        except OSError:
+            continue                    # gone
+        out.append(f"pid {pid} ({name}, {procfs.exe(pid) or '?'}) holds an io_uring instance"
+                   + (f" (made by {' or '.join(makers)})" if makers else ""))
+    return out
+
+
 def has_slurm_client(pids: list[int]) -> bool:
     """A running srun in the tree: its connections to Slurm cannot be restored, so the tree is replayed."""
     return any(exe_name(p) in ("srun", "sattach") for p in pids)

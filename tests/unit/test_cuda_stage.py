@@ -30,7 +30,8 @@ class FakeProc:
 
     def add(self, pid: int, *, cuda: bool = True, maps: list[str] = (), fds: list[str] = (),
             env: dict[str, str] | None = None, nspid: tuple[int, ...] | None = None, comm: str = "python3",
-            uvm: list[int] = (), state: str = "S (sleeping)", cgroup: str = "0::/job\n") -> int:
+            uvm: list[int] = (), state: str = "S (sleeping)", cgroup: str = "0::/job\n",
+            threads: dict[int, str] | None = None) -> int:
         d = self.root / str(pid)
         (d / "fd").mkdir(parents=True)
         paths = (CUDA_MAPS if cuda else []) + list(maps)
@@ -49,7 +50,9 @@ class FakeProc:
                                   + "\t".join(map(str, nspid or (pid,))) + "\n")
         (d / "comm").write_text(comm + "\n")
         (d / "stat").write_text(f"{pid} ({comm}) {state[0]} 1 " + "0 " * 20 + "\n")
-        (d / "task" / str(pid)).mkdir(parents=True)
+        for tid, name in {pid: comm, **(threads or {})}.items():
+            (d / "task" / str(tid)).mkdir(parents=True)
+            (d / "task" / str(tid) / "comm").write_text(name + "\n")
         return pid
 
 
@@ -132,9 +135,12 @@ def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
     (dict(uvm=[2 << 20, 64 << 20]), "managed (UVM) memory (2 /dev/nvidia-uvm mappings, 66 MiB)"),
     (dict(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"}), "MPS client"),
     (dict(maps=["/dev/shm/nccl-Xy12ab"]), "NCCL_SHM_DISABLE=1"),
-    (dict(maps=["/opt/venv/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0,1"}),
+    (dict(maps=["/opt/venv/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0,1"},
+          threads={31: "NCCL Progress 0"}),
+     "runs NCCL (its thread 31 'NCCL Progress 0') with several GPUs or ranks on this node and without "
      "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0"),
-    (dict(maps=["/x/libnccl.so.2"], env={"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "NCCL_P2P_DISABLE": "1"}),
+    (dict(maps=["/x/libnccl.so.2"], env={"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "NCCL_P2P_DISABLE": "1"},
+          threads={32: "NCCL Service  0"}),
      "without NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0"),
 ])
 def test_unsupported_setups_are_refused_before_any_lock(proc, driver, setup, cause):
@@ -166,10 +172,20 @@ def test_nccl_is_fine_when_configured_or_alone_on_the_node(proc):
     proc.add(40, maps=nccl)                                            # one GPU, one rank: torch maps NCCL always
     proc.add(41, maps=nccl, env={"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
                                  "NCCL_NVLS_ENABLE": "0"})
-    proc.add(42, maps=nccl, env={"LOCAL_WORLD_SIZE": "8"})
-    assert unsupported_reasons([40, 41]) == []
+    proc.add(42, maps=nccl, env={"LOCAL_WORLD_SIZE": "8"}, threads={43: "NCCL Proxy"})
+    proc.add(44, maps=nccl, env={"LOCAL_WORLD_SIZE": "8"})     # DDP over gloo: NCCL loaded, never started
+    assert unsupported_reasons([40, 41, 44]) == []
     assert unsupported_reasons([42], nccl_env_required=False) == []
     assert len(unsupported_reasons([42])) == 1
+
+
+def test_nccls_handle_socket_is_evidence_that_it_runs(proc, monkeypatch):
+    from slurmckpt.cuda import procscan
+    from slurmckpt.ipc import UnixSocket
+    proc.add(45, maps=["/x/libnccl.so.2"], fds=["socket:[777]"], env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    monkeypatch.setattr(procscan, "unix_sockets", lambda: {777: UnixSocket(777, 1, "@/tmp/nccl-socket-0-5a5a")})
+    [reason] = unsupported_reasons([45])
+    assert "runs NCCL (its socket @/tmp/nccl-socket-0-5a5a)" in reason
 
 
 def test_process_already_locked_by_someone_else_is_refused(proc, driver):

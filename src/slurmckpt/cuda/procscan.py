@@ -17,6 +17,7 @@ from typing import Sequence
 from slurmckpt import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
 from slurmckpt.cuda.frameworks import framework_of
+from slurmckpt.ipc import unix_sockets
 
 NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
@@ -126,6 +127,7 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
             reasons.append(f"CUDA MPS daemon running (pid {other}, {daemon}): "
                            f"processes under MPS cannot be checkpointed; run the job without MPS")
             break
+    unix_names = _unix_socket_names()
     for pid in pids:
         env, maps, fds = process_environ(pid), _map_paths(pid), procfs.fd_links(pid)
         if any(v.strip().upper().startswith("MIG-") for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",")) \
@@ -146,12 +148,43 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
         if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
             reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
+            # every PyTorch process maps libnccl, used or not: refused only on evidence that NCCL runs here
             missing = [f"{k}={v}" for k, v in NCCL_CHECKPOINT_ENV.items() if env.get(k) != v]
-            if missing:
-                reasons.append(f"pid {pid} loaded NCCL with several GPUs or ranks on this node but without "
-                               f"{' '.join(missing)}: NCCL's P2P/SHM/NVLS transports hold cross-GPU state the CUDA "
+            evidence = nccl_at_work(pid, fds, unix_names) if missing else None
+            if evidence:
+                reasons.append(f"pid {pid} runs NCCL ({evidence}) with several GPUs or ranks on this node and "
+                               f"without {' '.join(missing)} (slurmckpt sets them unless the job set them "
+                               f"itself): NCCL's P2P/SHM/NVLS transports hold cross-GPU state the CUDA "
                                f"checkpoint API refuses")
     return reasons
+
+
+def nccl_at_work(pid: int, fds: list[str], unix_names: dict[str, str]) -> str | None:
+    """What shows that NCCL built a communicator in `pid`, or None: the unix socket it passes CUDA memory
+    handles over (NCCL >= 2.19, P2P through cuMem: an abstract name with "nccl-socket"), or its named CPU
+    threads ("NCCL Proxy", "NCCL Progress", "NCCL Service": names NCCL gives where NCCL_SET_THREAD_NAME is
+    on). A communicator that shows neither (legacy CUDA IPC) is refused by the driver at the GPU
+    checkpoint instead, and the capture rolls back."""
+    for link in fds:
+        name = unix_names.get(link, "")
+        if "nccl-socket" in name:
+            return f"its socket {name}"
+    for tid in procfs.threads(pid):
+        try:
+            comm = procfs.thread_comm(pid, tid)
+        except OSError:
+            continue
+        if comm.startswith("NCCL"):
+            return f"its thread {tid} {comm!r}"
+    return None
+
+
+def _unix_socket_names() -> dict[str, str]:
+    """socket:[INO] -> bound name of every named unix socket of this network namespace ({} if unknown)."""
+    try:
+        return {f"socket:[{ino}]": s.name for ino, s in unix_sockets().items() if s.name}
+    except OSError:
+        return {}
 
 
 def _is_mig_access_cap(path: str) -> bool:
