@@ -22,7 +22,7 @@ from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import durable, ipc, lease, pmi, procfs, watchdog
+from slurmckpt import durable, ipc, lease, packet_filter, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
@@ -88,13 +88,15 @@ class Agent:
         self.cgroup = TaskCgroup.for_task(config.freezer_root, ident.tree)
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
         self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
+        lock = packet_filter.method(config.network_lock)      # iptables, or nftables where it is missing
         self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.cgroup,
-                                     CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s),
+                                     CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s,
+                                                network_lock=lock),
                                      PipelineGpu(config.gpu_lock_timeout_ms,
                                                  context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
                                      None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
                                      peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max,
-                                     policy=self.store_policy)
+                                     policy=self.store_policy, packets=packet_filter.for_method(lock))
         self._collect_garbage()
         self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
                                         socket.gethostname(), annotate=events.note if events else _no_note,

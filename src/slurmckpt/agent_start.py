@@ -117,5 +117,6 @@ def run_agent(args: ShimArgs) -> None:
     agent.store_outage = outage
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
              policy.describe())
-    log.info("agent up for wrapper pid %d on %s", agent.wrapper_pid, socket.gethostname())
+    log.info("agent up for wrapper pid %d on %s; network lock: %s", agent.wrapper_pid, socket.gethostname(),
+             agent.pipeline.packets.name)
     agent.serve()

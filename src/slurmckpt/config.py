@@ -93,6 +93,9 @@ class Config:
     gpu_growth_defaults: bool = _key(True, "GPU tasks get XLA_PYTHON_CLIENT_PREALLOCATE=false and "
                                      "TF_FORCE_GPU_ALLOW_GROWTH=true unless the job set a memory variable of that "
                                      "framework itself (docs/gpu.md, \"Frameworks that preallocate\").")
+    network_lock: str = _key("auto", "How TCP is held while a tree is dumped or restored, by criu and by "
+                             "slurmckpt: auto (iptables where `iptables-restore` is installed, else nftables), "
+                             "iptables or nftables (through libnftables).", choices=("auto", "iptables", "nftables"))
     nccl_checkpoint_transports: bool = _key(True, "GPU tasks get NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
                                             "NCCL_NVLS_ENABLE=0 unless the job set that variable itself: NCCL's "
                                             "intra-node transports hold state the CUDA checkpoint API refuses "

@@ -57,6 +57,7 @@ class CriuDriver:
     timeout_s: float = 600.0
     stop_grace_s: float = STOP_GRACE_S
     env: dict[str, str] = field(default_factory=lambda: {"PATH": "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"})
+    network_lock: str = "iptables"      # or nftables: criu's lock of the tree's TCP (packet_filter.method)
 
     def version(self) -> tuple[int, ...]:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, env=self.env).stdout
@@ -121,7 +122,7 @@ class CriuDriver:
 
     def _run(self, args: list[str], images: Path, log: str, pid: int | None = None,
              pass_fds: list[int] | None = None, preexec=None) -> float:
-        cmd = [self.binary, *args, *self.extra_args]
+        cmd = [self.binary, *args, "--network-lock", self.network_lock, *self.extra_args]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
                                 pass_fds=pass_fds or [], preexec_fn=preexec or _default_signals)

@@ -14,7 +14,6 @@ before criu runs, naming the address and the node it belonged to.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from slurmckpt import netlock
 from slurmckpt.errors import RestoreError
+from slurmckpt.packet_filter import Drop, PacketFilter
 from slurmckpt.proctree import TcpConnection
 
 log = logging.getLogger("slurmckpt.crossnode")
@@ -41,21 +41,19 @@ def require_local_addresses(entries: list[list[str]], local: set[str], node: str
                            "such a job restores only on its original nodes (docs/mpi.md)")
 
 
-def _rule(local: str, remote: str, tag: str) -> tuple[int, str]:
+def _drop(local: str, remote: str) -> Drop:
     (lh, lp), (rh, rp) = netlock.split_endpoint(local), netlock.split_endpoint(remote)
-    spec = (f"OUTPUT -p tcp -s {lh} --sport {lp} -d {rh} --dport {rp} -m mark ! --mark {netlock.SOCCR_MARK} "
-            f'-m comment --comment "{tag}" -j DROP')
-    return ipaddress.ip_address(lh).version, spec
+    return Drop(lh, lp, rh, rp)
 
 
 class Hold:
     """One rank's ends of cross-node connections around its restore (see the module docstring)."""
 
-    def __init__(self, entries: list[list[str]], sync_dir: Path, key: str, tag: str,
-                 runner: netlock.Runner = netlock.run_iptables, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+    def __init__(self, entries: list[list[str]], sync_dir: Path, key: str, tag: str, packets: PacketFilter,
+                 timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
         self.entries, self.sync_dir, self.key, self.tag = entries, sync_dir, key, tag
-        self.runner, self.timeout_s, self.poll_s = runner, timeout_s, poll_s
-        self.held: dict[tuple[str, str], tuple[int, str]] = {}
+        self.packets, self.timeout_s, self.poll_s = packets, timeout_s, poll_s
+        self.held: dict[tuple[str, str], Drop] = {}
         self.thread: threading.Thread | None = None
 
     def _marker(self, local: str, remote: str) -> Path:
@@ -65,10 +63,10 @@ class Hold:
 
     def before_restore(self) -> None:
         for local, remote in self.entries:
-            version, spec = _rule(local, remote, self.tag)
+            drop = _drop(local, remote)
             try:
-                netlock.iptables_batch(self.runner, version, "-I", [spec])
-                self.held[(local, remote)] = (version, spec)
+                self.packets.hold([drop], self.tag)
+                self.held[(local, remote)] = drop
             except OSError as e:            # no worse than before: the connection may be reset
                 log.warning("cannot hold %s -> %s during the restore: %s", local, remote, e)
 
@@ -87,9 +85,9 @@ class Hold:
             self._lift(pair)
 
     def _lift(self, pair: tuple[str, str]) -> None:
-        version, spec = self.held.pop(pair)
+        drop = self.held.pop(pair)
         try:
-            netlock.iptables_batch(self.runner, version, "-D", [spec])
+            self.packets.lift([drop], self.tag)
         except OSError as e:
             log.warning("cannot lift the hold on %s -> %s: %s", *pair, e)
 

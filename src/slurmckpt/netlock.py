@@ -12,29 +12,26 @@ So the first rank of the node to restore an end of such a connection adds DROP r
 them: packets are dropped, never answered by a RST, while one end is missing, and TCP retransmits them when
 both are back. Who is first and last is decided under a node-wide flock, with a counter file per connection
 keyed by job, restart, epoch and network namespace. Only connections both ranks' records hold are held
-(`confirmed`), so the last end always comes (or fails, which lifts the hold as well). The rule text follows
-criu's (`-m mark ! --mark 0xC114` lets criu's repair traffic through).
+(`confirmed`), so the last end always comes (or fails, which lifts the hold as well). The rules go through
+packet_filter.py (iptables or nftables, as criu's own lock).
 """
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import json
 import logging
 import os
-import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 from slurmckpt import procfs, proctree
+from slurmckpt.packet_filter import Drop, PacketFilter
 
 log = logging.getLogger("slurmckpt.netlock")
 
 LOCK_DIR = Path("/run/slurmckpt/restore-sync")     # node-wide lock and per-restore markers
-SOCCR_MARK = "0xC114"
-Runner = Callable[[list[str], str], None]      # (command, stdin text): raises on failure
 
 
 def _established(pids: list[int]) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
@@ -100,15 +97,10 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def rules(local: str, remote: str, tag: str) -> tuple[int, list[str]]:
-    """(ip version, rule specs without the -I/-D verb) dropping both directions of one connection."""
+def drops(local: str, remote: str) -> list[Drop]:
+    """Both directions of one connection."""
     (lh, lp), (rh, rp) = split_endpoint(local), split_endpoint(remote)
-    version = ipaddress.ip_address(lh).version
-    spec = []
-    for (sh, sp), (dh, dp) in (((lh, lp), (rh, rp)), ((rh, rp), (lh, lp))):
-        spec.append(f"OUTPUT -p tcp -s {sh} --sport {sp} -d {dh} --dport {dp} -m mark ! --mark {SOCCR_MARK} "
-                    f'-m comment --comment "{tag}" -j DROP')
-    return version, spec
+    return [Drop(lh, lp, rh, rp), Drop(rh, rp, lh, lp)]
 
 
 def restore_key(job: int | str, restart: int | str, epoch: int) -> str:
@@ -126,19 +118,6 @@ def pair_id(local: str, remote: str) -> str:
     return f"{a}-{b}".replace("[", "").replace("]", "").replace(":", "_")
 
 
-def iptables_batch(runner: Runner, version: int, verb: str, specs: list[str]) -> None:
-    if specs:
-        text = "*filter\n" + "".join(f"{verb} {s}\n" for s in specs) + "COMMIT\n"
-        runner(["iptables-restore" if version == 4 else "ip6tables-restore", "-w", "--noflush"], text)
-
-
-def run_iptables(cmd: list[str], stdin: str) -> None:
-    p = subprocess.run(cmd, input=stdin, capture_output=True, text=True,
-                       env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=120)
-    if p.returncode != 0:
-        raise OSError(f"{cmd[0]} failed ({p.returncode}): {p.stderr.strip()[:500]}")
-
-
 @contextmanager
 def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
     """Serialises the short bookkeeping steps of the restores running on this node (not the restores).
@@ -153,7 +132,7 @@ def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
 
 
 @contextmanager
-def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner: Runner = run_iptables,
+def hold_during_restore(connections: list[list[str]], key: str, tag: str, packets: PacketFilter,
                         lock_dir: Path = LOCK_DIR) -> Iterator[None]:
     """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of node-local
     connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
@@ -165,19 +144,17 @@ def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner
         yield
         return
     with node_lock(lock_dir):
-        _lift_stale(key, runner, lock_dir)
-        add: dict[int, list[str]] = {4: [], 6: []}
+        _lift_stale(key, packets, lock_dir)
         for local, remote in connections:
             marker = lock_dir / f"{key}.{pair_id(local, remote)}"
             if not marker.exists():
-                version, specs = rules(local, remote, tag)
-                add[version] += specs
-                marker.write_text(json.dumps({"done": 0, "version": version, "specs": specs}))
-        for version, specs in add.items():
-            try:
-                iptables_batch(runner, version, "-I", specs)
-            except OSError as e:        # no worse than before: the connection may be reset
-                log.warning("cannot hold TCP between ranks during the restore: %s", e)
+                held = drops(local, remote)
+                marker.write_text(json.dumps({"done": 0, "filter": packets.name, "tag": tag,
+                                              "drops": [d.to_list() for d in held]}))
+                try:
+                    packets.hold(held, tag)
+                except OSError as e:        # no worse than before: the connection may be reset
+                    log.warning("cannot hold TCP between ranks during the restore (%s): %s", packets.name, e)
     try:
         yield
     finally:
@@ -190,25 +167,20 @@ def hold_during_restore(connections: list[list[str]], key: str, tag: str, runner
                     continue
                 state["done"] += 1
                 if state["done"] >= 2:
-                    _unlock(runner, marker, state)
+                    _unlock(packets, marker, state)
                 else:
                     marker.write_text(json.dumps(state))
 
 
-def _unlock(runner: Runner, marker: Path, state: dict) -> None:
+def _unlock(packets: PacketFilter, marker: Path, state: dict) -> None:
     try:
-        iptables_batch(runner, state["version"], "-D", state["specs"])
-    except OSError as e:      # one rule already gone fails the batch: delete them one by one
-        log.warning("batch unlock failed (%s); deleting rule by rule", e)
-        for spec in state["specs"]:
-            try:
-                iptables_batch(runner, state["version"], "-D", [spec])
-            except OSError:
-                pass
+        packets.lift([Drop.from_list(d) for d in state["drops"]], str(state["tag"]))
+    except OSError as e:
+        log.warning("lifting the hold on TCP between ranks failed: %s", e)
     marker.unlink(missing_ok=True)
 
 
-def _lift_stale(key: str, runner: Runner, lock_dir: Path) -> None:
+def _lift_stale(key: str, packets: PacketFilter, lock_dir: Path) -> None:
     """Holds of the same job from another restart on this node (network namespace): that attempt's trees
     are gone (Slurm requeued the job), so a hold it left (its other end never came) only blocks the ports."""
     parts = key.split(".")
@@ -220,7 +192,7 @@ def _lift_stale(key: str, runner: Runner, lock_dir: Path) -> None:
         if len(m) < 5 or m[1] == restart or m[3] != netns or m[4].startswith("file."):
             continue
         try:
-            _unlock(runner, marker, json.loads(marker.read_text()))
+            _unlock(packets, marker, json.loads(marker.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             marker.unlink(missing_ok=True)
 

@@ -32,6 +32,7 @@ from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, Task
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
 from slurmckpt.launch import Credentials
+from slurmckpt.packet_filter import Iptables, PacketFilter
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt.storage import JobStore
 from slurmckpt.task_cgroup import TaskCgroup
@@ -84,6 +85,8 @@ class RankPipeline:
     step_token: str = ""       # a relayed srun's step: its name across restores (agent.py, plan)
     footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
     policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank_images.py)
+    # holds TCP between ranks while one end is restored (netlock.py, crossnode.py): iptables or nftables
+    packets: PacketFilter = field(default_factory=Iptables)
     # bytes this epoch may copy from the user's files (PREPARE's count, rank_images.reserve; space.py)
     copy_budget: space.CopyBudget = field(default_factory=lambda: space.CopyBudget(0))
 

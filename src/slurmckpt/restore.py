@@ -83,11 +83,11 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
     if between_nodes:
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
     hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
-                          f"slurmckpt job {p.store.job}")
+                          f"slurmckpt job {p.store.job}", p.packets)
     tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
-        with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}"):
+        with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}", p.packets):
             pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
                                    join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []),
                                    mntns=manifest.get("mntns", False))

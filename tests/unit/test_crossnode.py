@@ -9,6 +9,7 @@ import pytest
 
 from slurmckpt import crossnode
 from slurmckpt.errors import RestoreError
+from slurmckpt.packet_filter import Iptables
 from slurmckpt.proctree import TcpConnection
 
 A, B = "10.77.0.1:40000", "10.77.0.2:5000"
@@ -45,8 +46,8 @@ def test_each_end_holds_its_packets_until_the_other_end_is_back(tmp_path: Path) 
     """Node 1 restores first: its rule stays while node 2 is not back, and goes once node 2 has said it is;
     node 2, restored second, finds node 1's word at once."""
     node1, node2 = Rules(), Rules()
-    end1 = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", node1, timeout_s=30, poll_s=0.01)
-    end2 = crossnode.Hold([[B, A]], tmp_path, "1.4", "job 7", node2, timeout_s=30, poll_s=0.01)
+    end1 = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", Iptables(node1), timeout_s=30, poll_s=0.01)
+    end2 = crossnode.Hold([[B, A]], tmp_path, "1.4", "job 7", Iptables(node2), timeout_s=30, poll_s=0.01)
     end1.before_restore()
     assert len(node1.held) == 1 and "-s 10.77.0.1 --sport 40000 -d 10.77.0.2 --dport 5000" in node1.held[0]
     end1.after_restore()
@@ -61,7 +62,7 @@ def test_each_end_holds_its_packets_until_the_other_end_is_back(tmp_path: Path) 
 
 def test_an_end_that_never_comes_back_lifts_the_hold_after_the_timeout(tmp_path: Path) -> None:
     rules = Rules()
-    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", rules, timeout_s=0.2, poll_s=0.01)
+    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", Iptables(rules), timeout_s=0.2, poll_s=0.01)
     end.before_restore()
     end.after_restore()
     end.thread.join(5)
@@ -70,7 +71,7 @@ def test_an_end_that_never_comes_back_lifts_the_hold_after_the_timeout(tmp_path:
 
 def test_a_failed_restore_lifts_its_rules(tmp_path: Path) -> None:
     rules = Rules()
-    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", rules)
+    end = crossnode.Hold([[A, B]], tmp_path, "1.4", "job 7", Iptables(rules))
     end.before_restore()
     end.release()
     assert rules.held == [] and not list(tmp_path.iterdir()), "nothing may say this end is back"

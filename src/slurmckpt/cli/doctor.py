@@ -73,6 +73,22 @@ def check_criu(r: Report, cfg: Config) -> None:
     if os.geteuid() == 0:
         ok, text = criu.check()
         r.add(ok, "criu check", text.splitlines()[-1] if text else "")
+    check_network_lock(r, cfg)
+
+
+def check_network_lock(r: Report, cfg: Config) -> None:
+    """Which packet filter holds TCP around dumps and restores here (packet_filter.py), and that it works."""
+    from slurmckpt import packet_filter
+    method = packet_filter.method(cfg.network_lock)
+    why = {"iptables": "iptables-restore found", "nftables": "no iptables here"}[method] \
+        if cfg.network_lock == "auto" else f"network_lock: {cfg.network_lock}"
+    if method == "nftables":
+        ok = packet_filter.has_libnftables()
+        r.add(ok, "network lock", f"nftables through libnftables ({why})" + ("" if ok else
+              ": libnftables.so.1 is missing, so no TCP connection can be held (install libnftables1 or iptables)"))
+    else:
+        ok = packet_filter.has_iptables()
+        r.add(ok, "network lock", f"iptables ({why})" + ("" if ok else ": iptables-restore is missing"))
 
 
 def check_slurm(r: Report, cfg: Config) -> None:
