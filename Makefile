@@ -60,6 +60,7 @@ demo: setup
 
 test: NODES = 3
 test: setup
+	bash scripts/setup.sh torch
 	$(MAKE) lint
 	$(MAKE) -C spank test
 	$(MAKE) shim-matrix

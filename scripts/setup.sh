@@ -5,6 +5,8 @@
 #   scripts/setup.sh              everything (what `make setup` runs)
 #   scripts/setup.sh STEP...      only the named steps, in the order given:
 #                                 packages criu python spank users files slurm-config cluster smoke
+#                                 torch (not in the default list; `make test`): PyTorch's CPU build in a
+#                                 venv of its own for the tests' torch.distributed jobs
 #                                 criu-build (not in the default list): build and cache CRIU without
 #                                 installing or checking it, for an image build (docker-slurm/), where
 #                                 `criu check` cannot run: it needs the privileges of the node that runs it
@@ -389,6 +391,26 @@ step_cluster() {
   step_done
 }
 
+# --------------------------------------------------------------------------------------------------- torch
+# The programs the integration tests run as users do: PyTorch (CPU build) for torch.distributed jobs, in a
+# venv of its own that every user can run (`make test` only; set-up for a real cluster never needs it).
+TEST_VENV=/opt/slurmckpt/test-venv
+TORCH_VERSION=2.13.0
+step_torch() {
+  step_start "PyTorch $TORCH_VERSION (CPU) for the tests in $TEST_VENV"
+  if "$TEST_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    log "   already there"; step_done; return
+  fi
+  rm -rf "$TEST_VENV"
+  /usr/bin/python3 -m venv "$TEST_VENV" || die "python3 -m venv $TEST_VENV failed"
+  # pip's own configuration may name a local wheel directory holding the CPU build (much smaller than the
+  # CUDA build PyPI gives for plain torch==X); either works for the tests.
+  "$TEST_VENV/bin/python" -m pip --disable-pip-version-check --no-input install -q "torch==$TORCH_VERSION" numpy \
+    2> >(grep -v "is ignored" >&2) || die "pip install torch==$TORCH_VERSION into $TEST_VENV failed"
+  chmod -R a+rX "$TEST_VENV"
+  step_done
+}
+
 # ------------------------------------------------------------------------------------------------------ smoke
 step_smoke() {
   step_start "smoke check"
@@ -428,7 +450,7 @@ main() {
     case $s in
       packages) step_packages ;; criu) step_criu ;; criu-build) step_criu_build ;; python) step_python ;; spank) step_spank ;;
       users) step_users ;; files) step_files ;; slurm-config) step_slurm_config ;;
-      cluster) step_cluster ;; smoke) step_smoke ;;
+      cluster) step_cluster ;; smoke) step_smoke ;; torch) step_torch ;;
       *) die "unknown step '$s'" ;;
     esac
   done
