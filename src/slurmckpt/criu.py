@@ -8,7 +8,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from slurmckpt.errors import CriuError, CriuInterrupted
 
@@ -44,7 +44,7 @@ class InheritedFd:
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False) -> float: ...
+             mntns: bool = False, inherited_devices: Sequence[int] = ()) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
                 tcp_close: list[int] = (), mntns: bool = False) -> int: ...
@@ -72,14 +72,16 @@ class CriuDriver:
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False) -> float:
+             mntns: bool = False, inherited_devices: Sequence[int] = ()) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
         ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
         socket whose peer stays outside (the PMI socket, pmi.py), handed in again at the restore. `link_remap`:
         files held by a removed name that has another name (sem_open's) are linked to link_remap.N for the
         dump (shm_files.py puts those links back before the restore). `mntns`: the tree has its own mount
-        namespace (MNTNS_DUMP)."""
+        namespace (MNTNS_DUMP). `inherited_devices`: character device majors whose mappings and fds the tree
+        still holds though it uses no device (children forked from a CUDA process): kept as reservations
+        (our criu patch 0004, cuda/procscan.inherited_device_majors)."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON,
                 *(MNTNS_DUMP if mntns else [])]
         for res in external or []:
@@ -88,6 +90,8 @@ class CriuDriver:
             args += ["--ghost-limit", str(ghost_limit)]
         if link_remap:
             args.append("--link-remap")
+        for major in inherited_devices:
+            args += ["--inherited-device-major", str(int(major))]
         if leave_running:
             args.append("--leave-running")
         if freezer is not None:

@@ -28,6 +28,7 @@ from typing import Callable
 from slurmckpt import (capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs,
                        proctree, rank_images, shm_files, space, tcp_ports)
 from slurmckpt.criu import CheckpointEngine
+from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
 from slurmckpt.gpu import GpuStage
@@ -349,7 +350,8 @@ def _dump(p: RankPipeline, epoch: int) -> None:
                                                              + p.record["srun_standins"]]
                                                    + p.record["external_files"],
                                                    link_remap=any(e["removed"] for e in p.record["shm_files"]),
-                                                   mntns=p.record["mntns"])
+                                                   mntns=p.record["mntns"],
+                                                   inherited_devices=inherited_device_majors(p.cgroup.pids()))
         except CriuInterrupted:
             # Stopped at its timeout or killed: a process may still hold criu's parasite code (or half of a
             # cure), which the rollback's thaw would run. Killed first, while frozen (criu.py, STOP_SIGNAL).

@@ -74,6 +74,19 @@ def comm(pid: int) -> str:
     return _text(pid, "comm").rstrip("\n")
 
 
+def char_device_majors(prefix: str, devices: str | None = None) -> list[int]:
+    """Major numbers of the character devices whose driver name starts with `prefix` (/proc/devices)."""
+    if devices is None:
+        try:
+            devices = (_root / "devices").read_text()
+        except OSError:
+            return []
+    text = devices
+    chars = text.split("Block devices:")[0]
+    return sorted({int(m) for m, name in (l.split(None, 1) for l in chars.splitlines()[1:] if len(l.split()) == 2)
+                   if name.strip().startswith(prefix)})
+
+
 def thread_comm(pid: int, tid: int) -> str:
     """A thread's name (15 bytes at most): the name a library gave it, or its process's."""
     return _text(pid, "task", str(tid), "comm").rstrip("\n")

@@ -13,7 +13,8 @@ from slurmckpt.cuda.driver import GpuDriverError, ProcessState
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.errors import LockContended
-from slurmckpt.cuda.procscan import condition, find_cuda_pids, frozen_reason, ns_pid, unsupported_reasons
+from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_device_majors, ns_pid,
+                                     unsupported_reasons)
 from slurmckpt.cuda.stage import (GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage,
                                   PipelineGpu)
 
@@ -87,21 +88,41 @@ def test_a_jax_process_is_refused_before_anything_is_locked(proc, driver):
     assert isinstance(stage_of(proc, driver, [41]), GpuStage)
 
 
-def test_a_process_forked_from_a_cuda_process_is_refused_before_anything_is_locked(proc, driver):
+DEVICES = """Character devices:
+  1 mem
+195 nvidia-frontend
+195 nvidia
+234 nvidia-nvswitch
+508 nvidia-uvm
+509 nvidia-caps
+510 nvidia-caps-imex-channels
+
+Block devices:
+195 nvidiafake
+"""
+
+
+def test_a_process_forked_from_a_cuda_process_is_dumped_with_its_device_maps_as_reservations(proc, driver):
     """A DataLoader-style worker forked after CUDA started maps /dev/nvidia* without a CUDA context (the driver
-    says NO_CUDA; criu failed on its mapping on the H200): the stage refuses, naming the worker and the fix,
-    and nothing was locked. A process holding only a device fd is no such case."""
+    says NO_CUDA): the stage checkpoints the CUDA process only, and the dump is told the node's NVIDIA majors
+    so that criu keeps the worker's device mappings as reservations (it failed on them before, on the H200).
+    A tree whose processes hold no device any more needs none."""
     proc.add(30)
     proc.add(31, cuda=False, maps=["/dev/nvidia-uvm"], comm="pt_data_worker")
     proc.add(32, cuda=False, fds=["/dev/nvidiactl"])
     for pid, cuda in ((30, True), (31, False), (32, False)):
         driver.add_process(pid, cuda=cuda)
-    with pytest.raises(GpuUnsupportedError) as e:
-        stage_of(proc, driver, [30, 31, 32])
-    assert e.value.reasons == [e.value.reasons[0]] and "pid 31 (pt_data_worker)" in e.value.reasons[0]
-    assert "multiprocessing_context='spawn'" in str(e.value)
-    assert driver.calls == [] and driver.state(30) is ProcessState.RUNNING
+    stage = stage_of(proc, driver, [30, 31, 32])
+    assert [p.pid for p in stage.processes] == [30]
     assert isinstance(stage_of(proc, driver, [30, 32]), GpuStage)
+    (proc.root / "devices").write_text(DEVICES)
+    assert inherited_device_majors([31, 32]) == [195, 234, 508, 509, 510]
+    assert inherited_device_majors([]) == []
+
+
+def test_char_device_majors_read_the_character_section_only():
+    assert procfs.char_device_majors("nvidia", DEVICES) == [195, 234, 508, 509, 510]
+    assert procfs.char_device_majors("nvidia", "Character devices:\n  1 mem\n") == []
 
 def test_find_cuda_pids_by_scan_and_by_driver(proc, driver):
     proc.add(10, cuda=False)

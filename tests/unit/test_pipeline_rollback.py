@@ -99,7 +99,7 @@ class FakeEngine:
     failure: type[CriuError] = CriuError
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
-             mntns=False):
+             mntns=False, inherited_devices=()):
         self.journal.events.append("dump")
         self.ghost_limit = ghost_limit
         if self.fail:

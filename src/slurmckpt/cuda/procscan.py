@@ -10,6 +10,7 @@ checkpoint time and the stage rolls back.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Sequence
@@ -18,6 +19,8 @@ from slurmckpt import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
 from slurmckpt.cuda.frameworks import framework_of
 from slurmckpt.ipc import unix_sockets
+
+log = logging.getLogger("slurmckpt.cuda")
 
 NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
@@ -58,17 +61,24 @@ def maps_nvidia(pid: int) -> bool:
     return any(p.startswith("/dev/nvidia") for p in _map_paths(pid))
 
 
-def inherited_gpu_mappings(pid: int) -> str:
-    """Why CRIU cannot dump `pid`, a process the driver says holds no CUDA state yet which maps /dev/nvidia*:
-    it was forked from a CUDA process (PyTorch's DataLoader workers with the default 'fork' start method) and
-    kept its parent's device mappings, which no GPU checkpoint releases."""
-    try:
-        comm = procfs.comm(pid)
-    except OSError:
-        comm = "?"
-    return (f"pid {pid} ({comm}) maps GPU memory it holds no CUDA context for (forked from a CUDA process, "
-            "e.g. a PyTorch DataLoader worker): criu cannot dump device mappings; start such workers with "
-            "multiprocessing_context='spawn' or 'forkserver'")
+def inherited_device_majors(pids: Sequence[int]) -> list[int]:
+    """The NVIDIA character device majors for criu's --inherited-device-major, when a process of the frozen
+    tree still holds a /dev/nvidia* fd or mapping after every CUDA process's GPU checkpoint released its own:
+    a child forked from a CUDA process without exec (PyTorch's DataLoader workers with the default fork start
+    method, OpenMPI's daemon started by mpi4py) keeps its parent's device mappings and fds, has no CUDA
+    context and never uses them. criu (our patch 0004) keeps those mappings as inaccessible reservations of
+    the same range and reopens the fds by path; [] when no process holds any."""
+    holders = [pid for pid in pids if uses_nvidia(pid)]
+    if not holders:
+        return []
+    for pid in holders:
+        try:
+            name = procfs.comm(pid)
+        except OSError:
+            continue
+        log.info("pid %d (%s) keeps GPU device mappings it holds no CUDA context for (forked from a CUDA "
+                 "process): dumped as reservations", pid, name)
+    return procfs.char_device_majors("nvidia")
 
 
 def condition(pid: int) -> str:

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_inventory
-from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_gpu_mappings, maps_nvidia,
-                                     ns_pid, process_environ, unsupported_reasons)
+from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, ns_pid, process_environ,
+                                     unsupported_reasons)
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError, LockContended
 from slurmckpt.gpu import GpuUse
@@ -108,7 +108,7 @@ class GpuStage:
         for pid in candidates:
             _refuse_frozen(pid, cgroup_root, context)
         driver = driver_factory()
-        procs, forked = [], []
+        procs = []
         for pid in candidates:
             try:
                 state = driver.state(pid)
@@ -116,16 +116,12 @@ class GpuStage:
                 if e.code == 304:
                     continue
                 raise
-            if state is ProcessState.NO_CUDA:
-                if maps_nvidia(pid):
-                    forked.append(inherited_gpu_mappings(pid))
-                continue
+            if state is ProcessState.NO_CUDA:      # forked from a CUDA process: its device maps are
+                continue                            # reservations to criu (procscan.inherited_device_majors)
             if state is not ProcessState.RUNNING:
                 raise GpuStateError(f"process {pid} is already {state.name} (another tool is checkpointing it)",
                                     pid=pid, **(context or {}))
             procs.append(GpuProcess(pid, ns_pid(pid), state))
-        if forked:     # the dump would fail on them after every GPU was checkpointed and the tree frozen
-            raise GpuUnsupportedError(forked, **(context or {}))
         if not procs:
             return NullGpuStage()
         env = process_environ(procs[0].pid)
