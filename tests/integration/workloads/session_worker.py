@@ -2,8 +2,8 @@
 """An inference-worker-like server: listens on a TCP port of its node (any address), serves any number of
 clients, each naming a session (`SESSION id`) and then asking `INCR seq` to get the session's next count
 (a repeated seq, resent after a lost reply, gets the same count again). The sessions live only in this
-process's memory, so a client that reconnects after a restore gets the next count
-only if the worker's state survived. Prints its port to --port-file and one deterministic line per step,
+process's memory (with --device cuda: on the GPU, as an inference server keeps each session's KV cache there),
+so a client that reconnects after a restore gets the next count only if the worker's state survived. Prints its port to --port-file and one deterministic line per step,
 then `worker PASS steps=N`."""
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ import time
 
 sessions: dict[str, tuple[int, int]] = {}      # session -> (last seq, count)
 lock = threading.Lock()
+device = None                                   # --device cuda: a session's state is a tensor on the GPU
+caches: dict = {}                               # session -> GPU tensor, one row per counted request
+
+
+def count_on_device(session: str) -> int:
+    """Count the request in the session's GPU tensor (a KV cache grows by one row a token)."""
+    import torch
+    row = torch.full((1, 64), float(len(caches.get(session, ())) + 1), device=device)
+    caches[session] = row if session not in caches else torch.cat([caches[session], row])
+    return int(caches[session].shape[0])
 
 
 def serve(conn: socket.socket) -> None:
@@ -30,7 +40,7 @@ def serve(conn: socket.socket) -> None:
                     with lock:
                         last, count = sessions.get(session, (-1, 0))
                         if int(words[1]) != last:
-                            count += 1
+                            count = count_on_device(session) if device else count + 1
                         sessions[session] = (int(words[1]), count)
                     f.write(f"{session} {count}\n")
                     f.flush()
@@ -43,7 +53,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--sleep", type=float, default=0.2)
     ap.add_argument("--port-file", required=True)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
+    global device
+    if a.device != "cpu":
+        import torch
+        device = torch.device(a.device)
+        torch.zeros(1, device=device)        # the GPU context exists before the first client
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("0.0.0.0", 0))

@@ -1,0 +1,142 @@
+#!/bin/bash
+# The GPU coverage matrix, one command on the GPU machine (root, repo root, pure cgroup v2, no network, no
+# iptables): the same Slurm as tests/gpu/real_slurm.sh (carried Debian 12 Slurm 22.05, proctrack/slurmckpt
+# over proctrack/cgroup, task/cgroup, the GPU as GRES), then for each row a real `sbatch --gres=gpu:1
+# --checkpoint-interval=10s` job of a program as users run it, captured at an interval, `scontrol requeue`d
+# mid-run (twice for torch.distributed), restored, and its lines compared with an uninterrupted run of the
+# same program beside it (outside Slurm, as the same user): IDENTICAL, DIFFERS, REFUSED (with the cause the
+# job's output names, for what no transparent mechanism brings back) or FAILED.
+#   GM_ROWS="G T W ..." picks rows (default: all), in that order (one GPU: Slurm runs them one at a time).
+#   G PyTorch training + an NVML monitor beside it     T DDP over gloo, srun -n2 on one GPU, requeued twice
+#   W CUDA graph + DataLoader workers, default fork    P the same with workers started by spawn
+#   X torch.compile (Inductor's compile workers)       L PyTorch Lightning (mpi4py installed where it is)
+#   H Hugging Face generation loop (KV cache)          I inference server, sessions on the GPU, client outside
+#   C CuPy                                             J JAX
+# Output: $OUT/gpu-matrix.txt (as it goes) and $OUT/gpu-coverage.md (the table), $OUT/gpu-matrix-logs.tar.gz.
+#   prepare (Debian 12 dev machine): tests/gpu/carry.sh
+set -u
+ROWS=${GM_ROWS:-G T W P X L H I C J}
+OUT=${OUT:-/tmp/gpu-matrix-out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu-matrix.txt") 2>&1
+T0=$SECONDS; DEADLINE=${GM_DEADLINE:-480}; STEPS=${GM_STEPS:-90}
+say() { echo "=== [$((SECONDS - T0))s] $*"; }
+
+say "slurm (tests/gpu/slurm_config.sh), slurmckpt staged"
+bash tests/gpu/slurm_config.sh .carry/slurmdebs 2>&1 | tail -2
+DEVICE_USER=ckptgpu STAGE=/opt/slurmckpt-stage PY=$(command -v python3)
+. tests/gpu/device_setup.sh >/dev/null
+install -D -m 755 -t /usr/local/lib/slurmckpt .carry/slurmckpt_spank.so .carry/proctrack_slurmckpt.so
+mkdir -p /opt/slurmckpt/venv/bin
+ep() { printf '#!%s\nimport sys\nsys.path.insert(0, "%s/src")\nfrom %s import main\nsys.exit(main())\n' \
+  "$PY" "$STAGE" "$2" > "/opt/slurmckpt/venv/bin/$1"; chmod 755 "/opt/slurmckpt/venv/bin/$1"; }
+ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.wrapper
+sed "s#@SPANK_PREFIX@##" etc/plugstack.conf.in | grep -v '^#' > /etc/slurm/plugstack.conf
+slurmctld; sleep 1; slurmd; sleep 3
+echo "iptables: $(command -v iptables-restore || echo none)"; /opt/slurmckpt/venv/bin/slurmckpt doctor 2>&1 | grep -E "network lock|NVIDIA driver"
+"$PY" - <<'P' 2>&1 | sed 's/^/  /'
+import importlib
+for m in ("torch", "lightning", "pytorch_lightning", "mpi4py", "transformers", "cupy", "jax", "pynvml", "triton"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "MISSING", type(e).__name__)
+P
+
+H=/home/$DEVICE_USER/gm; rm -rf "$H"; mkdir -p "$H/ref"
+cp "$STAGE"/tests/gpu/workload_{train,cupy,jax,graph_loader,compile,lightning,generate}.py "$STAGE"/tests/gpu/nvml_monitor.py \
+   "$STAGE"/tests/integration/workloads/{ddp_train,session_worker,session_client}.py "$H/"
+chown -R "$DEVICE_USER": "$H"
+DET=CUBLAS_WORKSPACE_CONFIG=:4096:8
+declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tasks on 1 GPU" \
+  [W]="CUDA graph + DataLoader workers (fork)" [P]="CUDA graph + DataLoader workers (spawn)" \
+  [X]="torch.compile (Inductor compile workers)" [L]="PyTorch Lightning" [H]="Hugging Face generation, KV cache" \
+  [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
+declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
+  [T]="srun -n2 $PY ddp_train.py --device cuda --steps $STEPS --sleep 0.15" \
+  [W]="$PY workload_graph_loader.py --steps $STEPS --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
+  [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
+  [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
+  [I]="$PY session_worker.py --device cuda --steps $((STEPS * 2)) --sleep 0.1 --port-file port-I.txt" \
+  [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
+declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
+  [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
+declare -A MORE=([T]="-n2")
+declare -A REQUEUES=([T]=2)
+
+say "uninterrupted reference runs (beside, outside Slurm, as the user)"
+asjob() { (cd "$H" && runuser -u "$DEVICE_USER" -- env "$DET" "XLA_FLAGS=--xla_gpu_deterministic_ops=true" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false USE_LIBUV=0 SLURM_JOB_ID=9${1}${RANDOM:0:3} SLURM_NTASKS=1 SLURM_PROCID=0 "${@:2}"); }
+REFS=()
+for r in $ROWS; do
+  case $r in
+    T) for k in 0 1; do asjob 1 env SLURM_NTASKS=2 SLURM_PROCID=$k SLURM_LOCALID=$k MASTER_PORT=29411 \
+         $PY ddp_train.py --device cuda --steps "$STEPS" --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
+    I|J) ;;          # I: the client checks it; J: refused
+    G) asjob 2 $PY workload_train.py --steps "$STEPS" > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
+    *) asjob 3 bash -c "${CMD[$r]/--sleep 0.1/--sleep 0}" > "$H/ref/$r.out" 2>&1 & REFS+=($!) ;;
+  esac
+done
+
+sub() { (cd "$H" && runuser -u "$DEVICE_USER" -- sbatch --parsable --open-mode=append "$@"); }
+jstate() { squeue -h -j "$1" -o %T 2>/dev/null; }
+waitout() { for _ in $(seq "$3"); do grep -qE "$2" "$H/$1.out" 2>/dev/null && return 0; sleep 1; done; echo "TIMEOUT /$2/ in $1.out"; return 1; }
+declare -A ID
+for r in $ROWS; do
+  ID[$r]=$(sub -J "gm$r" -o "$r.out" --mem=24G --gres=gpu:1 ${MORE[$r]:-} --checkpoint-interval=10s \
+           --export="ALL,$DET" --wrap "${CMD[$r]}")
+done
+echo "jobs: $(for r in $ROWS; do printf '%s=%s ' "$r" "${ID[$r]}"; done)"
+
+cycle() {   # ROW: interval commit (or a refusal), requeue(s), restore(s), the end
+  local r=$1 id=${ID[$1]} end=$((T0 + DEADLINE)) n=1
+  {
+    waitout "$r" 'committed \(interval\)|refused|ABORTED|FAILED' $((end - SECONDS)) || return
+    grep -qE 'committed \(interval\)' "$H/$r.out" || { echo "[$((SECONDS - T0))s] $r: $(grep -E 'refused|ABORTED|FAILED' "$H/$r.out" | head -2)"; }
+    if [ "$r" = I ]; then    # a client outside the job, from before the first requeue to the end
+      for _ in $(seq 30); do [ -s "$H/port-I.txt" ] && break; sleep 1; done
+      "$PY" "$H/session_client.py" --host 127.0.0.1 --port "$(cat "$H/port-I.txt")" --count 60 --sleep 0.4 \
+        --patience 240 > "$H/ref/I.client" 2>&1 &
+      sleep 4
+    fi
+    while [ $n -le "${REQUEUES[$r]:-1}" ]; do
+      grep -qE 'committed \(interval\)' "$H/$r.out" || break
+      echo "[$((SECONDS - T0))s] $r: requeue $n at $(grep -cE "${LINES[$r]}" "$H/$r.out") lines"
+      scontrol requeue "$id"
+      for _ in $(seq $((end - SECONDS))); do [ "$(grep -c 'restored from checkpoint epoch\|starting from the beginning' "$H/$r.out")" -ge "$n" ] && break; sleep 1; done
+      echo "[$((SECONDS - T0))s] $r: $(grep -E 'restored from checkpoint epoch|FAILED|beginning' "$H/$r.out" | tail -1)"
+      n=$((n + 1)); sleep 12
+    done
+    for _ in $(seq $((end - SECONDS))); do [ -z "$(jstate "$id")" ] && break; sleep 1; done
+    echo "[$((SECONDS - T0))s] $r: state '$(jstate "$id")'"
+  } > "$OUT/cycle-$r.txt" 2>&1
+}
+CYC=(); for r in $ROWS; do cycle "$r" & CYC+=($!); done
+wait "${CYC[@]}" "${REFS[@]}"
+
+{ echo "| row | program | outcome | detail |"; echo "| --- | --- | --- | --- |"; } > "$OUT/gpu-coverage.md"
+for r in $ROWS; do
+  say "row $r: ${NAME[$r]} (job ${ID[$r]})"; cat "$OUT/cycle-$r.txt"; rm -f "$OUT/cycle-$r.txt"
+  grep -vE "${LINES[$r]}|^monitor " "$H/$r.out" | tail -8
+  got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -c 'restored from checkpoint epoch' "$H/$r.out")
+  ref="$H/ref/$r.out"; [ "$r" = T ] && ref="$H/ref/T.0.out"
+  if grep -qE 'refused|ABORTED' "$H/$r.out" && [ "$restores" = 0 ]; then
+    outcome=REFUSED; detail=$(grep -oE '(refused|ABORTED)[^;]*' "$H/$r.out" | head -1 | cut -c1-220)
+  elif [ "$r" = I ]; then
+    outcome=$(grep -qE '^client PASS' "$H/ref/I.client" && echo IDENTICAL || echo FAILED)
+    detail="$restores restore(s); client: $(tail -1 "$H/ref/I.client")"
+  elif [ "$restores" -ge 1 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
+    outcome=IDENTICAL; detail="$got lines, $restores restore(s)"
+    [ "$r" = G ] && detail="$detail; monitor lines after the last restore: $(awk '/restored from checkpoint/ {n=0} /^monitor / {n++} END {print n}' "$H/$r.out")"
+  else
+    outcome=FAILED; detail="$restores restore(s), $got vs $(grep -cE "${LINES[$r]}" "$ref") lines; $(grep -E 'FAILED|beginning|Error' "$H/$r.out" | head -1 | cut -c1-200)"
+    [ "$restores" -ge 1 ] && { echo "first difference:"; diff <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref") | head -4; }
+  fi
+  echo "$r RESULT: $outcome: $detail"
+  echo "| $r | ${NAME[$r]} | $outcome | ${detail//|//} |" >> "$OUT/gpu-coverage.md"
+done
+say "coverage"; cat "$OUT/gpu-coverage.md"
+squeue; scancel -u "$DEVICE_USER"
+echo "--- slurmd.log errors"; grep -iE "error" /var/log/slurm/slurmd.log | tail -6
+tar -czf "$OUT/gpu-matrix-logs.tar.gz" -C / "${H#/}" var/log/slurm var/log/slurmckpt 2>/dev/null
+[ "$(stat -c %s "$OUT/gpu-matrix-logs.tar.gz")" -lt 15000000 ] || tar -czf "$OUT/gpu-matrix-logs.tar.gz" -C / var/log/slurmckpt 2>/dev/null
+say "done"
