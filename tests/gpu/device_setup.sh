@@ -20,6 +20,12 @@ if [ ! -x /usr/bin/setpriv ] && [ -x .carry/criu-patched/setpriv ]; then
   ldconfig -p | grep -q libcap-ng.so.0 || { cp .carry/criu-patched/libcap-ng.so.0 /usr/local/lib/; ldconfig; }
   echo "installed carried setpriv"
 fi
+# slurmckpt's own TCP holds reach nftables through libnftables (packet_filter.py) where the node has no
+# iptables: the carried one, with what it needs, where the machine has none of its own
+for l in libnftables.so.1 libnftnl.so.11 libmnl.so.0 libjansson.so.4 libxtables.so.12; do
+  ldconfig -p | grep -q "$l" || { [ -f ".carry/criu-patched/$l" ] && cp ".carry/criu-patched/$l" /usr/local/lib/; }
+done
+ldconfig
 /usr/local/sbin/criu --version | head -1
 /usr/bin/setpriv --version
 ls -l /usr/local/libexec/slurmckpt/slurmckpt-init
