@@ -8,7 +8,9 @@ does the work): they go before any freezer/CRIU freeze, and restore/unlock after
 
 Every failure rolls back what this stage did: a process this stage checkpointed is restored, one it locked is
 unlocked, so nothing is left locked or checkpointed by us; a rollback that itself fails raises
-GpuRollbackError naming the processes left behind. Processes are restored in the order they were checkpointed.
+GpuRollbackError naming the processes left behind. Locks and unlocks go one process after another; the
+processes' checkpoints, and their restores, run at once (one driver call each, in threads: the driver copies
+several processes' memory faster together than one after another).
 
 A tree with no process touching /dev/nvidia* gets a NullGpuStage, and libcuda is never loaded for it.
 
@@ -17,6 +19,7 @@ What a GPU job must do to be checkpointable, and what is refused before anything
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -90,6 +93,7 @@ class GpuStage:
     adopted: bool = False
     context: dict[str, Any] = field(default_factory=dict)
     cgroup_root: str = "/sys/fs/cgroup"
+    concurrent: bool = True      # checkpoint and restore the processes at once (one driver call each)
     active = True
 
     # ---- construction ----
@@ -167,7 +171,9 @@ class GpuStage:
 
     # ---- the steps ----
     def lock_all(self, timeout_ms: int) -> None:
-        self._each("lock", lambda p: not p.locked, lambda p: self._lock(p, timeout_ms))
+        # one after another, stopping at the first contended lock: a lock is ~1 ms, and a lock round that
+        # failed is tried again as a whole (docs/architecture.md, "GPU lock rounds")
+        self._each("lock", lambda p: not p.locked, lambda p: self._lock(p, timeout_ms), together=False)
 
     def checkpoint_all(self) -> None:
         for p in self.processes:
@@ -178,10 +184,7 @@ class GpuStage:
     def restore_all(self, pairs: Sequence[GpuPair] | None = None) -> None:
         """GPU state back onto the GPUs (full old->new `pairs` when remapped); processes stay LOCKED."""
         if self.adopted:     # nothing of the previous run to go back to: the caller kills the tree on failure
-            for p in self.processes:
-                if p.checkpointed:
-                    self._call("restore", p, lambda: self.driver.restore(p.pid, pairs))
-                    p.checkpointed = False
+            self._all("restore", [p for p in self.processes if p.checkpointed], lambda p: self._restore(p, pairs))
             return
         self._each("restore", lambda p: p.checkpointed, lambda p: self._restore(p, pairs))
 
@@ -246,22 +249,43 @@ class GpuStage:
         log.debug("GPU %s pid %d", op, p.pid, extra={"pid": p.pid, **self.context})
         fn()
 
-    def _each(self, op: str, wanted: Callable[[GpuProcess], bool], fn: Callable[[GpuProcess], None]) -> None:
-        """Run `fn` on each wanted process in order; on the first failure roll everything back and re-raise."""
-        for p in self.processes:
-            if not wanted(p):
-                continue
-            try:
-                fn(p)
-            except BaseException as e:
-                log.warning("GPU %s of pid %d failed (%s); rolling back", op, p.pid, e,
-                            extra={"pid": p.pid, **self.context})
+    def _each(self, op: str, wanted: Callable[[GpuProcess], bool], fn: Callable[[GpuProcess], None],
+              together: bool = True) -> None:
+        """Run `fn` on every wanted process at once (the driver copies several processes' memory faster
+        together than one after another: docs/gpu.md, "Several GPU processes"); once all calls are back, on
+        a failure (the first in process order) roll everything back and re-raise it."""
+        try:
+            self._all(op, [p for p in self.processes if wanted(p)], fn, together)
+        except _Failed as f:
+            pid, e = f.pid, f.error
+        else:
+            return
+        log.warning("GPU %s of pid %d failed (%s); rolling back", op, pid, e, extra={"pid": pid, **self.context})
+        try:
+            self.rollback()
+        except GpuRollbackError as rb:
+            raise GpuRollbackError(f"GPU {op} of pid {pid} failed ({e}); rolling back failed", rb.stuck,
+                                   **self.context) from e
+        raise e
+
+    def _all(self, op: str, todo: list[GpuProcess], fn: Callable[[GpuProcess], None], together: bool = True) -> None:
+        """`fn` on every process of `todo`, at once where there are several (ctypes lets go of the GIL
+        inside the driver's calls); _Failed with the first failure in process order, once all are back."""
+        failed: dict[int, BaseException] = {}
+        if len(todo) <= 1 or not (self.concurrent and together):
+            for p in todo:
                 try:
-                    self.rollback()
-                except GpuRollbackError as rb:
-                    raise GpuRollbackError(f"GPU {op} of pid {p.pid} failed ({e}); rolling back failed", rb.stuck,
-                                           **self.context) from e
-                raise
+                    fn(p)
+                except BaseException as e:
+                    failed[p.pid] = e
+                    break
+        else:
+            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix=f"gpu-{op}") as pool:
+                futures = {p.pid: pool.submit(fn, p) for p in todo}
+            failed = {pid: err for pid, f in futures.items() if (err := f.exception()) is not None}
+        if failed:
+            pid = next(p.pid for p in todo if p.pid in failed)
+            raise _Failed(pid, failed[pid])
 
     def _stuck(self) -> dict[int, str]:
         out = {}
@@ -275,6 +299,12 @@ class GpuStage:
                 except GpuError:
                     out[p.pid] = "UNKNOWN"
         return out
+
+
+class _Failed(Exception):
+    def __init__(self, pid: int, error: BaseException) -> None:
+        super().__init__(pid, error)
+        self.pid, self.error = pid, error
 
 
 class NullGpuStage:
