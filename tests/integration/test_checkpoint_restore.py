@@ -105,7 +105,7 @@ def test_bad_interval_values_are_rejected_at_submission() -> None:
 
 
 def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
-    """(f) CRIU fails (the workload opens a perf event fd, which CRIU cannot dump): the epoch aborts, the
+    """(f) CRIU fails (the workload opens a userfaultfd, which CRIU cannot dump): the epoch aborts, the
     job runs on to a correct end, and the epoch committed before the failure stays intact."""
     from slurmckpt.config import Config
     from slurmckpt.storage import JobStore, list_jobs

@@ -6,8 +6,13 @@ The CPU build here; tests/gpu runs the same workload with CUDA tensors on the GP
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 from tests.integration.slurmjob import node, run, submit, workdir
+
+sys.path.insert(0, str(Path(__file__).parent / "workloads"))
+from zdtm import expected_lines  # noqa: E402
 
 USER = "ckptuser1"
 TORCH = "/opt/slurmckpt/test-venv/bin/python"          # scripts/setup.sh torch
@@ -48,3 +53,17 @@ def test_ddp_over_gloo_with_dataloader_workers_requeued_twice_equals_an_uninterr
     steps = [int(m.group(1)) for l in lines if (m := re.match(r"ddp step (\d+) ", l))]
     assert steps == list(range(STEPS)), "a step ran twice or not at all"
     assert "epilogue rc=0" in text and job.restarts() == 2
+
+
+def test_a_process_holding_an_io_uring_is_refused_before_anything_is_frozen_naming_it() -> None:
+    """What USE_LIBUV=0 does not cover (a program making its own ring): the capture is refused in its check
+    stage, before any freeze, naming the pid, the program and the cause; the job runs on to a correct end
+    and the checkpoint committed before stays."""
+    wd = workdir(USER, "io-uring")
+    job = submit(USER, wd, "#!/bin/bash\npython3 zdtm.py --steps 120 --sleep 0.2 --tag u --data data.txt "
+                 "--ring-at 60\n", "-w", node("node1"), "--checkpoint-interval=10s")
+    job.wait_output(r"committed \(interval\)")
+    job.wait_output(r"ABORTED \(rank batch\.0, node [^,]+, stage check\): pid \d+ \(python3, /usr/bin/python3[.\d]*\) "
+                    r"holds an io_uring instance: criu cannot checkpoint io_uring", timeout=120)
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == expected_lines("u", 120)

@@ -38,8 +38,18 @@ def echo_server(listener: socket.socket) -> None:
 
 
 def poison() -> int:
-    """Open an io_uring instance: CRIU cannot dump one, so every capture from here on fails (fault
-    injection for the 'failed capture keeps the previous checkpoint' test)."""
+    """Open a userfaultfd: CRIU cannot dump one (an anon inode of no type it knows), and nothing checks for
+    it before the dump, so every capture from here on fails in criu (fault injection for the 'failed capture
+    keeps the previous checkpoint' test; an io_uring is refused earlier, in the check stage)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(323, 0x80000 | 0x800 | 0x1)   # userfaultfd(O_CLOEXEC | O_NONBLOCK | UFFD_USER_MODE_ONLY)
+    if fd < 0:
+        sys.exit(f"userfaultfd failed: errno {ctypes.get_errno()}")
+    return fd
+
+
+def ring() -> int:
+    """Open an io_uring instance (what libuv >= 1.45 does): refused before anything is frozen."""
     libc = ctypes.CDLL(None, use_errno=True)
     params = (ctypes.c_char * 120)()
     fd = libc.syscall(425, 4, params)             # io_uring_setup(entries=4, params)
@@ -57,6 +67,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--poison-at", type=int, default=-1)
+    ap.add_argument("--ring-at", type=int, default=-1)
     a = ap.parse_args()
     tag = a.tag if not a.tag.isdigit() else f"r{a.tag}"
     listener = socket.socket()
@@ -74,6 +85,8 @@ def main() -> None:
     for i in range(a.steps):
         if i == a.poison_at:
             poison()
+        if i == a.ring_at:
+            ring()
         v = rng.randint(0, 10**6)
         peer.write(f"{i} {v}\n".encode())
         back = peer.readline().decode().strip()
