@@ -5,8 +5,9 @@ from __future__ import annotations
 class SlurmckptError(Exception):
     """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known.
 
-    `retryable`: the same operation may succeed if tried again. Only LockContended and ExchangeInFlight set
-    it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those and on nothing else."""
+    `retryable`: the same operation may succeed if tried again. Only LockContended, ExchangeInFlight and
+    EpochGone set it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those, with a
+    new epoch, and on nothing else."""
 
     retryable = False
 
@@ -17,7 +18,8 @@ class SlurmckptError(Exception):
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Whether `exc` is typed retryable (LockContended, ExchangeInFlight); never decided from its text."""
+    """Whether `exc` is typed retryable (LockContended, ExchangeInFlight, EpochGone); never decided from its
+    text."""
     return isinstance(exc, SlurmckptError) and exc.retryable
 
 
@@ -83,6 +85,13 @@ class CriuInterrupted(CriuError):
 
 class StorageError(SlurmckptError):
     """Image store problem: missing, corrupt (checksum) or incomplete checkpoint."""
+
+
+class EpochGone(StorageError):
+    """The epoch's directory is gone while this rank prepared it: another rank's abort withdrew it (the last
+    rank's images went, and the directory with them) or gc collected it after its lease ran out. Nothing of
+    this rank is lost, and the coordinator's next round allocates a new epoch: retryable, not news."""
+    retryable = True
 
 
 class SlurmError(SlurmckptError):

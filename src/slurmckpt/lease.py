@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from slurmckpt import durable
 from slurmckpt.durable import atomic_write_json
-from slurmckpt.errors import StorageError
+from slurmckpt.errors import EpochGone, StorageError
 
 if TYPE_CHECKING:
     from slurmckpt.storage import JobStore
@@ -75,8 +75,8 @@ def extend(store: JobStore, epoch: int, holder: str, until: float) -> None:
             atomic_write_json(path, {"expires_at": until})
     except StorageError as e:
         if not where.is_dir():
-            raise StorageError("the epoch's directory is gone (collected after its lease ran out)",
-                               epoch=epoch) from e
+            raise EpochGone("the epoch's directory is gone (withdrawn by an abort, or collected after its "
+                            "lease ran out)", epoch=epoch) from e
         raise
 
 

@@ -62,3 +62,17 @@ def test_prepare_extends_the_lease_to_the_epochs_bytes(tmp_path: Path, tree, mon
     assert lease.expiry(store.epoch_dir(epoch)) - allocated > 300       # 2 x (107 s dump + 67 s seal)
     assert reclaim.collect_job(store, now=allocated + 60, wait=True) == []
     p.abort(epoch)
+
+
+def test_a_rank_preparing_an_epoch_another_rank_withdrew_is_a_retryable_round_not_news(tmp_path):
+    """Another rank's abort of the round took the epoch's directory (its last images went with it) while this
+    rank was still in PREPARE: the lease extension fails typed EpochGone, which the coordinator retries with
+    a new epoch and the rank's client logs below the job's output (seen: every retried PMI lock round)."""
+    from slurmckpt.errors import EpochGone, is_retryable
+    store = JobStore(tmp_path, "c", 7)
+    store.ensure()
+    epoch = store.allocate_epoch(1, 60.0, "host:1")
+    store.discard_epoch_rank(epoch, "0", 0)          # the other rank's abort: nothing left, the directory goes
+    with pytest.raises(EpochGone) as e:
+        lease.extend(store, epoch, "0.1", lease.clock() + 600)
+    assert is_retryable(e.value) and "withdrawn by an abort" in str(e.value)
