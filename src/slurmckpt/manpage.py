@@ -13,6 +13,7 @@ import click
 
 from slurmckpt import __version__
 from slurmckpt.config import Config, config_paths
+from slurmckpt.duration import format_duration
 from slurmckpt.policy import RULE_DOCS, SETTING_KEYS
 
 # Reproducible builds: the date of the source (SOURCE_DATE_EPOCH, e.g. the last commit's), else today.
@@ -86,6 +87,8 @@ def _default(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     if isinstance(value, tuple):
         return "[" + ", ".join(value) + "]"
+    if f.metadata.get("duration"):
+        return format_duration(value)
     return str(value) if value != "" else '""'
 
 
