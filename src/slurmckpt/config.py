@@ -144,12 +144,16 @@ class Config:
                                  "is this node's name.")
     summary_dir: str = _key("/var/lib/slurmckpt/summaries", "Per-job summaries each job's user can read (epochs, "
                             "times, sizes, failed captures); on the same shared file system as storage_root.")
-    # How often a partition's jobs are interrupted (interruptions.py). Durations as in the policy: off, N
-    # (minutes), 90s, 30m, 1h30m, 2d, MM:SS, HH:MM:SS.
+    # --checkpoint-interval=auto (coordinator/interval.py, interruptions.py; docs/operations.md, "Automatic
+    # interval"). Durations as in the policy: off, N (minutes), 90s, 30m, 1h30m, 2d, MM:SS, HH:MM:SS.
+    auto_first_interval: int = _key(600, "--checkpoint-interval=auto: the interval until a capture of the job has "
+                                    "been measured (from then on Daly's interval for the measured stall), within "
+                                    "the policy's min_interval and max_interval. The policy may set it per "
+                                    "partition or QOS.", duration=True)
     interruption_mtbi: int = _key(86400, "auto: the mean time between interruptions of one node's run (node time "
                                   "per interruption) assumed where accounting knows little; accounting's history "
                                   "is weighed against it as if it were one interruption seen after this much node "
-                                  "time.", duration=True)
+                                  "time. The policy may set it per partition or QOS.", duration=True)
     interruption_window: int = _key(7 * 86400, "auto: how far back the root agent reads the partition's job runs "
                                     "from accounting (sacct, at most once an hour per node and partition); off: "
                                     "accounting is not asked and interruption_mtbi alone counts.", duration=True,

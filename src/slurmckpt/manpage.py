@@ -107,8 +107,8 @@ def page_config() -> str:
             continue
         lines += [".TP", f".B {roff(f.name)}", roff(f"{f.metadata['doc']} Default: {_default(f)}.")]
     lines += [".SH POLICY", roff("policy: maps default, partitions (name: entry) and qos (name: entry) to entries "
-                                 "with these keys. For a job, allowed: false anywhere and the largest min_interval "
-                                 "apply; default_interval and settings come from the QOS entry, else the partition "
+                                 "with these keys. For a job, allowed: false anywhere, the largest min_interval and "
+                                 "the smallest max_interval apply; default_interval and settings come from the QOS entry, else the partition "
                                  "entry, else default. sbatch checks it through cli_filter/lua (cli_filter.lua); the "
                                  "root agents apply it to running jobs.")]
     for key, doc in RULE_DOCS.items():

@@ -127,12 +127,13 @@ def test_another_agent_refreshing_is_not_waited_for(tmp_path: Path):
 
 # ---- the config's keys -------------------------------------------------------------------------------------
 def test_config_durations_and_states():
-    c = Config.from_mapping({"interruption_mtbi": "12h", "interruption_window": False,
+    c = Config.from_mapping({"auto_first_interval": "2m", "interruption_mtbi": "12h", "interruption_window": False,
                              "interruption_states": "NODE_FAIL PREEMPTED REQUEUED"})
-    assert (c.interruption_mtbi, c.interruption_window) == (43200, 0)
+    assert (c.auto_first_interval, c.interruption_mtbi, c.interruption_window) == (120, 43200, 0)
     assert c.interruption_states == ("NODE_FAIL", "PREEMPTED", "REQUEUED")
-    assert (Config().interruption_mtbi, Config().interruption_window) == (86400, 7 * 86400)
-    for raw, message in (({"interruption_mtbi": "off"}, "must be a duration, not off"),
+    assert (Config().auto_first_interval, Config().interruption_mtbi, Config().interruption_window) == \
+        (600, 86400, 7 * 86400)
+    for raw, message in (({"auto_first_interval": "off"}, "must be a duration, not off"),
                          ({"interruption_mtbi": "5x"}, "key 'interruption_mtbi': bad value '5x'"),
                          ({"interruption_states": "node_fail"}, "key 'interruption_states': bad value 'node_fail'")):
         with pytest.raises(ConfigError, match=message):
