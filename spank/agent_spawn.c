@@ -19,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "duration.h"
 #include "slurmckpt.h"
 
 #define AGENT_FD     3          /* the agent's socket end, after the exec */
@@ -65,7 +66,11 @@ static void agent_cmd_build(struct agent_cmd *c, struct step_info *si,
 	c->argv[n++] = c->restarts;
 	c->argv[n++] = "--init";
 	c->argv[n++] = slurmckpt_args.init;
-	snprintf(c->interval, sizeof(c->interval), "%ld", interval);
+	/* auto as a word: the agent's argv in ps says what the job asked for */
+	if (interval == DURATION_AUTO)
+		snprintf(c->interval, sizeof(c->interval), "auto");
+	else
+		snprintf(c->interval, sizeof(c->interval), "%ld", interval);
 	c->argv[n++] = "--interval";
 	c->argv[n++] = c->interval;
 	c->argv[n++] = "--interval-from";
@@ -158,19 +163,25 @@ static int agent_wait_exec(pid_t pid, int errfd)
 	return (-1);
 }
 
-static int set_env_long(spank_t sp, const char *name, long value)
+static int set_env(spank_t sp, const char *name, const char *value)
 {
-	char buf[32];
 	spank_err_t rc;
 
-	snprintf(buf, sizeof(buf), "%ld", value);
-	rc = spank_setenv(sp, name, buf, 1);
+	rc = spank_setenv(sp, name, value, 1);
 	if (rc != ESPANK_SUCCESS) {
 		slurm_error("slurmckpt: task_init_privileged: setenv %s: %s",
 			    name, spank_strerror(rc));
 		return (-1);
 	}
 	return (0);
+}
+
+static int set_env_long(spank_t sp, const char *name, long value)
+{
+	char buf[32];
+
+	snprintf(buf, sizeof(buf), "%ld", value);
+	return (set_env(sp, name, buf));
 }
 
 int agent_spawn(spank_t sp, long interval, int explicit)
@@ -218,7 +229,7 @@ int agent_spawn(spank_t sp, long interval, int explicit)
 	}
 	/* sv[0] stays open, without close-on-exec, for the wrapper. */
 	if (set_env_long(sp, "SLURMCKPT_AGENT_FD", sv[0]) < 0 ||
-	    set_env_long(sp, "SLURMCKPT_INTERVAL", interval) < 0)
+	    set_env(sp, "SLURMCKPT_INTERVAL", cmd.interval) < 0)
 		goto fail;
 	slurm_debug("slurmckpt: job %u step %s rank %u: agent pid %d, fd %d",
 		    si.job_id, si.step, si.rank, (int)pid, sv[0]);

@@ -8,7 +8,7 @@
 #include "duration.h"
 
 static const char ERR_FORMAT[] =
-	"expected off, 0, N (minutes), units like 90s, 30m, 1h30m, 2d, or MM:SS / HH:MM:SS";
+	"expected off, auto, 0, N (minutes), units like 90s, 30m, 1h30m, 2d, or MM:SS / HH:MM:SS";
 static const char ERR_ORDER[] =
 	"each unit may appear once, in the order d, h, m, s";
 static const char ERR_CLOCK[] =
@@ -122,6 +122,10 @@ int duration_parse(const char *s, long *seconds, const char **err)
 	}
 	if (strcasecmp(s, "off") == 0) {
 		*seconds = 0;
+		return (0);
+	}
+	if (strcasecmp(s, "auto") == 0) {
+		*seconds = DURATION_AUTO;
 		return (0);
 	}
 	if (strchr(s, ':') != NULL) {

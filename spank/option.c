@@ -46,7 +46,8 @@ static struct spank_option interval_option = {
 		 "<duration> and when it is preempted or reaches its time limit; "
 		 "requeued jobs resume from the last checkpoint. <duration>: N "
 		 "(minutes), 90s, 30m, 1h30m, MM:SS, HH:MM:SS; minimum 10s; "
-		 "off or 0 disables.",
+		 "auto: chosen from the measured cost of a capture and the "
+		 "partition's interruption rate; off or 0 disables.",
 	.has_arg = 1,
 	.val = 0,
 	.cb = interval_cb,

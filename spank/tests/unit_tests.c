@@ -55,6 +55,8 @@ static void test_duration(void)
 	ok("01:00:30", 3630);
 	ok("365d", 365L * 86400);
 	ok("8760h", 365L * 86400);
+	ok("auto", DURATION_AUTO);
+	ok("AUTO", DURATION_AUTO);
 
 	bad("", "empty");
 	bad("abc", "expected");
@@ -83,6 +85,7 @@ static void test_duration(void)
 	bad("99999999999999999999d", "too large");
 	bad("9999999:00:00", "too large");
 	bad("offf", "expected");
+	bad("autoo", "expected off, auto");
 }
 
 static int parse(struct plugin_args *a, char **av, int ac, char *err)
@@ -110,6 +113,12 @@ static void test_args(void)
 		CHECK(strcmp(a.agent, "/a") == 0, "agent=");
 		CHECK(strcmp(a.init, "/i") == 0, "init=");
 		CHECK(a.default_interval == 5400, "default_interval=");
+	}
+	{
+		char *av[] = { "default_interval=auto" };
+		CHECK(parse(&a, av, 1, err) == 0 &&
+		      a.default_interval == DURATION_AUTO,
+		      "default_interval=auto");
 	}
 	{
 		char *av[] = { "default_interval=off" };

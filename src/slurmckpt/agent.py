@@ -25,14 +25,16 @@ from slurmckpt.cuda.stage import PipelineGpu
 from slurmckpt import durable, ipc, lease, packet_filter, pmi, procfs, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
+from slurmckpt.interruptions import PartitionHistory, QUERY_TIMEOUT_S
+from slurmckpt.interruptions import answer as interruption_answer
 from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.peer import Peer
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank_images import StorePolicy
-from slurmckpt import reclaim
-from slurmckpt.slurm.control import other_node_addresses, this_node
+from slurmckpt import reclaim, summary
+from slurmckpt.slurm.control import CliSlurm, other_node_addresses, this_node
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
 from slurmckpt.task_cgroup import TaskCgroup
@@ -55,6 +57,7 @@ class Agent:
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
     srun_relay: str | None = None        # the batch step: its wrapper's srun relay (srun_relay.py)
+    history: PartitionHistory | None = None   # the partition's interruptions, once the coordinator asks
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -263,7 +266,7 @@ class Agent:
         """The interval the wrapper schedules (the policy's default and minimum applied), and `disabled` when
         the policy forbids checkpoints for the job's partition or QOS: the wrapper then runs the task plainly.
         The wrapper handles the capture signals once it asks for its plan: the run record says so now."""
-        plan = {"interval_s": self.interval_s, "policy": self.policy.describe()}
+        plan = {"interval_s": self.interval_s, "policy": self.policy.describe(), "auto": self._auto_plan()}
         refused = self.policy.capture_refusal(final=True, since_last_s=None)
         if self.events:
             if refused:
@@ -271,6 +274,38 @@ class Agent:
             self.events.started(self.ident.restart_count, self.interval_s, plan["policy"],
                                 refused[1] if refused else None)
         return {**plan, "disabled": refused[1]} if refused else plan
+
+    def _auto_plan(self) -> dict:
+        """What a coordinator this task hosts needs for --checkpoint-interval=auto (coordinator/interval.py):
+        the policy's bounds, the first interval, the site's M for the job's nodes until accounting answers
+        (op_interruptions), and the stalls an earlier run of the job measured."""
+        low, high = self.policy.auto_bounds()
+        return {"min_s": low, "max_s": high, "first_s": self.config.auto_first_interval,
+                "mtbi_s": self.config.interruption_mtbi / self._job_nodes(), "min_from": self.policy.min_from,
+                "max_from": self.policy.max_from, "stalls": summary.recorded_stalls(self.store)}
+
+    def _job_nodes(self) -> int:
+        return max(1, len(self.slurm_job.nodes)) if self.slurm_job else 1
+
+    def op_interruptions(self, m: dict, fds: list[int]) -> dict:
+        """The job's mean time between interruptions for its coordinator's automatic interval, from this node's
+        cache of the partition's history in accounting (interruptions.py); never waits for accounting."""
+        if self.history is None:
+            self.history = PartitionHistory(Path(self.config.run_dir) / "interruptions", self.ident.cluster,
+                                            self.slurm_job.partition if self.slurm_job else "",
+                                            self.config.interruption_window, self.config.interruption_states,
+                                            CliSlurm(timeout_s=QUERY_TIMEOUT_S).partition_runs)
+        return interruption_answer(*self.history.current(), self.config.interruption_mtbi, self._job_nodes(),
+                                   self.config.interruption_window)
+
+    def op_interval_chosen(self, m: dict, fds: list[int]) -> dict:
+        """The automatic interval the coordinator of this task's wrapper chose, with its inputs: kept in the
+        job's store (checked and bounded: summary.interval_record) for `slurmckpt status` and the next run.
+        The user's own numbers about the user's own job; the minimum is enforced at PREPARE whatever they say."""
+        summary.record_interval(self.store, m.get("choice"))
+        if self.events:
+            self.events.publish_soon()
+        return {}
 
     def _require_policy(self, epoch: int, final: bool) -> None:
         """A capture the site policy forbids is refused before anything is frozen."""

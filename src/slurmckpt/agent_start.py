@@ -16,6 +16,7 @@ from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config, load_root_config
+from slurmckpt.duration import interval_arg
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.events import AgentEvents, SlurmdLog, Task
 from slurmckpt.metrics import NodeMetrics, node_name
@@ -40,7 +41,7 @@ class ShimArgs:
     gid: int
     restart_count: int = 0
     init: str | None = None
-    interval: int | None = None        # seconds; None: a shim that does not say
+    interval: str | None = None        # seconds or auto (duration.interval_arg); None: a shim that does not say
     interval_from: str = "option"      # option (the job's --checkpoint-interval) | default (default_interval=)
     log_fd: int | None = None          # the log relay into slurmd's log (spank/log_relay.c)
 
@@ -111,7 +112,7 @@ def run_agent(args: ShimArgs) -> None:
     events = AgentEvents(Task(ident.job, ident.step, ident.rank, ident.uid, node), store, config,
                          SlurmdLog(args.log_fd), JobComment(store, ident.job, config.job_comment_field),
                          NodeMetrics(config.metrics_textfile, config.run_dir, task, node))
-    interval = args.interval if args.interval is not None else 0
+    interval = interval_arg(args.interval) if args.interval is not None else 0
     agent = Agent(ident, Channel.from_fd(args.fd), config, Peer.parent(), slurm_job, events=events, policy=policy,
                   interval=(interval, args.interval is None or args.interval_from == "option"))
     agent.store_outage = outage

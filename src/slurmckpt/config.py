@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from slurmckpt.duration import parse_duration
 from slurmckpt.errors import ConfigError
 from slurmckpt.policy import Policy
 
@@ -143,6 +144,24 @@ class Config:
                                  "is this node's name.")
     summary_dir: str = _key("/var/lib/slurmckpt/summaries", "Per-job summaries each job's user can read (epochs, "
                             "times, sizes, failed captures); on the same shared file system as storage_root.")
+    # --checkpoint-interval=auto (coordinator/interval.py, interruptions.py; docs/operations.md, "Automatic
+    # interval"). Durations as in the policy: off, N (minutes), 90s, 30m, 1h30m, 2d, MM:SS, HH:MM:SS.
+    auto_first_interval: int = _key(600, "--checkpoint-interval=auto: the interval until a capture of the job has "
+                                    "been measured (from then on Daly's interval for the measured stall), within "
+                                    "the policy's min_interval and max_interval. The policy may set it per "
+                                    "partition or QOS.", duration=True)
+    interruption_mtbi: int = _key(86400, "auto: the mean time between interruptions of one node's run (node time "
+                                  "per interruption) assumed where accounting knows little; accounting's history "
+                                  "is weighed against it as if it were one interruption seen after this much node "
+                                  "time. The policy may set it per partition or QOS.", duration=True)
+    interruption_window: int = _key(7 * 86400, "auto: how far back the root agent reads the partition's job runs "
+                                    "from accounting (sacct, at most once an hour per node and partition); off: "
+                                    "accounting is not asked and interruption_mtbi alone counts.", duration=True,
+                                    off=True)
+    interruption_states: tuple[str, ...] = _key(("NODE_FAIL", "PREEMPTED"), "auto: the states of a job's run in "
+                                                "accounting that count as an interruption. REQUEUED is not counted "
+                                                "by default: slurmckpt's own requeues (wall-time, slurmckpt "
+                                                "requeue) end so and lose no work.")
     job_comment_field: str = _key("AdminComment", "The job field slurmckpt's note and last checkpoint go to: "
                                   "AdminComment, Comment or none.", choices=("AdminComment", "Comment", "none"))
     policy: Policy = _key(factory=Policy, doc="Site policy per partition and QOS: see POLICY.", policy=True)
@@ -157,6 +176,10 @@ class Config:
         if self.persist_io_class not in IOPRIO_CLASSES:
             raise ConfigError(f"key 'persist_io_class': bad value {self.persist_io_class!r}: want "
                               f"{' or '.join(IOPRIO_CLASSES)}")
+        bad = [s for s in self.interruption_states if not re.fullmatch(r"[A-Z][A-Z_]*", s)]
+        if bad or not self.interruption_states:
+            raise ConfigError(f"key 'interruption_states': bad value {bad[0] if bad else '[]'!r}: want Slurm job "
+                              "states as sacct prints them (NODE_FAIL, PREEMPTED, REQUEUED, ...)")
         if not os.path.isabs(self.staging_dir):
             raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
 
@@ -218,6 +241,8 @@ def _field_value(f: dataclasses.Field, raw: object, source: str) -> object:
         return Policy.parse(raw, source, lambda key, value: _field_value(_FIELDS[key], value, "policy"), known)
     if f.metadata.get("size"):
         return _coerce(f.name, parse_size(f.name, raw, source), "int", source)
+    if f.metadata.get("duration"):
+        return parse_duration_key(f.name, raw, source, bool(f.metadata.get("off")))
     value = _coerce(f.name, raw, f.type, source)
     choices = f.metadata.get("choices")
     if choices and value not in choices:
@@ -226,6 +251,18 @@ def _field_value(f: dataclasses.Field, raw: object, source: str) -> object:
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_duration_key(key: str, raw: object, source: str = "config", off: bool = False) -> int:
+    """Seconds of a duration key (the policy's grammar: duration.parse_duration); 0 only where `off` may be."""
+    text = "off" if raw is False else str(raw).strip()        # YAML reads a bare `off` as false
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: {str(e).split(': ', 1)[-1]}") from e
+    if seconds == 0 and not off:
+        raise ConfigError(f"{source}: key '{key}': bad value {raw!r}: must be a duration, not off")
+    return seconds
 
 
 def parse_size(key: str, raw: object, source: str = "config") -> int:

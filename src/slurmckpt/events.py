@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -78,6 +79,8 @@ class AgentEvents:
         self.task, self.store, self.config = task, store, config
         self.relay, self.comment, self.metrics = relay, comment, metrics
         self.stopped_at: dict[int, float] = {}      # epoch -> monotonic time of its PREPARE
+        self._publishing = threading.Lock()          # the agent's thread and a deferred publish (publish_soon)
+        self._soon: threading.Timer | None = None
 
     def _line(self, level: str, event: str, **fields: object) -> None:
         self.relay.line(level, {"job": self.task.job, "rank": self.task.name, "node": self.task.node,
@@ -85,9 +88,19 @@ class AgentEvents:
 
     def publish_summary(self) -> None:
         try:
-            summary.publish(self.store, self.config.summary_dir, self.task.uid)
+            with self._publishing:
+                summary.publish(self.store, self.config.summary_dir, self.task.uid)
         except Exception as e:  # noqa: BLE001 - the summary informs only
             log.warning("job summary not published: %s", e)
+
+    def publish_soon(self, delay_s: float = 1.0) -> None:
+        """Publish `delay_s` from now, once for every call until then: what the job's wrapper may ask for as
+        often as it likes (the automatic interval's record) reaches the shared file system at most once
+        a second."""
+        if self._soon is None or not self._soon.is_alive():
+            self._soon = threading.Timer(delay_s, self.publish_summary)
+            self._soon.daemon = True
+            self._soon.start()
 
     # ---- the task's life ------------------------------------------------------------------------------
     def started(self, restart_count: int, interval_s: int, policy: dict | None, disabled: str | None) -> None:

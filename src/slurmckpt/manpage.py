@@ -13,6 +13,7 @@ import click
 
 from slurmckpt import __version__
 from slurmckpt.config import Config, config_paths
+from slurmckpt.duration import format_duration
 from slurmckpt.policy import RULE_DOCS, SETTING_KEYS
 
 # Reproducible builds: the date of the source (SOURCE_DATE_EPOCH, e.g. the last commit's), else today.
@@ -86,6 +87,8 @@ def _default(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     if isinstance(value, tuple):
         return "[" + ", ".join(value) + "]"
+    if f.metadata.get("duration"):
+        return format_duration(value)
     return str(value) if value != "" else '""'
 
 
@@ -104,8 +107,8 @@ def page_config() -> str:
             continue
         lines += [".TP", f".B {roff(f.name)}", roff(f"{f.metadata['doc']} Default: {_default(f)}.")]
     lines += [".SH POLICY", roff("policy: maps default, partitions (name: entry) and qos (name: entry) to entries "
-                                 "with these keys. For a job, allowed: false anywhere and the largest min_interval "
-                                 "apply; default_interval and settings come from the QOS entry, else the partition "
+                                 "with these keys. For a job, allowed: false anywhere, the largest min_interval and "
+                                 "the smallest max_interval apply; default_interval and settings come from the QOS entry, else the partition "
                                  "entry, else default. sbatch checks it through cli_filter/lua (cli_filter.lua); the "
                                  "root agents apply it to running jobs.")]
     for key, doc in RULE_DOCS.items():

@@ -67,12 +67,14 @@ class Membership:
                     "completed": dict(plan.get("completed", {})),
                     "prepare_timeout_s": self.config.prepare_timeout_s,
                     "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds,
-                    "persist_timeout_s": self.config.persist_timeout_s}
+                    "persist_timeout_s": self.config.persist_timeout_s,
+                    **({"auto": plan["auto"]} if isinstance(plan.get("auto"), dict) else {})}
         host.commit = lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
         host.allocate = lambda at_least: int(self.call("allocate_epoch", at_least=at_least)["epoch"])
         host.publish = lambda port: self.call("publish_coordinator", scope=scope, host=address, port=port,
                                               token=token)
         host.say = self.say
+        host.interruptions = lambda: {k: v for k, v in self.call("interruptions").items() if k != "ok"}
         self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, host)
         self.supervisor.start()
 

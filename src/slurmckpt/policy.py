@@ -1,5 +1,6 @@
 """Site policy per partition and per QOS (docs/operations.md, "Policy"): whether checkpoints are allowed, the
-default and the minimum interval, and per-job values of store settings (keep_epochs, compression).
+default and the minimum interval, the longest interval `auto` may choose, and per-job values of config
+settings (keep_epochs, compression, the inputs of `auto`).
 
 The config's `policy:` section:
 
@@ -9,7 +10,7 @@ The config's `policy:` section:
       qos:        {long: {min_interval: 1h}}
 
 For a job in partition P with QOS Q: limits take the strictest of default, P and Q (`allowed: false`
-anywhere wins, the largest `min_interval` counts); defaults and settings take the most specific entry (QOS,
+anywhere wins, the largest `min_interval` and the smallest `max_interval` count); defaults and settings take the most specific entry (QOS,
 then partition, then default), as a Slurm QOS's limits override its partition's.
 """
 from __future__ import annotations
@@ -17,20 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from slurmckpt.duration import format_duration, parse_duration
+from slurmckpt.duration import AUTO, MIN_INTERVAL_S, format_duration, format_interval, parse_duration, parse_interval
 from slurmckpt.errors import ConfigError
 
 RULE_DOCS = {
     "allowed": "false: no checkpoints for jobs here; an explicit --checkpoint-interval is refused at submission and "
                "a job wrapped by the plugin's default_interval= runs without them.",
     "default_interval": "The interval of jobs that give no --checkpoint-interval (replaces the plugin's "
-                        "default_interval=, which must be on for the plugin to wrap such jobs); off turns it off.",
+                        "default_interval=, which must be on for the plugin to wrap such jobs); off turns it off, "
+                        "auto lets slurmckpt choose it (see max_interval).",
     "min_interval": "The shortest interval: a shorter --checkpoint-interval is refused at submission, raised to it "
-                    "in running jobs, and the agents refuse periodic captures that come sooner.",
+                    "in running jobs, and the agents refuse periodic captures that come sooner. auto never "
+                    "chooses less.",
+    "max_interval": "The longest interval --checkpoint-interval=auto chooses (default 1d); fixed intervals are the "
+                    "user's to choose. auto picks Daly's interval from the median stall of the job's recent "
+                    "captures and the partition's mean time between interruptions (docs/operations.md, "
+                    "\"Automatic interval\"), within min_interval and max_interval.",
 }
+AUTO_MAX_DEFAULT_S = 86400                    # max_interval where no entry sets one
 RULE_KEYS = tuple(RULE_DOCS)
 # Config keys a policy entry may set for the jobs it covers (each only where Config has it).
-SETTING_KEYS = ("keep_epochs", "compression")
+SETTING_KEYS = ("keep_epochs", "compression", "auto_first_interval", "interruption_mtbi")
 
 Coerce = Callable[[str, object], object]      # (config key, raw value) -> checked value; raises ConfigError
 
@@ -40,8 +48,9 @@ class Rule:
     """One entry: `default`, `partition NAME` or `QOS NAME`. None: the entry does not say."""
     name: str
     allowed: bool | None = None
-    default_interval: int | None = None       # seconds, 0 = off
+    default_interval: int | None = None       # seconds, 0 = off, duration.AUTO
     min_interval: int | None = None           # seconds
+    max_interval: int | None = None           # seconds: the longest interval auto chooses
     settings: Mapping[str, object] = field(default_factory=dict)
 
     @classmethod
@@ -60,29 +69,35 @@ class Rule:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}.allowed: bad value {value!r}: want true or false")
                 values[key] = value
-            elif key in ("default_interval", "min_interval"):
-                values[key] = _seconds(f"{where}.{key}", value)
+            elif key in ("default_interval", "min_interval", "max_interval"):
+                values[key] = _seconds(f"{where}.{key}", value, key == "default_interval")
             else:
                 try:
                     settings[key] = coerce(key, value)
                 except ConfigError as e:
                     raise ConfigError(f"{where}.{key}: {str(e).split(': ', 2)[-1]}") from e
         rule = cls(name, settings=settings, **values)  # type: ignore[arg-type]
-        if rule.min_interval == 0:
-            raise ConfigError(f"{where}.min_interval: 'off' is no minimum; leave the key out instead")
-        if rule.default_interval and rule.min_interval and rule.default_interval < rule.min_interval:
+        for key in ("min_interval", "max_interval"):
+            if getattr(rule, key) == 0:
+                raise ConfigError(f"{where}.{key}: 'off' is no {key[:3]}imum; leave the key out instead")
+        if rule.min_interval and rule.max_interval and rule.max_interval < rule.min_interval:
+            raise ConfigError(f"{where}: max_interval {format_duration(rule.max_interval)} is below its own "
+                              f"min_interval {format_duration(rule.min_interval)}")
+        if rule.default_interval and rule.default_interval != AUTO and rule.min_interval and \
+                rule.default_interval < rule.min_interval:
             raise ConfigError(f"{where}: default_interval {format_duration(rule.default_interval)} is below its "
                               f"own min_interval {format_duration(rule.min_interval)}")
         return rule
 
 
-def _seconds(where: str, value: object) -> int:
+def _seconds(where: str, value: object, auto: bool = False) -> int:
+    """A duration; with `auto`, also auto (an interval: duration.parse_interval)."""
     if value is False:              # YAML reads a bare `off` as false
         return 0
     try:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise ValueError("x: want a duration: off, N (minutes), 90s, 30m, 1h30m, MM:SS or HH:MM:SS")
-        return parse_duration(str(value).strip())
+        return (parse_interval if auto else parse_duration)(str(value).strip())
     except ValueError as e:
         reason = str(e).split(": ", 1)[-1]
         raise ConfigError(f"{where}: bad value {value!r}: {reason}") from e
@@ -95,6 +110,8 @@ class JobPolicy:
     denied_by: str = ""                   # the entry that forbids checkpoints
     min_interval: int = 0                 # seconds; 0: only the plugin's own minimum (10 s)
     min_from: str = ""
+    max_interval: int = AUTO_MAX_DEFAULT_S   # seconds: the longest interval auto chooses
+    max_from: str = ""                    # "": the built-in AUTO_MAX_DEFAULT_S
     default_interval: int | None = None   # for jobs that gave no --checkpoint-interval; None: the plugin's
     default_from: str = ""
     settings: Mapping[str, object] = field(default_factory=dict)
@@ -105,21 +122,29 @@ class JobPolicy:
         if seconds == 0:
             return None
         if not self.allowed:
-            return (f"--checkpoint-interval={format_duration(seconds)}: checkpoints are not allowed in "
+            return (f"--checkpoint-interval={format_interval(seconds)}: checkpoints are not allowed in "
                     f"{self.denied_by} (site policy)")
-        if seconds < self.min_interval:
+        if seconds != AUTO and seconds < self.min_interval:
             return (f"--checkpoint-interval={format_duration(seconds)}: below the minimum "
                     f"{format_duration(self.min_interval)} of {self.min_from} (site policy)")
         return None
 
     def interval(self, seconds: int, explicit: bool) -> int:
         """The interval a running task uses: the policy's default where the user gave none, never below
-        the minimum, 0 where checkpoints are not allowed."""
+        the minimum, 0 where checkpoints are not allowed; AUTO stays AUTO (auto_bounds bound it)."""
         if not self.allowed:
             return 0
         if not explicit and self.default_interval is not None:
             seconds = self.default_interval
+        if seconds == AUTO:
+            return AUTO
         return max(seconds, self.min_interval) if seconds else 0
+
+    def auto_bounds(self) -> tuple[int, int]:
+        """(shortest, longest) interval auto may choose: min_interval (at least the plugin's 10 s) and
+        max_interval, never below the shortest (the agents enforce the minimum)."""
+        low = max(MIN_INTERVAL_S, self.min_interval)
+        return low, max(low, self.max_interval)
 
     def capture_refusal(self, final: bool, since_last_s: float | None) -> tuple[str, str] | None:
         """(rule, why) when the agent refuses a capture: any capture of a job whose partition or QOS forbids
@@ -135,6 +160,7 @@ class JobPolicy:
     def describe(self) -> dict[str, object]:
         return {"allowed": self.allowed, "denied_by": self.denied_by or None,
                 "min_interval_s": self.min_interval, "min_interval_from": self.min_from or None,
+                "max_interval_s": self.max_interval, "max_interval_from": self.max_from or None,
                 "default_interval_s": self.default_interval, "default_interval_from": self.default_from or None,
                 "settings": dict(self.settings)}
 
@@ -175,6 +201,8 @@ class Policy:
         denied = next((r for r in rules if r.allowed is False), None)
         mins = [r for r in rules if r.min_interval]
         strictest = max(mins, key=lambda r: r.min_interval or 0, default=None)
+        maxes = [r for r in rules if r.max_interval]
+        shortest = min(maxes, key=lambda r: r.max_interval or 0, default=None)
         default = next((r for r in reversed(rules) if r.default_interval is not None), None)
         settings: dict[str, object] = {}
         for rule in rules:
@@ -182,6 +210,8 @@ class Policy:
         return JobPolicy(allowed=denied is None, denied_by=denied.name if denied else "",
                          min_interval=strictest.min_interval or 0 if strictest else 0,
                          min_from=strictest.name if strictest else "",
+                         max_interval=shortest.max_interval or 0 if shortest else AUTO_MAX_DEFAULT_S,
+                         max_from=shortest.name if shortest else "",
                          default_interval=default.default_interval if default else None,
                          default_from=default.name if default else "", settings=settings)
 

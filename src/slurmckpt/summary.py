@@ -2,7 +2,8 @@
 (docs/operations.md, "What users see").
 
 The agents publish a per-job summary, `<summary_dir>/<cluster>/<job>.json`: epochs (number, time, trigger,
-ranks, nodes, bytes), withdrawn epochs, recent failed captures, slurmckpt's note and the current run. It is
+ranks, nodes, bytes), withdrawn epochs, recent failed captures, slurmckpt's note, the current run and the
+automatic interval (--checkpoint-interval=auto: as the job's coordinator chose it, with its inputs). It is
 rebuilt from the store (root-only) every time. The file is root's, mode 0440 through a POSIX ACL whose one
 named entry gives the job's uid read access (`user:<uid>:r--`, no group, nobody else), in root-owned 0755
 directories: its user reads it, other users get EACCES, and nobody but root can write, chmod, replace or
@@ -30,6 +31,8 @@ from slurmckpt.storage import JobStore, atomic_write_json
 log = logging.getLogger("slurmckpt.summary")
 
 RUN_FILE = "run.json"            # root-only, in the job's store: the current run as its batch agent saw it
+INTERVAL_FILE = "interval.json"  # root-only, in the job's store: the automatic interval last chosen
+MAX_STALLS = 16                  # stall samples an interval record keeps (coordinator/interval.py uses 5)
 FAILURES_SHOWN = 5
 MAX_BYTES = 1 << 20              # a summary holds keep_epochs epochs and 5 failures: far below this
 MAX_LIST = 1000                  # entries of a list in a summary that a reader keeps
@@ -59,6 +62,41 @@ def update_run(store: JobStore, fields: dict) -> None:
         atomic_write_json(store.job_dir / RUN_FILE, {**run, **fields})
 
 
+def interval_record(choice: object) -> dict:
+    """The automatic interval as the job's coordinator chose it (coordinator/interval.Choice.as_dict: sent by
+    the job user's process, read back by the same user), each field of its type and bounded; {} if none."""
+    if not isinstance(choice, dict):
+        return {}
+    out: dict[str, object] = {}
+    for key in ("interval_s", "min_s", "max_s"):
+        if _int(choice.get(key)) is not None and 0 <= choice[key] <= 2**31:
+            out[key] = choice[key]
+    for key in ("stall_s", "mtbi_s", "young_s", "daly_s", "chosen_at"):
+        if _num(choice.get(key)) is not None and 0 <= choice[key] < 1e12:
+            out[key] = choice[key]
+    for key in ("basis", "bound", "min_from", "max_from"):
+        if isinstance(choice.get(key), str):
+            out[key] = choice[key][:200]
+    stalls = choice.get("stalls")
+    out["stalls"] = [s for s in stalls[-MAX_STALLS:] if _num(s) is not None and 0 <= s < 1e9] \
+        if isinstance(stalls, list) else []
+    told = choice.get("interruptions")
+    out["interruptions"] = {k[:40]: v[:500] if isinstance(v, str) else v
+                            for k, v in list(_scalars(told).items())[:20]
+                            if type(v) not in (int, float) or _num(v) is not None} if isinstance(told, dict) else {}
+    return out
+
+
+def record_interval(store: JobStore, choice: object) -> None:
+    atomic_write_json(store.job_dir / INTERVAL_FILE, interval_record(choice))
+
+
+def recorded_stalls(store: JobStore) -> list[float]:
+    """The stalls of the job's recent captures, as the last interval record holds them (a requeued job's new
+    coordinator starts from them instead of auto_first_interval)."""
+    return list(interval_record(_json(store.job_dir / INTERVAL_FILE)).get("stalls", []))  # type: ignore[call-overload]
+
+
 def build(store: JobStore) -> dict:
     """The summary of a job's store as it is now."""
     from slurmckpt.fresh_start import failures
@@ -75,7 +113,8 @@ def build(store: JobStore) -> dict:
     failed = [asdict(f) for f in failures(store)]
     return {"version": 1, "cluster": store.cluster, "job": store.job, "updated_at": time.time(),
             "epochs": epochs, "withdrawn": withdrawn, "failed_captures": failed[:FAILURES_SHOWN],
-            "note": _json(store.job_dir / STATE_FILE).get("note"), "run": _json(store.job_dir / RUN_FILE)}
+            "note": _json(store.job_dir / STATE_FILE).get("note"), "run": _json(store.job_dir / RUN_FILE),
+            "interval": interval_record(_json(store.job_dir / INTERVAL_FILE))}
 
 
 def _json(path: Path) -> dict:
@@ -217,7 +256,8 @@ def checked(value: object, cluster: str, job: int) -> dict | None:
                                                          or (k == "settings" and isinstance(v, dict)))}
     return {"version": _int(value.get("version")), "cluster": cluster, "job": job,
             "updated_at": _num(value.get("updated_at")), "epochs": epochs, "withdrawn": withdrawn,
-            "failed_captures": failed, "note": _str(value.get("note")), "run": kept_run}
+            "failed_captures": failed, "note": _str(value.get("note")), "run": kept_run,
+            "interval": interval_record(value.get("interval"))}
 
 
 def _scalars(d: dict) -> dict:

@@ -21,6 +21,7 @@ from slurmckpt import pmi, procfs, proctree, task_defaults
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks
+from slurmckpt.duration import AUTO
 from slurmckpt.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
@@ -73,6 +74,10 @@ class Wrapper:
             os.set_inheritable(self.pmi_fd, False)
         # the batch step: an MPI launcher's srun runs here, outside the tree (srun_relay.py)
         self.srun_relay: SrunRelay | None = None
+        # --checkpoint-interval=auto: the newest choice of the hosted coordinator not yet recorded
+        self.choice_lock = threading.Lock()
+        self.choice_pending: dict | None = None
+        self.choice_recorder = False
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
         with self.agent_lock:
@@ -113,7 +118,8 @@ class Wrapper:
                                               lambda text: say(self.env, text))
         self._apply_interval(plan)
         self.tree_procs = plan.get("tree_procs")
-        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result))
+        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result,
+                                             interval=self._interval_chosen))
         if self.member.supervisor:
             self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
@@ -144,9 +150,34 @@ class Wrapper:
             rule = plan.get("policy") or {}
             source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
                 rule.get("default_interval_from")
-            say(self.env, f"checkpoint interval {interval}s, set by the site policy ({source or 'slurmckpt.yaml'})")
+            shown = "auto" if interval == AUTO else f"{interval}s"
+            say(self.env, f"checkpoint interval {shown}, set by the site policy ({source or 'slurmckpt.yaml'})")
             self.env = dataclasses.replace(self.env, interval_s=interval)
             self.member.env = self.env
+
+    def _interval_chosen(self, choice: dict, line: str, changed: bool) -> None:
+        """The coordinator this task hosts chose an automatic interval (coordinator/interval.py): said in the
+        job's stderr when it changed, recorded by the agent for `slurmckpt status` (and a requeued run) always,
+        off the coordinator's link, newest last: one recorder thread takes the latest choice each time."""
+        if changed:
+            say(self.env, line)
+        with self.choice_lock:
+            self.choice_pending, running = choice, self.choice_recorder
+            self.choice_recorder = True
+        if not running:
+            threading.Thread(target=self._record_choices, name="interval-record", daemon=True).start()
+
+    def _record_choices(self) -> None:
+        while True:
+            with self.choice_lock:
+                choice, self.choice_pending = self.choice_pending, None
+                if choice is None:
+                    self.choice_recorder = False
+                    return
+            try:
+                self.call("interval_chosen", choice=choice)
+            except SlurmckptError as e:
+                log.warning("the interval chosen was not recorded: %s", e)
 
     def _reap_children(self, timeout_s: float) -> None:
         """Leave no zombie behind: one that outlived its parent in the tree was re-parented here, and as a

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slurmckpt.config import Config
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
@@ -74,6 +75,7 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
                tree: FakeTree | None = None, rank: int = 0) -> Agent:
     a = object.__new__(Agent)          # what serve() and the operations below use, nothing started
     a.ident = TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count)
+    a.config = Config()
     a.channel, a.peer = channel or FakeChannel(), peer or FakePeer()
     a.cgroup = tree or FakeTree(tmp_path / "cg")
     a.wrapper_pid = a.peer.pid
@@ -306,7 +308,7 @@ def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_pa
     c.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
     c.pipeline.step = "batch"
     c.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
-    c.config = SimpleNamespace(run_dir=str(tmp_path / "run"))
+    c.config = Config(run_dir=str(tmp_path / "run"))
     c.srun_relay = c._relay_path()
     commit(c.store, 1, {"batch.0": {"kind": "image"}, "1.0": {"kind": "image"}})
     rank_record(c.store, 1, "1.0", step_token="0123456789abcdef")

@@ -64,6 +64,9 @@ def test_a_value_the_policy_refuses_fails_the_submission_with_the_clis_message(s
     assert run(site, "1h", "low,high")[0] == "rc=-1"
     assert run(site, "30m", "low") == ["rc=0"]
     assert run(site, "off", "high") == ["rc=0"]
+    assert run(site, "auto", "low") == ["rc=0"]                     # auto never chooses below the minimum
+    assert run(site, "auto", "high")[1].startswith("error=slurmckpt: --checkpoint-interval=auto: checkpoints are "
+                                                   "not allowed in partition high")
 
 
 def test_jobs_without_the_option_and_steps_inside_a_job_are_not_looked_at(site):

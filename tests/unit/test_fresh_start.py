@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from slurmckpt import fresh_start
+from slurmckpt.config import Config
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import CaptureError, CriuError, ProtocolError
@@ -251,6 +252,7 @@ def test_coordinator_verdict_is_checked_field_by_field() -> None:
 def _agent(tmp_path: Path, restart_count: int, notes: Notes, fail: str | None = None) -> Agent:
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, restart_count)
+    a.config = Config()
     a.store = _store(tmp_path)
     a.instance = a.slurm_job = a.store_note = None
     a.reporter = _reporter(a.store, notes)

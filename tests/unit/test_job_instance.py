@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import instance, ipc, proctree, task_defaults
+from slurmckpt.config import Config
 from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
 from slurmckpt.errors import SlurmError
@@ -208,6 +209,7 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from slurmckpt.slurm.jobrecord import JobRecord
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
+    a.config = Config()
     a.store = _store(tmp_path)
     a.instance, a.store_note = me, (claim(a.store, me) if me else None)
     a.cgroup = SimpleNamespace(path=tmp_path / "cg")

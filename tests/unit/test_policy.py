@@ -17,7 +17,9 @@ from slurmckpt.policy import JobPolicy
 
 POLICY = {"default": {"min_interval": "1m"},
           "partitions": {"debug": {"allowed": False}, "low": {"default_interval": "30m", "min_interval": "10m",
-                                                            "keep_epochs": 3}},
+                                                            "keep_epochs": 3},
+                         "auto": {"default_interval": "auto", "min_interval": "2m", "max_interval": "1h",
+                                  "interruption_mtbi": "6h"}},
           "qos": {"long": {"min_interval": "1h", "keep_epochs": 5}, "fast": {"default_interval": "off"}}}
 
 
@@ -85,6 +87,34 @@ def test_bad_policy_entries_name_the_key(raw, message):
     assert str(e.value).startswith("/etc/slurmckpt/slurmckpt.yaml: policy") and message in str(e.value), str(e.value)
 
 
+def test_auto_is_an_interval_bounded_by_the_minimum_and_the_maximum():
+    """auto passes the minimum at submission (it never chooses below it) and stays auto in the running task;
+    its bounds are the largest min_interval and the smallest max_interval, never below the plugin's 10 s."""
+    p = policy()
+    assert p.for_job(["low"], None).refusal(-1) is None
+    assert p.for_job(["low"], None).interval(-1, explicit=True) == -1
+    job = p.for_job(["auto", "low"], "long")
+    assert (job.auto_bounds(), job.min_from, job.max_from) == ((3600, 3600), "QOS long", "partition auto")
+    assert p.for_job(["auto"], None).auto_bounds() == (120, 3600)
+    assert p.for_job(["other"], None).auto_bounds() == (60, 86400)            # the built-in maximum
+    assert JobPolicy().auto_bounds() == (10, 86400)
+    rule = Config.from_mapping({"policy": {"default": {"default_interval": "auto", "min_interval": "5m"}}}).policy
+    job = rule.for_job([], None)
+    assert job.default_interval == -1 and job.interval(600, explicit=False) == -1    # the policy's default: auto
+    assert job.interval(600, explicit=True) == 600
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"default": {"max_interval": "off"}}, "'off' is no maximum"),
+    ({"default": {"max_interval": "auto"}}, "policy.default.max_interval: bad value 'auto'"),
+    ({"default": {"min_interval": "auto"}}, "policy.default.min_interval: bad value 'auto'"),
+    ({"default": {"max_interval": "1m", "min_interval": "5m"}}, "max_interval 1m is below its own min_interval 5m"),
+])
+def test_bad_auto_bounds_name_the_key(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_mapping({"policy": raw})
+
+
 def test_a_bare_number_is_minutes_as_on_the_command_line():
     assert Config.from_mapping({"policy": {"default": {"min_interval": 5}}}).policy.default.min_interval == 300
 
@@ -118,6 +148,9 @@ def site(tmp_path: Path, monkeypatch):
     (["--interval", "30m"], 1, "not allowed in partition debug"),          # Slurm's default partition
     (["--interval", "off", "--partition", "debug"], 0, "ok"),
     (["--interval", "5x", "--partition", "low"], 1, "refused: invalid --checkpoint-interval value '5x'"),
+    (["--interval", "auto", "--partition", "low"], 0, "ok"),                     # auto chooses within the bounds
+    (["--interval", "AUTO", "--partition", "debug"], 1, "--checkpoint-interval=auto: checkpoints are not allowed "
+                                                        "in partition debug"),
 ])
 def test_policy_check_prints_ok_or_the_refusal(site, args, code, out):
     r = CliRunner().invoke(cli, ["policy", "check", *args])
@@ -139,13 +172,17 @@ def test_policy_show_lists_entries_and_resolves(site):
     r = CliRunner().invoke(cli, ["policy", "show", "-P"])
     assert r.exit_code == 0
     lines = r.output.splitlines()
-    assert lines[0] == "SCOPE|ALLOWED|DEFAULT_INTERVAL|MIN_INTERVAL|SETTINGS"
-    assert "partition debug|False|||" in lines and "partition low|True|30m|10m|keep_epochs=3" not in lines
-    assert "partition low||30m|10m|keep_epochs=3" in lines
+    assert lines[0] == "SCOPE|ALLOWED|DEFAULT_INTERVAL|MIN_INTERVAL|MAX_INTERVAL|SETTINGS"
+    assert "partition debug|False||||" in lines and "partition low|True|30m|10m||keep_epochs=3" not in lines
+    assert "partition low||30m|10m||keep_epochs=3" in lines
+    assert "partition auto||auto|2m|1h|interruption_mtbi=21600" in lines
     r = CliRunner().invoke(cli, ["policy", "show", "--partition", "low", "--qos", "long", "--json"])
     import json
     doc = json.loads(r.output)
     assert doc["min_interval_s"] == 3600 and doc["min_interval_from"] == "QOS long" and doc["settings"] == {"keep_epochs": 5}
+    assert (doc["max_interval_s"], doc["max_interval_from"]) == (86400, None)             # the built-in 1d
+    doc = json.loads(CliRunner().invoke(cli, ["policy", "show", "--partition", "auto", "--json"]).output)
+    assert (doc["default_interval_s"], doc["max_interval_s"], doc["max_interval_from"]) == (-1, 3600, "partition auto")
 
 
 # ---- in the agent ----------------------------------------------------------------------------------------------

@@ -501,3 +501,30 @@ def test_only_rank_0_of_a_step_says_it_set_the_growth_defaults(make, said, monke
     w._launch(relay=False)
     assert w.agent.calls[-1][1]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert not any("checkpointable GPU job" in line for line in said)
+
+
+def test_automatic_interval_choices_are_said_when_they_change_and_recorded_newest_last(make, said):
+    """The coordinator's choices come in order on its link; the agent records them off the link, one at a
+    time, and a choice that comes while one is being recorded replaces any still waiting: the store ends with
+    the newest."""
+    import threading
+    import time as _time
+    gate, entered = threading.Event(), threading.Event()
+    recorded: list[int] = []
+
+    def record(args: dict) -> dict:
+        entered.set()
+        gate.wait(5)
+        recorded.append(args["choice"]["interval_s"])
+        return {}
+    w = make({"interval_chosen": record})
+    w._interval_chosen({"interval_s": 600}, "checkpoint interval auto: 600s (no capture measured yet)", True)
+    assert entered.wait(5)                       # the first one is being recorded
+    for seconds in (40, 41, 42):
+        w._interval_chosen({"interval_s": seconds}, f"checkpoint interval auto: {seconds}s", seconds == 40)
+    gate.set()
+    deadline = _time.monotonic() + 5
+    while (w.choice_recorder or not recorded) and _time.monotonic() < deadline:
+        _time.sleep(0.01)
+    assert recorded == [600, 42]
+    assert said == ["checkpoint interval auto: 600s (no capture measured yet)", "checkpoint interval auto: 40s"]

@@ -60,7 +60,7 @@ def cli() -> None:
 @click.option("--gid", type=int, required=True)
 @click.option("--restart-count", type=int, default=0)
 @click.option("--init", default=None)
-@click.option("--interval", type=int, default=None)
+@click.option("--interval", default=None, help="Seconds, or auto.")
 @click.option("--interval-from", type=click.Choice(["option", "default"]), default="option")
 @click.option("--log-fd", type=int, default=None)
 def agent(**args) -> None:

@@ -109,7 +109,7 @@ def check_slurm(r: Report, cfg: Config) -> None:
             r.add(os.access(path, os.X_OK), f"plugin {key}=", path)
     interval = line.arg("default_interval")
     if interval:
-        r.add(chain.default_interval() > 0 or interval.lower() in ("off", "0"), "plugin default_interval=",
+        r.add(chain.default_interval() != 0 or interval.lower() in ("off", "0"), "plugin default_interval=",
               interval)
     conf = slurm_conf_values(chain.slurm_conf, ("ProctrackType", "CliFilterPlugins"))
     r.add(True if conf.get("ProctrackType") == "proctrack/slurmckpt" else None, "ProctrackType",

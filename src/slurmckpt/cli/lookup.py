@@ -13,7 +13,7 @@ import click
 from slurmckpt import summary
 from slurmckpt.cli.output import CliError, JobNotFoundError
 from slurmckpt.config import Config, load_user_config
-from slurmckpt.duration import parse_duration
+from slurmckpt.duration import parse_interval
 from slurmckpt.errors import ConfigError, SlurmError
 from slurmckpt.slurm.control import CliSlurm, JobUnknown
 from slurmckpt.slurm.jobref import BadJobSpec, JobRef, parse_job_spec
@@ -107,11 +107,11 @@ def interval_in(submit_line: str, batch_script: str) -> str | None:
 def interval_on(value: str | None) -> bool:
     """Whether a --checkpoint-interval value turns checkpointing on, by the shim's own grammar (duration.py):
     0 in any spelling it accepts (off, 0, 0s, 0m, 00:00, 0:00:00, 0h0m...) is off, and so is a value it would
-    have refused (the job cannot run under slurmckpt with it)."""
+    have refused (the job cannot run under slurmckpt with it); auto is on."""
     if value is None:
         return False
     try:
-        return parse_duration(value) > 0
+        return parse_interval(value) != 0
     except ValueError:
         return False
 

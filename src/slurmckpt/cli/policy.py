@@ -8,7 +8,7 @@ import click
 
 from slurmckpt.cli.lookup import SQUEUE_TIMEOUT_S, config
 from slurmckpt.cli.output import Column, Format, emit, output_options
-from slurmckpt.duration import format_duration, parse_duration
+from slurmckpt.duration import format_interval, parse_interval
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.control import CliSlurm
 
@@ -42,7 +42,7 @@ def check(value: str, partition: str | None, qos: str | None, fmt: Format) -> No
     cfg = config()
     try:
         refusal = cfg.policy.for_job(_partitions(partition) if cfg.policy.partitions else [], qos).refusal(
-            parse_duration(value))
+            parse_interval(value))
         message = f"slurmckpt: {refusal}; see `slurmckpt policy show`" if refusal else ""
     except ValueError as e:
         refusal, message = str(e), str(e)
@@ -56,11 +56,11 @@ def check(value: str, partition: str | None, qos: str | None, fmt: Format) -> No
 
 
 COLUMNS = [Column("scope", "SCOPE"), Column("allowed", "ALLOWED"), Column("default_interval", "DEFAULT_INTERVAL"),
-           Column("min_interval", "MIN_INTERVAL"), Column("settings", "SETTINGS")]
+           Column("min_interval", "MIN_INTERVAL"), Column("max_interval", "MAX_INTERVAL"), Column("settings", "SETTINGS")]
 
 
 def _interval(seconds: int | None) -> str:
-    return "" if seconds is None else format_duration(seconds)
+    return "" if seconds is None else format_interval(seconds)
 
 
 @policy.command()
@@ -74,11 +74,13 @@ def show(partition: str | None, qos: str | None, fmt: Format) -> None:
         job = pol.for_job([partition] if partition else [], qos)
         row = {"scope": f"partition {partition or '-'}, QOS {qos or '-'}", "allowed": job.allowed,
                "default_interval": _interval(job.default_interval), "min_interval": _interval(job.min_interval or None),
+               "max_interval": _interval(job.max_interval),
                "settings": ",".join(f"{k}={v}" for k, v in job.settings.items())}
         emit(fmt, COLUMNS, [row], job.describe())
         return
     rules = [pol.default, *pol.partitions.values(), *pol.qos.values()]
     rows = [{"scope": r.name, "allowed": "" if r.allowed is None else r.allowed,
              "default_interval": _interval(r.default_interval), "min_interval": _interval(r.min_interval),
+             "max_interval": _interval(r.max_interval),
              "settings": ",".join(f"{k}={v}" for k, v in r.settings.items())} for r in rules]
     emit(fmt, COLUMNS, rows)

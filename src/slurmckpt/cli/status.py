@@ -12,6 +12,7 @@ import click
 from slurmckpt.cli.lookup import JOB, SACCT_TIMEOUT_S, SQUEUE_TIMEOUT_S, config, job_summary, queued
 from slurmckpt.cli.output import (CliError, Column, Format, JobNotFoundError, emit, output_options, say,
                                   shown, when)
+from slurmckpt.duration import format_duration, format_interval
 from slurmckpt.errors import SlurmError
 from slurmckpt.fresh_start import CaptureFailure
 from slurmckpt.slurm.comment import human_bytes
@@ -90,6 +91,36 @@ def status(jobs: tuple[JobRef, ...], user: str | None, show_all: bool, fmt: Form
     emit(fmt, COLUMNS, rows, [{**r, "summary": summaries.get(r["job_id"])} for r in rows])
 
 
+def interval_lines(rec: dict) -> list[str]:
+    """--checkpoint-interval=auto: the interval the job's coordinator chose and what from (summary.interval_record;
+    `--json` has the same record as numbers, under "interval")."""
+    if "interval_s" not in rec:
+        return []
+    told = rec.get("interruptions") or {}
+    bounds = f"bounds {format_duration(rec.get('min_s', 0))}..{format_duration(rec.get('max_s', 0))}"
+    if rec.get("bound"):
+        where = rec.get("min_from") if rec["bound"] == "min_interval" else rec.get("max_from")
+        bounds += f", set by {rec['bound']} of {shown(where or 'slurmckpt')}"
+    if rec.get("basis") == "first":
+        why = "auto_first_interval: no capture measured yet"
+    else:
+        stalls = " ".join(f"{s:.2f}" for s in rec.get("stalls", []))
+        why = (f"Daly {rec.get('daly_s', 0):.0f}s (Young {rec.get('young_s', 0):.0f}s) for a stall of "
+               f"{rec.get('stall_s', 0):.2f}s (median of {stalls or 'none'})")
+    prior = f"interruption_mtbi {format_duration(int(told['prior_s']))}" if told.get("prior_s") else \
+        "interruption_mtbi"
+    if told.get("source") == "accounting":
+        source = (f"accounting: {told.get('interruptions')} interruption(s) in {float(told.get('node_s') or 0) / 3600:.1f} "
+                  f"node-hours of {told.get('runs')} run(s) of partition {shown(told.get('partition'))} over "
+                  f"{format_duration(int(told.get('window_s') or 0))}, weighed with {prior}")
+    else:
+        source = prior + (" (accounting not answered yet)" if told.get("source") == "pending" else "")
+    nodes = int(told.get("nodes") or 1)
+    return [f"   Interval: auto {format_duration(rec['interval_s'])} chosen {when(rec.get('chosen_at'))}: {why}; {bounds}",
+            f"   MTBI: {rec.get('mtbi_s', 0) / 3600:.2f}h for the job ({source}"
+            + (f"; per node, {nodes} nodes" if nodes > 1 else "") + ")"]
+
+
 def _details(cfg, r: dict, fmt: Format) -> None:
     info = job_summary(cfg, r["job_id"])
     array = f" ({shown(r['job'])})" if str(r["job"]) != str(r["job_id"]) else ""
@@ -104,8 +135,10 @@ def _details(cfg, r: dict, fmt: Format) -> None:
         if run:
             interval = run.get("interval_s") or 0
             click.echo(f"   Run: restart {run.get('restart_count')} started {when(run.get('started_at'))} on "
-                       f"{shown(run.get('batch_node'))}, interval {interval}s"
+                       f"{shown(run.get('batch_node'))}, interval {format_interval(interval)}"
                        + (f", disabled: {shown(run['disabled'])}" if run.get("disabled") else ""))
+        for line in interval_lines(info.get("interval") or {}):
+            click.echo(line)
         epochs = info.get("epochs") or []
         click.echo("newest checkpoint: " + (f"epoch {epochs[0]['epoch']} ({shown(epochs[0]['trigger'])})"
                                             if epochs else "none committed"))

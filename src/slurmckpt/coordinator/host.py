@@ -6,13 +6,17 @@ on, never reusing an epoch number (each rank names its last epoch in its hello).
 agent can commit, so commits travel back over the link: a private socketpair carrying JSON lines.
 
     wrapper -> host: {"op": "start", settings...}  {"op": "epoch", "reason", "final"}  {"op": "committed", "id"}
-                     {"op": "allocated", "id", "epoch" | "error"}
+                     {"op": "allocated", "id", "epoch" | "error"}  {"op": "interruptions", "id", "answer" | "error"}
     host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason"}
-                     {"op": "allocate", "id", "at_least"}
+                     {"op": "allocate", "id", "at_least"}  {"op": "interruptions", "id"}
                      {"op": "started", "rank", "action"}  {"op": "result", "result", "reason", "final"}
+                     {"op": "interval", "choice", "line", "changed"}
 
 Periodic epochs are started here (the interval timer: the shortest interval any rank asked for, counted
-from the end of the last epoch); the wrapper asks for the others (Slurm's SIGTERM, wall-time, manual).
+from the end of the last epoch); the wrapper asks for the others (Slurm's SIGTERM, wall-time, manual). A rank
+that asked for --checkpoint-interval=auto counts with the interval chosen here (coordinator/interval.py),
+from the stall of each committed periodic epoch and the interruption rate the hosting task's root agent
+reads from accounting; every new choice goes to the wrapper, which says it and has its agent record it.
 
     python -m slurmckpt.coordinator.host --link FD --job JOBID     (started by slurmckpt.coordinator.supervisor)
 """
@@ -27,7 +31,9 @@ import resource
 import signal
 import socket
 
+from slurmckpt.coordinator.interval import AutoInterval, AutoSettings
 from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
+from slurmckpt.duration import AUTO
 from slurmckpt.triggers import IntervalClock
 
 log = logging.getLogger("slurmckpt.coordinator.host")
@@ -44,6 +50,8 @@ class Host:
         self.loop = asyncio.get_running_loop()
         self.interval = IntervalClock()
         self.running = 0                   # epochs in flight (their own kinds are merged by the coordinator)
+        self.auto: AutoInterval | None = None      # the plan's auto settings: a rank may ask for auto
+        self.auto_used = False                     # a rank asked for auto: its choices are announced
 
     def send(self, message: dict) -> None:
         self.writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
@@ -56,6 +64,8 @@ class Host:
             on_started=self._started, on_trigger=self.epoch, lock_rounds=int(start.get("lock_rounds", 8)),
             max_pending=max_pending(), allocate=self._allocate,
             persist_timeout_s=float(start.get("persist_timeout_s", 1800.0)))
+        settings = AutoSettings.from_plan(start)
+        self.auto = AutoInterval(settings) if settings else None
         # the job's own address only (loopback for a one-node job): never every interface of the node
         port = await self.coordinator.start(str(start.get("bind", "127.0.0.1")))
         self.send({"op": "listening", "port": port})
@@ -65,7 +75,7 @@ class Host:
                 msg = json.loads(line)
                 if msg["op"] == "epoch":
                     self.epoch(str(msg["reason"]), bool(msg["final"]))
-                elif msg["op"] in ("committed", "allocated"):
+                elif msg["op"] in ("committed", "allocated", "interruptions"):
                     future = self.commits.pop(int(msg["id"]), None)
                     if future and not future.done():
                         future.set_result(msg)
@@ -83,7 +93,31 @@ class Host:
                 self.running -= 1
                 self.interval.epoch_ended()
             self.send({"op": "result", "result": result, "reason": reason, "final": final})
+            if self.auto_used and self.auto and result.get("status") == "committed" and not final:
+                self._announce(self.auto.observe(result))
+                asyncio.ensure_future(self._interruptions())
         asyncio.ensure_future(run())
+
+    def _announce(self, changed: bool) -> None:
+        """The current choice and its inputs, to the wrapper (which says it when it `changed` and has its
+        agent record it for `slurmckpt status`)."""
+        assert self.auto
+        choice = self.auto.current
+        self.send({"op": "interval", "choice": choice.as_dict(), "line": choice.describe(), "changed": changed})
+
+    async def _interruptions(self) -> None:
+        """The root agent's word on the partition's interruptions (answered from its node's cache at once;
+        a stale cache is refreshed in the background and the fresh answer comes with a later commit)."""
+        try:
+            reply = await self.loop.run_in_executor(None, self._ask, {"op": "interruptions"})
+        except Exception as e:  # noqa: BLE001 - the site's value stands
+            log.warning("no interruption rate from the agent: %s", e)
+            return
+        assert self.auto
+        answer = reply.get("answer")
+        if isinstance(answer, dict):
+            changed = self.auto.heard(answer)
+            self._announce(changed)
 
     def _ask(self, message: dict) -> dict:
         """Runs in an executor thread (the coordinator's contract): a round trip to the wrapper's agent."""
@@ -107,14 +141,26 @@ class Host:
     async def _started(self, rank: str, action: str) -> None:
         self.send({"op": "started", "rank": rank, "action": action})
 
+    def interval_s(self) -> int:
+        """The shortest interval any rank asked for; auto counts as the interval chosen now."""
+        assert self.coordinator
+        asked = {r.interval for r in self.coordinator.ranks.values()}
+        fixed = [i for i in asked if i > 0]
+        if AUTO in asked and self.auto:
+            if not self.auto_used:          # the first rank that asks for auto: the first choice is said
+                self.auto_used = True
+                self._announce(True)
+                asyncio.ensure_future(self._interruptions())
+            fixed.append(self.auto.current.interval_s)
+        return min(fixed, default=0)
+
     async def _interval_timer(self) -> None:
         """Periodic epochs: the shortest interval any rank asked for (ranks join and leave, so it is read
         again every round), never while another epoch is in flight."""
         while True:
-            assert self.coordinator
-            wait = self.interval.seconds_to_next(self.coordinator.interval_s)
+            wait = self.interval.seconds_to_next(self.interval_s())
             await asyncio.sleep(1.0 if wait is None else min(1.0, max(0.05, wait)))
-            if not self.running and self.interval.due(self.coordinator.interval_s):
+            if not self.running and self.interval.due(self.interval_s()):
                 self.epoch("interval", False)
 
 

@@ -64,7 +64,7 @@ class PhaseReplies:
 class RankConn:
     name: str
     node: str
-    interval: int
+    interval: int              # seconds; 0 none; duration.AUTO: the interval the coordinator chooses
     transport: asyncio.Transport
     sealer: Sealer
     waiting: tuple[int, str, str, PhaseReplies, int] | None = None   # (epoch, reply, command, barrier, index)

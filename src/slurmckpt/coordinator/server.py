@@ -32,6 +32,7 @@ from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
 from slurmckpt.coordinator.phase import EpochFailed, PhaseReplies, RankConn, check_reply, rank_list
 from slurmckpt.coordinator.protocol import encode_prefix
 from slurmckpt import validate
+from slurmckpt.duration import AUTO
 from slurmckpt.errors import ProtocolError
 
 log = logging.getLogger("slurmckpt.coordinator")
@@ -108,7 +109,7 @@ class Coordinator:
         step, _ = validate.rank_name(msg.get("rank"))
         tasks = validate.integer(msg.get("tasks", 1), "tasks", 1, validate.MAX_TASKS)
         rank = RankConn(msg["rank"], validate.hostname(msg.get("node", "unknown")),
-                        validate.integer(msg.get("interval", 0), "interval", 0, validate.MAX_INTERVAL_S),
+                        validate.integer(msg.get("interval", 0), "interval", AUTO, validate.MAX_INTERVAL_S),
                         conn.transport, conn.sealer, gpus=validate.flag(msg.get("gpus", False), "gpus"))
         last = validate.integer(msg.get("last_epoch", 0), "last_epoch", 0, validate.MAX_EPOCH)
         self.expected[step] = max(self.expected.get(step, 1), tasks)
@@ -231,7 +232,7 @@ class Coordinator:
                                   size.node)
             timeouts = PhaseTimeouts.derive(sizes, self.prepare_timeout_s, self.capture_timeout_s)
             result["timeouts"] = timeouts.as_dict()
-            phase = "prepare"
+            phase, frozen_at = "prepare", time.monotonic()
             await self._phase(parts, "prepare", "ready", epoch, timeouts.prepare, final=final, trigger=reason)
             result["cut_s"] = time.monotonic() - t0            # every rank frozen: the consistent cut
             phase = "capture"
@@ -239,6 +240,9 @@ class Coordinator:
             captured = await self._phase(parts, "capture", "captured", epoch, capture_s, final=final,
                                          timeout_s=capture_s)
             result["frozen_s"] = time.monotonic() - t0
+            # what the tasks lost: frozen from PREPARE until every rank dumped (RESUME thaws them now; the
+            # persist runs beside them): C of the automatic interval (coordinator/interval.py)
+            result["stall_s"] = time.monotonic() - frozen_at
             if not final:   # every rank dumped: thaw now, persist (compress, copy to the store) after, commit
                 phase = "resume"
                 sealed = await self._phase(parts, "resume", "done", epoch, timeouts.resume + self.persist_timeout_s)
@@ -347,8 +351,3 @@ class Coordinator:
             if len(have) < n:
                 missing += [f"{step}.{r}" for r in range(n) if f"{step}.{r}" not in have][: n - len(have)]
         return missing
-
-    @property
-    def interval_s(self) -> int:
-        values = [r.interval for r in self.ranks.values() if r.interval > 0]
-        return min(values, default=0)

@@ -26,6 +26,8 @@ class HostCallbacks:
     allocate: Callable[[int], int] = _unset               # an epoch number >= this, via the agent
     publish: Callable[[int], None] = _unset               # port -> address file for the ranks
     say: Callable[[str], None] = _unset
+    interruptions: Callable[[], dict] = _unset            # the partition's interruption rate, via the agent
+    interval: Callable[[dict, str, bool], None] = lambda choice, line, changed: None   # auto chose (interval.py)
 
 
 class CoordinatorSupervisor:
@@ -89,9 +91,11 @@ class CoordinatorSupervisor:
         while line := file.readline():
             msg = json.loads(line)
             op = msg["op"]
-            if op in ("commit", "allocate"):    # own thread: the link keeps flowing while the agent works
-                threading.Thread(target=self._commit if op == "commit" else self._allocate, args=(msg,),
-                                 daemon=True).start()
+            if op in ("commit", "allocate", "interruptions"):   # own thread: the link flows while the agent works
+                target = {"commit": self._commit, "allocate": self._allocate, "interruptions": self._interruptions}
+                threading.Thread(target=target[op], args=(msg,), daemon=True).start()
+            elif op == "interval":
+                self.cb.interval(msg["choice"], str(msg["line"]), bool(msg["changed"]))
             elif op == "started":
                 self.cb.started(msg["rank"], msg["action"])
             elif op == "result":
@@ -118,6 +122,17 @@ class CoordinatorSupervisor:
             reply["epoch"] = int(self.cb.allocate(int(msg["at_least"])))
             self.saw_epoch(reply["epoch"])
         except Exception as e:  # noqa: BLE001 - the epoch is not started, with this message
+            reply["error"] = str(e) or type(e).__name__
+        try:
+            self._send(reply)
+        except OSError:
+            pass
+
+    def _interruptions(self, msg: dict) -> None:
+        reply: dict = {"op": "interruptions", "id": msg["id"]}
+        try:
+            reply["answer"] = self.cb.interruptions()
+        except Exception as e:  # noqa: BLE001 - the coordinator keeps the site's value
             reply["error"] = str(e) or type(e).__name__
         try:
             self._send(reply)

@@ -161,6 +161,20 @@ class CliSlurm:
         rows = [dict(zip(keys, line.split("|", len(keys) - 1))) for line in out.splitlines() if line.strip()]
         return next((r for r in rows if job in (r.get("JobID"), r.get("JobIDRaw"))), None)
 
+    def partition_runs(self, partition: str, window_s: int) -> list[tuple[str, int, int]]:
+        """Every run of `partition`'s jobs (all users; each run of a requeued job, -D) in the last `window_s`
+        seconds: (state word, elapsed seconds, nodes), from accounting (interruptions.py). Three fields no user
+        writes, as parsable text; a line that is not three such fields is skipped."""
+        out = self._run("sacct", "-a", "-X", "-D", "-n", "-P", "-r", partition, "-S", f"now-{int(window_s)}",
+                        "-E", "now", "-o", "State,ElapsedRaw,NNodes")
+        runs = []
+        for line in out.splitlines():
+            state, elapsed, nodes = (line.split("|") + ["", "", ""])[:3]
+            words = state.split()
+            if words and elapsed.strip().isdigit() and nodes.strip().isdigit():
+                runs.append((words[0], int(elapsed), int(nodes)))
+        return runs
+
     def update_job(self, job_id: int, **fields: str) -> None:
         """`scontrol update JobId=N Key=Value...` (as the caller: Slurm authorises it)."""
         self._run("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()))

@@ -5,6 +5,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from slurmckpt.duration import interval_arg
+
 
 @dataclass(frozen=True)
 class TaskEnv:
@@ -12,7 +14,7 @@ class TaskEnv:
     step: str                # "batch" or the step number
     rank: int
     restart_count: int
-    interval_s: int
+    interval_s: int          # seconds, 0 off, duration.AUTO
     agent_fd: int | None
     argv0: str | None
     node: str
@@ -30,7 +32,7 @@ class TaskEnv:
             step=step,
             rank=int(env.get("SLURM_PROCID", "0")),
             restart_count=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
-            interval_s=int(env.get("SLURMCKPT_INTERVAL", "0") or 0),
+            interval_s=interval_arg(env.get("SLURMCKPT_INTERVAL", "0")),
             agent_fd=int(env["SLURMCKPT_AGENT_FD"]) if env.get("SLURMCKPT_AGENT_FD") else None,
             argv0=env.get("SLURMCKPT_TASK_ARGV0"),
             node=env.get("SLURMD_NODENAME") or socket.gethostname(),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurmckpt.config import DEFAULT_SLURM_CONF
-from slurmckpt.duration import parse_duration
+from slurmckpt.duration import parse_interval
 
 PLUGIN_NAME = "slurmckpt_spank.so"
 MAX_DEPTH = 16            # includes deeper than this are a loop
@@ -44,12 +44,12 @@ class Chain:
         return next((l for l in self.lines if os.path.basename(l.path) == PLUGIN_NAME), None)
 
     def default_interval(self) -> int:
-        """Seconds of the plugin's default_interval= (0: off, also when the plugin is not configured or the
+        """Seconds of the plugin's default_interval=, or duration.AUTO (0: off, also when the plugin is not configured or the
         value is not one the shim accepts: then the shim refuses to load and no job is wrapped by default)."""
         line = self.slurmckpt()
         value = line.arg("default_interval") if line else None
         try:
-            return parse_duration(value) if value else 0
+            return parse_interval(value) if value else 0
         except ValueError:
             return 0
 
