@@ -136,6 +136,7 @@ def libnftables_run(script: str) -> None:
         raise OSError("nft_ctx_new failed")
     try:
         lib.nft_ctx_buffer_error(ctx)
+        lib.nft_ctx_buffer_output(ctx)          # never onto this process's stdout (the agent's is slurmd's log)
         if lib.nft_run_cmd_from_buffer(ctx, script.encode()) != 0:
             err = lib.nft_ctx_get_error_buffer(ctx)
             raise OSError(f"nftables: {(err or b'').decode(errors='replace').strip()[:500]}")
@@ -154,6 +155,7 @@ def _libnftables() -> ctypes.CDLL:
     lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
     lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
     lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
     lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
     lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
