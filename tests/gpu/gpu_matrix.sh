@@ -56,7 +56,7 @@ declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py -
   [W]="$PY workload_graph_loader.py --steps $STEPS --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
-  [I]="$PY session_worker.py --device cuda --steps $((STEPS * 2)) --sleep 0.1 --port-file port-I.txt" \
+  [I]="$PY session_worker.py --device cuda --steps $((STEPS * 5)) --sleep 0.1 --port-file port-I.txt" \
   [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
@@ -94,9 +94,9 @@ cycle() {   # ROW: interval commit (or a refusal), requeue(s), restore(s), the e
     grep -qE 'committed \(interval\)' "$H/$r.out" || { echo "[$((SECONDS - T0))s] $r: $(grep -E 'refused|ABORTED|FAILED' "$H/$r.out" | head -2)"; }
     if [ "$r" = I ]; then    # a client outside the job, from before the first requeue to the end
       for _ in $(seq 30); do [ -s "$H/port-I.txt" ] && break; sleep 1; done
-      "$PY" "$H/session_client.py" --host 127.0.0.1 --port "$(cat "$H/port-I.txt")" --count 60 --sleep 0.4 \
-        --patience 240 > "$H/ref/I.client" 2>&1 &
-      sleep 4
+      "$PY" "$H/session_client.py" --host 127.0.0.1 --port "$(cat "$H/port-I.txt")" --count 40 --sleep 0.3 \
+        --patience 120 > "$H/ref/I.client" 2>&1 &
+      CLIENT=$!; sleep 4
     fi
     while [ $n -le "${REQUEUES[$r]:-1}" ]; do
       grep -qE 'committed \(interval\)' "$H/$r.out" || break
@@ -107,6 +107,7 @@ cycle() {   # ROW: interval commit (or a refusal), requeue(s), restore(s), the e
       n=$((n + 1)); sleep 12
     done
     for _ in $(seq $((end - SECONDS))); do [ -z "$(jstate "$id")" ] && break; sleep 1; done
+    [ -n "${CLIENT:-}" ] && wait "$CLIENT"
     echo "[$((SECONDS - T0))s] $r: state '$(jstate "$id")'"
   } > "$OUT/cycle-$r.txt" 2>&1
 }
