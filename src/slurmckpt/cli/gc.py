@@ -25,7 +25,9 @@ def gc(dry_run: bool, fmt: Format) -> None:
     """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
     again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
     keeps them), uncommitted epochs whose coordinator can no longer commit them, this node's staging
-    areas whose agent is gone, and this node's empty task cgroups of finished jobs. Safe to run from cron on every node (docs/storage.md)."""
+    areas whose agent is gone, and this node's empty task cgroups of finished jobs. The job epilog removes a
+    finished job's images at its end; this is the safety net, run hourly on every node by the package's timer
+    or cron entry (docs/storage.md)."""
     from slurmckpt import reclaim
     from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.staging import Staging
