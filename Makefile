@@ -13,7 +13,8 @@
 #                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
 #   make install           on a cluster node: the venv in /opt/slurmckpt/venv with the package, the plugins and the
 #                          namespace init in /usr/local, the config template where none exists, directories, man
-#                          pages and cli_filter.lua (setup.sh's install steps; no test cluster, no packages)
+#                          pages, cli_filter.lua and `slurmckpt gc` hourly (a systemd timer, else /etc/cron.d;
+#                          scripts/gc-schedule.sh) (setup.sh's install steps; no test cluster, no packages)
 #   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
 #   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
@@ -76,7 +77,7 @@ lint:
 SHARE := /usr/local/share
 
 install:
-	SLURMCKPT_KEEP_CONFIG=1 bash scripts/setup.sh python spank files
+	SLURMCKPT_KEEP_CONFIG=1 bash scripts/setup.sh python spank files gc-schedule
 	$(MAKE) man
 	install -D -m 0644 build/man/slurmckpt.1 $(SHARE)/man/man1/slurmckpt.1
 	install -D -m 0644 build/man/slurmckpt.yaml.5 $(SHARE)/man/man5/slurmckpt.yaml.5

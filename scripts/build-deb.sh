@@ -3,7 +3,8 @@
 #   the Python package for Debian's python3 (its dependencies are Debian packages), the SPANK plugin, the
 #   proctrack plugin and the namespace init built against this host's Slurm headers (Slurm loads a plugin only
 #   for the Slurm version it was built for: the package depends on exactly that libslurm), the config
-#   template, cli_filter.lua, the man pages built from the code, the licence.
+#   template, cli_filter.lua, the man pages built from the code, the licence, and the schedule of `slurmckpt gc`
+#   (a systemd timer, enabled where systemd runs, and an /etc/cron.d entry that does nothing there).
 #   scripts/build-deb.sh [OUTDIR]      (default build/; prints the .deb's path)
 set -euo pipefail
 umask 022
@@ -71,6 +72,8 @@ install -D -m 0644 "$REPO/etc/cli_filter.lua" "$share/cli_filter.lua"
 printf '%s\n' "# The one line that enables slurmckpt (add it to plugstack.conf, or include this file from it)." \
   "required /usr/lib/slurmckpt/slurmckpt_spank.so wrapper=/usr/bin/slurmckpt-wrap agent=/usr/bin/slurmckpt init=/usr/libexec/slurmckpt/slurmckpt-init" \
   >"$share/plugstack.conf"
+# the job epilog's safety net: `slurmckpt gc` hourly on every node (scripts/gc-schedule.sh)
+UNITDIR=/usr/lib/systemd/system bash "$REPO/scripts/gc-schedule.sh" both /usr/bin/slurmckpt "$STAGE" >/dev/null
 doc=$STAGE/usr/share/doc/slurmckpt
 install -D -m 0644 "$REPO/README.md" "$doc/README.md"
 install -D -m 0644 "$REPO/docs/operations.md" "$doc/operations.md"
@@ -111,9 +114,31 @@ if [ "$1" = configure ]; then
         sed 's#/usr/local/libexec/slurmckpt/#/usr/libexec/slurmckpt/#' /usr/share/slurmckpt/slurmckpt.yaml \
             >/etc/slurmckpt/slurmckpt.yaml
     fi
+    # slurmckpt gc hourly: the timer where systemd runs (the cron entry then does nothing)
+    if [ -d /run/systemd/system ]; then
+        systemctl daemon-reload || true
+        systemctl enable --now slurmckpt-gc.timer || true
+    elif command -v systemctl >/dev/null 2>&1; then
+        systemctl enable slurmckpt-gc.timer >/dev/null 2>&1 || true
+    fi
 fi
 EOF
-chmod 0755 "$STAGE/DEBIAN/postinst"
+cat >"$STAGE/DEBIAN/prerm" <<'EOF'
+#!/bin/sh
+set -e
+if [ "$1" = remove ] && [ -d /run/systemd/system ]; then
+    systemctl disable --now slurmckpt-gc.timer || true
+fi
+EOF
+cat >"$STAGE/DEBIAN/postrm" <<'EOF'
+#!/bin/sh
+set -e
+if [ "$1" = purge ]; then
+    rm -f /etc/systemd/system/timers.target.wants/slurmckpt-gc.timer
+fi
+EOF
+echo /etc/cron.d/slurmckpt >"$STAGE/DEBIAN/conffiles"
+chmod 0755 "$STAGE/DEBIAN/postinst" "$STAGE/DEBIAN/prerm" "$STAGE/DEBIAN/postrm"
 (cd "$STAGE" && find usr -type f -print0 | sort -z | xargs -0 md5sum) >"$STAGE/DEBIAN/md5sums"
 find "$STAGE" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 dpkg-deb --root-owner-group -Zxz --build "$STAGE" "$DEB" >/dev/null

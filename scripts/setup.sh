@@ -5,6 +5,8 @@
 #   scripts/setup.sh              everything (what `make setup` runs)
 #   scripts/setup.sh STEP...      only the named steps, in the order given:
 #                                 packages criu python spank users files slurm-config cluster smoke
+#                                 gc-schedule (not in the default list; `make install`): `slurmckpt gc` hourly,
+#                                 a systemd timer where systemd runs, else /etc/cron.d/slurmckpt
 #                                 torch (not in the default list; `make test`): PyTorch's CPU build in a
 #                                 venv of its own for the tests' torch.distributed jobs
 #                                 criu-build (not in the default list): build and cache CRIU without
@@ -284,6 +286,15 @@ step_files() {
   step_done
 }
 
+# ------------------------------------------------------------------------------------------------ gc-schedule
+# The job epilog removes a finished job's images; `slurmckpt gc` is the safety net (scripts/gc-schedule.sh).
+step_gc_schedule() {
+  step_start "slurmckpt gc schedule (systemd timer where systemd runs, else /etc/cron.d)"
+  local f
+  for f in $(bash "$REPO/scripts/gc-schedule.sh" auto "$SLURMCKPT_VENV/bin/slurmckpt"); do log "   $f"; done
+  step_done
+}
+
 # ------------------------------------------------------------------------------------------------ slurm config
 # render TEMPLATE DEST MODE: replace every @KEY@ with the value of shell variable T_KEY (multi-line values OK).
 render() {
@@ -450,7 +461,7 @@ main() {
     case $s in
       packages) step_packages ;; criu) step_criu ;; criu-build) step_criu_build ;; python) step_python ;; spank) step_spank ;;
       users) step_users ;; files) step_files ;; slurm-config) step_slurm_config ;;
-      cluster) step_cluster ;; smoke) step_smoke ;; torch) step_torch ;;
+      cluster) step_cluster ;; smoke) step_smoke ;; torch) step_torch ;; gc-schedule) step_gc_schedule ;;
       *) die "unknown step '$s'" ;;
     esac
   done

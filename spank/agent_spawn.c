@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,17 +87,6 @@ static void agent_cmd_build(struct agent_cmd *c, struct step_info *si,
 				     conf) < (int)sizeof(c->conf))
 		c->envp[n++] = c->conf;
 	c->envp[n] = NULL;
-}
-
-static void close_from(int lowfd)
-{
-	int fd, max;
-
-	if (syscall(SYS_close_range, (unsigned int)lowfd, ~0U, 0) == 0)
-		return;
-	max = (int)sysconf(_SC_OPEN_MAX);
-	for (fd = lowfd; fd < max; fd++)
-		close(fd);
 }
 
 /* In the forked child: never returns. logfd: the relay's write end, or -1. */

@@ -41,6 +41,15 @@ int step_info_get(spank_t sp, struct step_info *si);
 /* agent_spawn.c: fork+exec the root agent (task_init_privileged). */
 int agent_spawn(spank_t sp, long interval, int explicit);
 
+/* close_from.c: close every fd from lowfd up (before a root exec). */
+void close_from(int lowfd);
+
+/*
+ * job_end.c: start `<agent> job-end` detached, for the job of this epilog
+ * (job_epilog, root); returns at once. 0, or -1 when it did not start (logged).
+ */
+int job_end_start(spank_t sp);
+
 /*
  * log_relay.c: in slurmstepd, a pipe whose lines go to slurmd's log
  * (slurm_info/slurm_error); the agents write their event lines to it.

@@ -14,6 +14,10 @@
  *   slurmstepd, per task of a wrapped step:
  *     task_exit (root)             what is left of the task's trees is
  *                                  killed and thawed (tree_end.c)
+ *   job script (slurmd's epilog, root), each time a checkpointed job leaves
+ *   a node (end, requeue, preemption; init is not called there):
+ *     job_epilog                   `slurmckpt job-end` started detached
+ *                                  (job_end.c); never fails the epilog
  */
 #include <slurm/spank.h>
 
@@ -109,6 +113,31 @@ int slurm_spank_task_exit(spank_t sp, int ac, char **av)
 	if (spank_context() != S_CTX_REMOTE || !step_is_wrapped)
 		return (0);
 	return (tree_end_task(sp));
+}
+
+/*
+ * Its images go once Slurm says the job is finished: job-end decides. The job's
+ * --checkpoint-interval reaches the epilog as its SPANK_ environment; a job
+ * without one (or with off, or a bad value) starts nothing. A failing epilog
+ * drains the node, so this always returns 0.
+ */
+int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
+{
+	long interval = 0;
+	int explicit = 0;
+	char err[256];
+
+	if (spank_context() != S_CTX_JOB_SCRIPT)
+		return (0);
+	/* slurm_spank_init does not run in this context: the plugstack.conf args are read here. */
+	args_defaults(&slurmckpt_args);
+	if (args_parse(&slurmckpt_args, ac, av, err, sizeof(err)) < 0) {
+		slurm_error("slurmckpt: plugstack.conf: %s", err);
+		return (0);
+	}
+	if (option_interval(sp, &interval, &explicit) == 0 && interval != 0)
+		(void)job_end_start(sp);
+	return (0);
 }
 
 int slurm_spank_exit(spank_t sp, int ac, char **av)

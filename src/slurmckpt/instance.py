@@ -59,6 +59,17 @@ def mismatch(bound: object, me: JobInstance) -> str | None:
     return None
 
 
+def bound_uid(store: JobStore) -> int | None:
+    """The uid the store is bound to, None when it holds no readable binding (reclaim.py and job_end.py:
+    whose summary, whose job)."""
+    try:
+        bound = store.read_manifest().get("instance")
+    except (StorageError, OSError):
+        return None
+    uid = bound.get("uid") if isinstance(bound, dict) else None
+    return uid if type(uid) is int else None
+
+
 @contextmanager
 def store_lock(store: JobStore) -> Iterator[None]:
     """One claim at a time per job (ranks of a job start together): the job's POSIX lock (storage.py)."""

@@ -5,11 +5,12 @@
   for GRACE_S. At every agent
   start and every capture (this job), and by `slurmckpt gc` (every job).
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
-  ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. By `slurmckpt gc` (admin, cron),
-  only when slurmctld answered: a job it holds is judged by its state there (one word; a state with flags,
-  23.02+'s `PENDING+REQUEUED`, is not final), accounting only speaks for jobs it no longer holds
-  (slurm/control.py, job_states). PREEMPTED is final there: slurmctld shows a preempted job that is
-  requeued as REQUEUED/PENDING, and only its accounting record says PREEMPTED.
+  ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. At the job's end (job_end.py,
+  started by the SPANK plugin's job epilog) and by `slurmckpt gc` (admin, timer), only when slurmctld
+  answered: a job it holds is judged by its state there (one word; a state with flags, 23.02+'s
+  `PENDING+REQUEUED`, is not final), accounting only speaks for jobs it no longer holds (slurm/control.py,
+  job_states). PREEMPTED is final there: slurmctld shows a preempted job that is requeued as
+  REQUEUED/PENDING, and only its accounting record says PREEMPTED. `verdict` is that one reading.
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
 - Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
   slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.
@@ -17,6 +18,7 @@ Removal renames first (under the job's lock, so no commit sees half a directory)
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -25,15 +27,32 @@ from pathlib import Path
 
 from slurmckpt import lease
 from slurmckpt.durable import is_temp
-from slurmckpt.errors import StorageError
+from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.identity import TreeName
 from slurmckpt.staging import Staging
 from slurmckpt.task_cgroup import TaskCgroup
 from slurmckpt.storage import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
+log = logging.getLogger("slurmckpt.reclaim")
+
 GRACE_S = 3600.0
 FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
                       "OUT_OF_MEMORY", "PREEMPTED", "REVOKED"})
+# A job whose end slurmctld is still going through: its nodes' epilogs (22.05 says COMPLETING, 23.02+
+# COMPLETED+COMPLETING or PENDING+COMPLETING+REQUEUED), a burst buffer's stage-out. Its state changes again,
+# to a final one or back to PENDING.
+SETTLING = frozenset({"COMPLETING", "STAGE_OUT"})
+
+
+def verdict(state: str | None) -> str:
+    """What Slurm's word on a job (slurm/control.py, `job_states`) says of its images: "finished" (it never
+    runs again: they can go), "settling" (its end is under way: ask again), "unknown" (neither slurmctld nor
+    accounting knows it) or "runs-again" (anything else: pending, requeued, held, running; they stay)."""
+    if state is None:
+        return "unknown"
+    if SETTLING.intersection(state.split("+")):
+        return "settling"
+    return "finished" if state in FINISHED else "runs-again"
 
 
 @dataclass(frozen=True)
@@ -97,7 +116,7 @@ def collect_job(store: JobStore, dry_run: bool = False, now: float | None = None
 
 
 def collect_finished(root: Path, cluster: str, states: dict[int, str], keep_finished: bool,
-                     dry_run: bool = False) -> list[Removal]:
+                     dry_run: bool = False, summary_dir: str | None = None) -> list[Removal]:
     """Whole job stores of `cluster` whose job Slurm says is finished for good (`states` from
     slurm/control.py; a job Slurm does not know is kept and reported)."""
     out: list[Removal] = []
@@ -106,32 +125,60 @@ def collect_finished(root: Path, cluster: str, states: dict[int, str], keep_fini
             continue
         store = JobStore(root, cluster, job)
         state = states.get(job)
-        if state is None:
+        said = verdict(state)
+        if said == "unknown":
             out.append(Removal("kept", str(store.job_dir), tree_bytes(store.job_dir),
                                "Slurm knows no such job (not in slurmctld, not in accounting)"))
-            continue
-        if state not in FINISHED:
-            continue
-        stale = list((root / cluster).glob(f".stale-{job}-*"))
-        size = tree_bytes(store.job_dir) + sum(tree_bytes(p) for p in stale)
-        if keep_finished:
-            out.append(Removal("kept", str(store.job_dir), size, f"job {state}; keep_finished is set"))
-            continue
-        out.append(Removal("finished-job", str(store.job_dir), size, f"job {state}"))
-        if not dry_run:
-            _remove_job(store, stale)
+        elif said == "finished":
+            out.append(remove_finished(store, str(state), keep_finished, dry_run, summary_dir))
     return out
 
 
-def _remove_job(store: JobStore, stale: list[Path]) -> None:
+def remove_finished(store: JobStore, state: str, keep_finished: bool, dry_run: bool = False,
+                    summary_dir: str | None = None) -> Removal:
+    """The whole store of a job Slurm says is `state` (finished for good, `verdict`), with the images
+    moved aside for another instance of its id; its summary stays, saying when and why the images went.
+    Under the job's lock the summary is marked and the directory renamed, then deleted: of two removers
+    (nodes, gc) one does it, the other finds nothing. Raises StorageError when the lock cannot be had."""
+    stale = list((store.root / store.cluster).glob(f".stale-{store.job}-*"))
+    size = tree_bytes(store.job_dir) + sum(tree_bytes(p) for p in stale)
+    if keep_finished:
+        return Removal("kept", str(store.job_dir), size, f"job {state}; keep_finished is set")
+    if not dry_run and not _remove_job(store, stale, summary_dir, f"job {state}"):
+        return Removal("finished-job", str(store.job_dir), 0, f"job {state}; already removed by another")
+    return Removal("finished-job", str(store.job_dir), size, f"job {state}")
+
+
+def _remove_job(store: JobStore, stale: list[Path], summary_dir: str | None, why: str) -> bool:
     trash = store.root / store.cluster / f"{TRASH}job-{store.job}-{time.time_ns()}"
     with store.lock():
+        if not store.job_dir.is_dir():
+            return False
+        if summary_dir:
+            _mark_summary(store, summary_dir, why)
         try:
             os.rename(store.job_dir, trash)
         except FileNotFoundError:
-            return
+            return False
     for path in (trash, *stale):
         shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _mark_summary(store: JobStore, summary_dir: str, why: str) -> None:
+    """The job's user learns from its summary that the images are gone: republished for the uid the store
+    is bound to (instance.py), with `images_removed`. A store without a binding, or a summary that cannot be
+    written, only logs: the images go all the same."""
+    from slurmckpt import summary
+    from slurmckpt.instance import bound_uid
+    uid = bound_uid(store)
+    if uid is None:
+        log.warning("job %d: its store names no owner; its summary is left as it was", store.job)
+        return
+    try:
+        summary.publish(store, summary_dir, uid, removed={"at": time.time(), "why": why})
+    except (SlurmckptError, OSError) as e:
+        log.warning("job %d: its summary could not say that its images were removed: %s", store.job, e)
 
 
 def collect_staging(staging: Staging, dry_run: bool = False, now: float | None = None) -> list[Removal]:
@@ -175,7 +222,7 @@ def collect_finished_task_cgroups(root: str, states: dict[int, str], dry_run: bo
         if state is None:
             out.append(Removal("kept", str(cgroup.path), 0, "Slurm knows no such job"))
             continue
-        if state not in FINISHED:
+        if verdict(state) != "finished":
             continue
         if cgroup.pids():
             out.append(Removal("kept", str(cgroup.path), 0, f"job {state}, but it still holds {cgroup.pids()}"))
@@ -187,10 +234,10 @@ def collect_finished_task_cgroups(root: str, states: dict[int, str], dry_run: bo
 
 
 def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Staging, keep_finished: bool,
-                dry_run: bool = False) -> list[Removal]:
+                dry_run: bool = False, summary_dir: str | None = None) -> list[Removal]:
     """Everything `slurmckpt gc` does, in order: finished jobs, then dead epochs of the jobs left, then
     this node's orphaned staging areas, then trash left by interrupted deletions."""
-    out = collect_finished(root, cluster, states, keep_finished, dry_run)
+    out = collect_finished(root, cluster, states, keep_finished, dry_run, summary_dir)
     for job_cluster, job in list_jobs(root):
         if job_cluster == cluster:
             out += collect_job(JobStore(root, cluster, job), dry_run, wait=True)

@@ -3,8 +3,9 @@
 
 The agents publish a per-job summary, `<summary_dir>/<cluster>/<job>.json`: epochs (number, time, trigger,
 ranks, nodes, bytes), withdrawn epochs, recent failed captures, slurmckpt's note, the current run and the
-automatic interval (--checkpoint-interval=auto: as the job's coordinator chose it, with its inputs). It is
-rebuilt from the store (root-only) every time. The file is root's, mode 0440 through a POSIX ACL whose one
+automatic interval (--checkpoint-interval=auto: as the job's coordinator chose it, with its inputs); once the
+job is finished, when and why its images were removed (the summary stays). It is rebuilt from the store
+(root-only) every time. The file is root's, mode 0440 through a POSIX ACL whose one
 named entry gives the job's uid read access (`user:<uid>:r--`, no group, nobody else), in root-owned 0755
 directories: its user reads it, other users get EACCES, and nobody but root can write, chmod, replace or
 remove it (a file owned by the user was theirs to rewrite, and root's CLI read it). A file system without
@@ -129,9 +130,10 @@ def path_of(summary_dir: str, cluster: str, job: int) -> Path:
     return Path(summary_dir) / cluster / f"{job}.json"
 
 
-def publish(store: JobStore, summary_dir: str, uid: int) -> Path:
-    """Root: (re)write the job's summary for its user. Raises OSError/PermissionDenied when the summary
-    directory is not a root-owned directory (a symlink, another owner, group/world-writable)."""
+def publish(store: JobStore, summary_dir: str, uid: int, removed: dict | None = None) -> Path:
+    """Root: (re)write the job's summary for its user; `removed` ({at, why}): its images are about to go
+    (reclaim.py), the summary stays. Raises OSError/PermissionDenied when the summary directory is not a
+    root-owned directory (a symlink, another owner, group/world-writable)."""
     target = path_of(summary_dir, store.cluster, store.job)
     for d in (target.parent.parent, target.parent):
         try:
@@ -142,7 +144,8 @@ def publish(store: JobStore, summary_dir: str, uid: int) -> Path:
         st = os.lstat(d)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             raise PermissionDenied("summary directory is not a root-owned directory others cannot write", path=str(d))
-    data = json.dumps(build(store), indent=1, sort_keys=True).encode()
+    data = json.dumps({**build(store), **({"images_removed": removed} if removed else {})}, indent=1,
+                      sort_keys=True).encode()
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400)
     try:
@@ -254,10 +257,13 @@ def checked(value: object, cluster: str, job: int) -> dict | None:
         kept_run["policy"] = {k: _scalars(v) if k == "settings" else v for k, v in run["policy"].items()
                               if isinstance(k, str) and (v is None or type(v) in (int, str, bool)
                                                          or (k == "settings" and isinstance(v, dict)))}
+    gone = value.get("images_removed") if isinstance(value.get("images_removed"), dict) else {}
+    removed = {"at": _num(gone.get("at")), "why": _str(gone.get("why"))} if gone else None
     return {"version": _int(value.get("version")), "cluster": cluster, "job": job,
             "updated_at": _num(value.get("updated_at")), "epochs": epochs, "withdrawn": withdrawn,
             "failed_captures": failed, "note": _str(value.get("note")), "run": kept_run,
-            "interval": interval_record(value.get("interval"))}
+            "interval": interval_record(value.get("interval")),
+            "images_removed": removed}
 
 
 def _scalars(d: dict) -> dict:

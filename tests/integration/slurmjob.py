@@ -1,6 +1,7 @@
 """Drive the real test cluster from tests: submit as an unprivileged user, wait for states, read output."""
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -49,6 +50,24 @@ def site_config(text: str):
     task starts, `slurmckpt policy check` (cli_filter.lua) at every submission."""
     saved = CONFIG.read_text()
     CONFIG.write_text(saved.rstrip("\n") + "\n" + text)
+    try:
+        yield
+    finally:
+        CONFIG.write_text(saved)
+
+
+def with_keys(text: str, **keys: object) -> str:
+    """slurmckpt.yaml's `text` with these top-level keys set (a key it has is replaced: one may not repeat)."""
+    kept = [line for line in text.splitlines() if line.split(":", 1)[0].strip() not in keys]
+    return "\n".join(kept + [f"{k}: {json.dumps(v)}" for k, v in keys.items()]) + "\n"
+
+
+@contextmanager
+def site_keys(**keys: object):
+    """Run what is inside with these keys of the cluster's slurmckpt.yaml set (`with_keys`): agents and
+    `slurmckpt job-end` read them when they start."""
+    saved = CONFIG.read_text()
+    CONFIG.write_text(with_keys(saved, **keys))
     try:
         yield
     finally:

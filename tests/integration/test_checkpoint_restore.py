@@ -115,8 +115,7 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
                  "--checkpoint-interval=10s")
     job.wait_output(r"committed \(interval\)")
     job.wait_output(r"ABORTED \(rank batch\.0, node [^,]+, stage dump\): ", timeout=120)
-    assert job.wait_done() == "COMPLETED"
-    assert job.app_lines() == ["preamble", *expected_lines("f", 200)]
+    # while it runs on (its images go at its end)
     root = Path(Config.load().storage_root)
     cluster = next(c for c, j in list_jobs(root) if j == job.id)
     store = JobStore(root, cluster, job.id)
@@ -126,6 +125,9 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
     assert manifest["kind"] == "image"
     listed = json.loads(run("/opt/slurmckpt/venv/bin/slurmckpt", "list", "--json").stdout)
     assert any(r["job"] == job.id for r in listed)
+    assert job.state() == "RUNNING"
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == ["preamble", *expected_lines("f", 200)]
 
 
 def test_batch_script_restored_on_another_node_continues_where_it_was() -> None:

@@ -192,8 +192,9 @@ def test_rank_that_cannot_restore_withdraws_the_epoch_for_every_rank() -> None:
     run("scontrol", "release", str(job.id))
     job.wait_output(rf"restore of checkpoint epoch {newest} FAILED.*withdrawing epoch {newest}", timeout=240)
     job.wait_output(r"restored from checkpoint epoch (?!%d)" % newest, 2, timeout=300)
+    # read while the job runs: its images go at its end
+    manifest = json.loads(next(Path("/var/lib/slurmckpt/images").glob(f"*/{job.id}/manifest.json")).read_text())
+    assert [r["epoch"] for r in manifest.get("rejected", [])] == [newest]
     assert job.wait_done() == "COMPLETED"
     check_ring(job, 2, 300)
     assert job.restarts() == 2
-    manifest = json.loads(next(Path("/var/lib/slurmckpt/images").glob(f"*/{job.id}/manifest.json")).read_text())
-    assert [r["epoch"] for r in manifest.get("rejected", [])] == [newest]

@@ -48,6 +48,9 @@ def test_installed_files_are_the_packages_and_the_trees(deb: Path) -> None:
     for path in (REPO / "src" / "slurmckpt").rglob("*.py"):
         mine = SITE / path.relative_to(REPO / "src" / "slurmckpt")
         assert mine in listed and filecmp.cmp(path, mine, shallow=False), mine
+    # slurmckpt gc hourly: the timer where systemd runs, else the cron entry (a conffile)
+    assert {Path("/usr/lib/systemd/system/slurmckpt-gc.timer"), Path("/etc/cron.d/slurmckpt")} <= set(listed)
+    assert "/etc/cron.d/slurmckpt" in run("dpkg-query", "-W", "-f", "${Conffiles}", "slurmckpt").stdout
     for dependency in ("python3-click", "python3-yaml", "python3-xxhash", "python3-psutil", "slurm-client"):
         assert dependency in run("dpkg-deb", "-f", str(deb), "Depends").stdout
 

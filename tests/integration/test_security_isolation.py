@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.slurmjob import job_field, run, submit, workdir
+from tests.integration.slurmjob import job_field, run, site_keys, submit, workdir
 from tests.integration.slurmjob import node as slurm_node
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
@@ -31,12 +31,17 @@ def _store_of(job: int) -> Path:
 
 
 def _finished_job_with_images(user: str, tag: str):
-    """A job of `user` that committed a checkpoint and completed: its images stay in the store."""
+    """A job of `user` that committed a checkpoint and completed: its images stay in the store
+    (`keep_finished`, which its end obeys as gc does)."""
     wd = workdir(user, f"iso-{tag}")
-    job = submit(user, wd, f"#!/bin/bash\npython3 zdtm.py --steps 60 --sleep 0.2 --tag {tag} --data d.txt\n",
-                 "--checkpoint-interval=10s")
-    job.wait_output(r"committed \(interval\)", timeout=240)
-    assert job.wait_done() == "COMPLETED"
+    with site_keys(keep_finished=True):
+        job = submit(user, wd, f"#!/bin/bash\npython3 zdtm.py --steps 60 --sleep 0.2 --tag {tag} --data d.txt\n",
+                     "--checkpoint-interval=10s")
+        job.wait_output(r"committed \(interval\)", timeout=240)
+        assert job.wait_done() == "COMPLETED"
+        end_log = LOGS / f"agent-{job.id}.end.0.log"
+        job.wait_for(lambda: "keep_finished is set" in (end_log.read_text() if end_log.exists() else ""),
+                     "the job's end keeping its images (keep_finished)", 60)
     store = _store_of(job.id)
     assert json.loads((store / "manifest.json").read_text())["epochs"], "the old job left no committed epoch"
     return job, store
@@ -61,6 +66,8 @@ def test_images_of_another_job_instance_with_the_same_id_are_never_restored() ->
     _replace_store(_store_of(new.id), old_store)          # the old job's images under the new job's id
     new.requeue()
     new.wait_output(r"slurmckpt.*not this job's", timeout=240)
+    # moved aside, kept for the admins until the job's own images go (at its end)
+    assert any(Path(p).is_dir() for p in glob.glob(f"{STORE}/*/.stale-{new.id}-*")), "stale images not kept aside"
     assert new.wait_done() == "COMPLETED"
     text = new.text()
     assert "oldjob" not in text, "the new job restored the old job's images:\n" + text
@@ -68,7 +75,6 @@ def test_images_of_another_job_instance_with_the_same_id_are_never_restored() ->
     assert new.app_lines() == expected_lines("newjob", 150), text
     assert "restored from checkpoint epoch" in text, "the new job's own capture was not kept:\n" + text
     assert new.restarts() == 1
-    assert any(Path(p).is_dir() for p in glob.glob(f"{STORE}/*/.stale-{new.id}-*")), "stale images not kept aside"
 
 
 def test_a_job_that_was_never_requeued_restores_nothing_whatever_the_store_holds() -> None:

@@ -1,19 +1,22 @@
 """The image store on the real cluster (docs/storage.md): a capture refused for space runs the job on and keeps
 the previous commit; a persist that fails after the thaw leaves the epoch uncommitted and staging clean;
 two nodes (network namespaces of the test cluster) committing to one job's store at once lose nothing;
-`slurmckpt gc` removes a finished job's images and keeps a pending one's."""
+a finished job's images go at its end (the job epilog), a requeued job's stay, and `slurmckpt gc` removes
+what no epilog saw."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import AGENT_LOGS, job_field, run, submit, with_keys, workdir
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from zdtm import expected_lines  # noqa: E402
@@ -52,8 +55,7 @@ def config_keys():
     original = CONFIG.read_text()
 
     def set_keys(**keys: object) -> None:     # replaces a key the admin config already has
-        kept = [line for line in original.splitlines() if line.split(":", 1)[0].strip() not in keys]
-        CONFIG.write_text("\n".join(kept + [f"{k}: {json.dumps(v)}" for k, v in keys.items()]) + "\n")
+        CONFIG.write_text(with_keys(original, **keys))
     yield set_keys
     CONFIG.write_text(original)
 
@@ -141,25 +143,51 @@ def test_two_nodes_commit_to_one_store_at_once_and_lose_nothing() -> None:
         shutil.rmtree(root / cluster, ignore_errors=True)
 
 
-def test_gc_removes_a_finished_jobs_images_and_keeps_a_held_ones() -> None:
-    """A job that completed loses its images to `slurmckpt gc`; a job requeued and held (it will run again)
-    keeps them, until it is cancelled."""
-    wd = workdir(USER, "gc")
-    script = "#!/bin/bash\npython3 zdtm.py --steps {} --sleep 0.2 --tag g --data data.txt\n"
-    done = submit(USER, wd, script.format(80), "--checkpoint-interval=10s")
-    held = submit(USER, wd, script.format(400), "--checkpoint-interval=10s")
+def _job_end_said(job_id: int) -> str:
+    """What `slurmckpt job-end` (started by the job epilog) logged for the job."""
+    log = AGENT_LOGS / f"agent-{job_id}.end.0.log"
+    return log.read_text() if log.exists() else ""
+
+
+def test_a_finished_jobs_images_go_at_its_end_a_requeued_ones_stay_and_gc_takes_the_rest() -> None:
+    """The job epilog's `slurmckpt job-end`: a job (on two nodes: two epilogs, one of which acts) requeued by
+    `scontrol requeue` keeps its images through that run's end and restores from them; once it completes they
+    are gone within a minute of its EndTime, without gc, and its summary says so. A job requeued and held keeps them too; cancelled while pending, it ends without an
+    epilog, and `slurmckpt gc` (the timer's and cron's command) removes them."""
+    from slurmckpt import summary
+    from slurmckpt.config import Config
+    wd = workdir(USER, "jobend")
+    script = "#!/bin/bash\npython3 zdtm.py --steps {} --sleep 0.2 --tag {} --data {}.txt\n"
+    done = submit(USER, wd, script.format(100, "e", "e"), "-N2", "--checkpoint-interval=10s")   # 2 epilogs
+    held = submit(USER, wd, script.format(400, "h", "h"), "--checkpoint-interval=10s")
     for job in (done, held):
         job.wait_output(r"committed \(interval\)", timeout=120)
+    run("scontrol", "requeue", str(done.id))
     run("scontrol", "requeuehold", str(held.id))
+    for job in (done, held):            # their epilogs ran job-end, which waited for Slurm's final word
+        job.wait_for(lambda job=job: "images kept: job " in _job_end_said(job.id), "job-end keeping the images", 60)
+        assert store_of(job.id).committed()
+    done.wait_output(r"restored from checkpoint epoch", timeout=180)
+    finished = store_of(done.id)
     assert done.wait_done() == "COMPLETED"
-    finished, waiting = store_of(done.id), store_of(held.id)
-    listed = json.loads(run(CLI, "gc", "--dry-run", "--json").stdout)
-    assert any(r["kind"] == "finished-job" and r["path"] == str(finished.job_dir) for r in listed)
-    assert not any(r["path"] == str(waiting.job_dir) for r in listed)
-    assert finished.job_dir.exists()
-    run(CLI, "gc")
-    assert not finished.job_dir.exists() and waiting.job_dir.exists() and waiting.committed()
+    said = r"(?m)^(\S+ \S+),\d+ .*job end: removed .* of images: job COMPLETED$"       # logged once deleted
+    done.wait_for(lambda: re.search(said, _job_end_said(done.id)), "its images removed at its end", 60)
+    assert not finished.job_dir.exists()
+    removed = re.search(said, _job_end_said(done.id))
+    after = (datetime.fromisoformat(removed.group(1)) - datetime.fromisoformat(job_field(done.id, "EndTime"))).total_seconds()
+    print(f"\ncompleted job's images removed {after:.0f}s after its EndTime")
+    assert after < 60
+    # one node of the two acted at each end: one line for the requeue, one for the end
+    assert len(re.findall(r"job end: ", _job_end_said(done.id))) == 2, _job_end_said(done.id)
+    assert done.app_lines() == expected_lines("e", 100)
+    kept = summary.read(Config.load().summary_dir, finished.cluster, done.id)
+    assert kept["epochs"] and kept["images_removed"]["why"] == "job COMPLETED", kept
+    assert "images removed: " in run(CLI, "status", str(done.id), user=USER).stdout
+    waiting = store_of(held.id)
+    assert held.state() == "PENDING" and waiting.committed()
     run("scancel", str(held.id))
     held.wait_for(lambda: held.state() in ("CANCELLED", "GONE"), "the held job cancelled", 60)
+    listed = json.loads(run(CLI, "gc", "--dry-run", "--json").stdout)
+    assert any(r["kind"] == "finished-job" and r["path"] == str(waiting.job_dir) for r in listed), listed
     run(CLI, "gc")
     assert not waiting.job_dir.exists()

@@ -178,3 +178,28 @@ def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
     assert "\\x1b[2Jx.py" in r.output and "\\x1b]0;pwned\\x07out" in r.output
     r = CliRunner().invoke(cli, ["inspect", "--json", "77"])
     assert json.loads(r.output)["ranks"]["batch.0"]["argv"] == ["python", "\x1b[2Jx.py"]   # JSON escapes itself
+
+
+def test_inspect_shows_timings_and_sizes_as_people_read_them_and_json_keeps_the_numbers(monkeypatch, tmp_path: Path):
+    from slurmckpt.cli import lookup as lk
+    from slurmckpt.storage import JobStore
+    root = tmp_path / "images"
+    store = JobStore(root, "c", 78)
+    store.ensure()
+    store.rank_dir(1, "batch", 0).mkdir(parents=True)
+    with open(store.rank_dir(1, "batch", 0) / "pages-1.img", "wb") as f:
+        f.truncate(3 << 20)                 # sparse: the store's size, not its bytes, is what is shown
+    timings = {"criu_dump": 0.06415949600000204, "dump": 125.5, "expected_mib": 1536.0, "freeze_wait": 0.0031,
+               "persist": 12.345}
+    store.seal_rank(1, "batch", 0, {"pages-1.img": {"size": 3 << 20, "raw_size": 5 << 30}},
+                    {"kind": "image", "node": "n1", "processes": 2, "uid": 1001, "timings": timings})
+    store.commit(1, {"batch.0": {"kind": "image", "node": "n1"}}, "interval", 2)
+    monkeypatch.setattr(lk, "load_user_config", lambda: Config.from_mapping({"storage_root": str(root)}))
+    r = CliRunner().invoke(cli, ["inspect", "78"])
+    assert r.exit_code == 0, r.output
+    assert "3.0 MiB stored (5.0 GiB raw) in 1 file(s)" in r.output, r.output
+    assert ("timings: criu_dump 0.06 s, dump 2m6s, freeze_wait 0.00 s, persist 12.3 s, expected 1.5 GiB\n"
+            in r.output), r.output
+    assert "0.0641594" not in r.output
+    r = CliRunner().invoke(cli, ["inspect", "--json", "78"])
+    assert json.loads(r.output)["ranks"]["batch.0"]["timings"] == timings

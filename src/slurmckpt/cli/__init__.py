@@ -27,6 +27,7 @@ COMMANDS = {
     "policy": "slurmckpt.cli.policy:policy",
     "doctor": "slurmckpt.cli.doctor:doctor",
     "gc": "slurmckpt.cli.gc:gc",
+    "job-end": "slurmckpt.cli.gc:job_end",
 }
 
 

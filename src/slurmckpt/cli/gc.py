@@ -1,4 +1,6 @@
-"""`slurmckpt gc` (root): free what the image store no longer needs (docs/storage.md, "Garbage collection")."""
+"""`slurmckpt gc` (root): free what the image store no longer needs (docs/storage.md, "Garbage collection");
+`slurmckpt job-end` (root, started by the SPANK plugin's job epilog only): a finished job's images go at its end
+(job_end.py)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ from slurmckpt.cli.images import store_root
 from slurmckpt.cli.lookup import config
 from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, say
 from slurmckpt.errors import SlurmError
+from slurmckpt.slurm.jobrecord import MAX_ID
 
 COLUMNS = [Column("action", "ACTION"), Column("gib", "GIB", right=True), Column("path", "PATH"),
            Column("kind", "KIND"), Column("why", "WHY")]
@@ -22,7 +25,9 @@ def gc(dry_run: bool, fmt: Format) -> None:
     """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
     again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
     keeps them), uncommitted epochs whose coordinator can no longer commit them, this node's staging
-    areas whose agent is gone, and this node's empty task cgroups of finished jobs. Safe to run from cron on every node (docs/storage.md)."""
+    areas whose agent is gone, and this node's empty task cgroups of finished jobs. The job epilog removes a
+    finished job's images at its end; this is the safety net, run hourly on every node by the package's timer
+    or cron entry (docs/storage.md)."""
     from slurmckpt import reclaim
     from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.staging import Staging
@@ -46,7 +51,7 @@ def gc(dry_run: bool, fmt: Format) -> None:
         raise CliError(f"slurmctld did not say which jobs it still holds ({e}); skipped: nothing was "
                        "removed") from e
     removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
-                                   cfg.keep_finished, dry_run)
+                                   cfg.keep_finished, dry_run, cfg.summary_dir)
     removals += reclaim.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)
     rows = [{**r.as_dict(), "gib": f"{r.bytes / 2**30:.2f}",
              "action": "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")}
@@ -55,3 +60,22 @@ def gc(dry_run: bool, fmt: Format) -> None:
     freed = [r for r in removals if r.kind != "kept"]
     say(fmt, f"{len(freed)} item(s), {sum(r.bytes for r in freed) / 2**30:.2f} GiB "
              f"{'would be freed (dry run)' if dry_run else 'freed'}")
+
+
+@click.command(name="job-end", hidden=True)
+@click.option("--job", type=click.IntRange(1, MAX_ID), required=True)
+@click.option("--uid", type=click.IntRange(0, MAX_ID), required=True)
+@click.option("--node", default="", help="slurmd's name of the node whose epilog started this.")
+@click.option("--nodes", default="", help="The job's node list (a Slurm hostlist), from slurmd.")
+def job_end(job: int, uid: int, node: str, nodes: str) -> None:
+    """(root) A job left its nodes: its images go once Slurm says it is finished (started detached by the
+    SPANK plugin's job epilog only; logs to the agent log of step "end")."""
+    if os.geteuid() != 0:
+        raise CliError("job-end runs as root, started by the SPANK plugin's job epilog")
+    from slurmckpt import agentlog
+    from slurmckpt.config import load_root_config
+    from slurmckpt.job_end import JobEnd, end
+    from slurmckpt.slurm.control import CliSlurm
+    cfg = load_root_config()
+    agentlog.setup(cfg, job, "end", 0)
+    end(JobEnd(job, uid, node, nodes), cfg, CliSlurm(timeout_s=20))

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from slurmckpt.cli.lookup import JOB, config, queued
-from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown, when
+from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown, took, when
 from slurmckpt.config import Config
+from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.storage import JobStore, list_jobs
 
@@ -85,7 +86,7 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
         total = sum(f["size"] for f in m["files"].values())
         raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
         click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
-                   f"process(es), {total / 2**20:.1f} MiB stored ({raw / 2**20:.1f} MiB raw) in "
+                   f"process(es), {human_bytes(total)} stored ({human_bytes(raw)} raw) in "
                    f"{len(m['files'])} file(s), uid {shown(m.get('uid'))}")
         if m.get("argv"):
             click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
@@ -95,4 +96,18 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
             click.echo(f"    written file: {shown(t['path'])} at {shown(t['size'])} B")
         if m.get("gpu"):
             click.echo(f"    gpu: {json.dumps(m['gpu'])}")
-        click.echo(f"    timings: {json.dumps(m.get('timings', {}))}")
+        click.echo(f"    timings: {timings(m.get('timings') or {})}")
+
+
+def timings(recorded: dict) -> str:
+    """A rank's stage timings as people read them, `criu_dump 0.06 s, ...`, then the `*_mib` entries (sizes
+    the stages measured) through the one size formatter. `--json` keeps the numbers."""
+    times, sizes = [], []
+    for name, value in recorded.items():
+        if type(value) not in (int, float):
+            times.append(f"{shown(name)} {shown(value)}")
+        elif name.endswith("_mib"):
+            sizes.append(f"{shown(name.removesuffix('_mib'))} {human_bytes(round(value * 2**20))}")
+        else:
+            times.append(f"{shown(name)} {took(value)}")
+    return ", ".join(times + sizes) or "none recorded"

@@ -94,6 +94,16 @@ def say(fmt: Format, text: str) -> None:
     click.echo(text, err=fmt.quiet)
 
 
+def took(seconds: float) -> str:
+    """A duration as people read one: 0.06 s, 12.3 s, then the interval grammar's 2m5s (duration.py)."""
+    from slurmckpt.duration import format_duration
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return format_duration(round(seconds))
+
+
 def when(at: object) -> str:
     """A time stamp as Slurm's tools print one (local time, no zone), "" when there is none."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(float(at))) if isinstance(at, (int, float)) else ""

@@ -146,6 +146,10 @@ def _details(cfg, r: dict, fmt: Format) -> None:
             emit(Format("text"), EPOCH_COLUMNS,
                  [{**e, "committed": when(e["committed_at"]), "size": human_bytes(e["bytes"]),
                    "nodes": ",".join(e.get("nodes", []))} for e in epochs])
+        gone = info.get("images_removed")
+        if gone:
+            click.echo(f"images removed: {when(gone.get('at'))} ({shown(gone.get('why'))}); the epochs above are "
+                       "what the job had")
         for w in info.get("withdrawn") or []:
             click.echo(f"withdrawn: epoch {w.get('epoch')}: {shown(w.get('reason'))}")
         failed = (info.get("failed_captures") or [None])[0]
