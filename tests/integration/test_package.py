@@ -60,7 +60,7 @@ def test_the_commands_run_with_debians_python_and_the_man_pages_are_there(deb: P
     assert run("/usr/bin/python3", "-c", "import slurmckpt; print(slurmckpt.__file__)",
                cwd=Path("/")).stdout.strip() == str(SITE / "__init__.py")
     out = run("/usr/bin/slurmckpt", "policy", "show", "-P").stdout
-    assert out.startswith("SCOPE|ALLOWED|DEFAULT_INTERVAL|MIN_INTERVAL|SETTINGS\n")
+    assert out.startswith("SCOPE|ALLOWED|DEFAULT_INTERVAL|MIN_INTERVAL|MAX_INTERVAL|SETTINGS\n")
     p = run("/usr/bin/slurmckpt", "status", "999999999", check=False)
     assert p.returncode == 1 and p.stderr == "slurmckpt: error: Invalid job id specified: 999999999\n"
     assert run("man", "-w", "slurmckpt").stdout.strip() == "/usr/share/man/man1/slurmckpt.1.gz"

@@ -27,11 +27,21 @@ PEERCRED = ("import socket, struct, sys; s = socket.socket(socket.AF_UNIX); s.co
             "print(*struct.unpack('3i', s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1:])")
 
 
+def parent_pid(pid: str) -> str:
+    """`pid`'s parent, or "" once it has gone (a slurmd child may end between pgrep and here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except FileNotFoundError:
+        return ""
+
+
 def node_slurmd_pid(node_name: str) -> str:
     """The slurmd of `node_name`: its mount namespace is the node's (scripts/cluster.sh)."""
     pids = run("pgrep", "-x", "-f", f"slurmd -N {node_name}").stdout.split()
-    assert len(pids) == 1, f"slurmd of {node_name}: {pids}"
-    return pids[0]
+    # slurmd forks briefly (to start a slurmstepd, to run a prolog): a child has the same command line
+    daemons = [p for p in pids if parent_pid(p) not in pids + [""]]
+    assert len(daemons) == 1, f"slurmd of {node_name}: {pids}"
+    return daemons[0]
 
 
 def listener_identity(path: Path) -> tuple[int, int]:
