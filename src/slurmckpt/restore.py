@@ -42,12 +42,12 @@ def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | N
 
 def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
     key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
-    ipc.check_shared_files(manifest.get("shared_files", []), key, p.creds,
-                           same_node=manifest.get("node") == socket.gethostname())
+    shared, truncate = files_to_check(manifest)
+    ipc.check_shared_files(shared, key, p.creds, same_node=manifest.get("node") == socket.gethostname())
     output_snapshot.rewrite(manifest, rdir, stdio)
     if manifest["kind"] == "replay":
         return None, manifest
-    _truncate_written_files(manifest["truncate"], p.creds)
+    _truncate_written_files(truncate, p.creds)
     try:
         shm_files.put_back(p.creds, manifest.get("shm_files", []), rdir, key)
     except PermissionDenied as err:
@@ -131,6 +131,16 @@ def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:
     if p.cgroup.pids():
         raise RestoreError(f"the restored tree did not die after a failed restore: {p.cgroup.pids()}",
                            step=p.step, rank=p.rank)
+
+
+def files_to_check(manifest: dict) -> tuple[list[dict], list[dict]]:
+    """The files mapped shared with another rank, and the files the tree writes, that the restore must find
+    as they were at the capture: those /dev/shm files whose saved bytes it writes back are left out. Their
+    content now does not matter, and on this node another rank's restore may be writing them back at this
+    very moment (a size of 0 B mid-write is no change made outside the job)."""
+    rewritten = {e["name"] for e in manifest.get("shm_files", [])}
+    return ([e for e in manifest.get("shared_files", []) if e["path"] not in rewritten],
+            [e for e in manifest["truncate"] if e["path"] not in rewritten])
 
 
 def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:
