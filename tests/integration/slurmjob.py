@@ -25,6 +25,9 @@ def task_cgroups(job_id: int) -> list[TaskCgroup]:
     from slurmckpt.task_cgroup import TaskCgroup, default_root
     return [TaskCgroup(p, tree) for p in sorted(default_root().glob(f"{job_id}.*")) if (tree := TreeName.parse(p.name))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
+# pgrep limited to this PID namespace: the Slurm 24.11/26.05 roots beside the host cluster (scripts/test-suites.sh)
+# run daemons, agents and coordinators with the same command lines in PID namespaces of their own
+PGREP_HERE = ("pgrep", "--ns", str(os.getpid()), "--nslist", "pid")
 AGENT_LOGS = Path("/var/log/slurmckpt")
 
 

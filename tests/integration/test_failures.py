@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurmjob import task_cgroups, run, submit, workdir
+from tests.integration.slurmjob import task_cgroups, run, submit, workdir, PGREP_HERE
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from exchange import expected_lines  # noqa: E402
@@ -48,7 +48,7 @@ def manual_checkpoint(job) -> None:
 
 
 def pids(pattern: str) -> list[str]:
-    return run("pgrep", "-f", pattern, check=False).stdout.split()
+    return run(*PGREP_HERE, "-f", pattern, check=False).stdout.split()
 
 
 def frozen_trees(job_id: int) -> list[str]:

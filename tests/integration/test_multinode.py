@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.slurmjob import run, submit, workdir
+from tests.integration.slurmjob import run, submit, workdir, PGREP_HERE
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from exchange import expected_lines  # noqa: E402
@@ -73,7 +73,7 @@ def test_killed_agent_aborts_epochs_job_runs_on_and_previous_commit_restores() -
     wd = workdir(USER, "mn-agentkill")
     job = submit(USER, wd, RING.format(steps=400), "-N2", "--ntasks-per-node=1", "--checkpoint-interval=10s")
     job.wait_output(r"committed \(interval\): 3 rank")
-    agent = run("pgrep", "-f", f"slurmckpt agent .*--job {job.id} --step 0 --rank 1 ").stdout.split()
+    agent = run(*PGREP_HERE, "-f", f"slurmckpt agent .*--job {job.id} --step 0 --rank 1 ").stdout.split()
     assert agent, "no agent found for rank 0.1"
     run("kill", "-9", *agent)
     job.wait_output(r"ABORTED", timeout=60)

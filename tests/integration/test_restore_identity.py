@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.integration.slurmjob import RESTORE_OUTCOME, Job, node, release_expect_fallback, run, submit, workdir
+from tests.integration.slurmjob import RESTORE_OUTCOME, Job, node, release_expect_fallback, run, submit, workdir, PGREP_HERE
 
 USER, OTHER = "ckptuser1", "ckptuser2"
 ROOT_DIR = Path("/var/lib/slurmckpt-test")
@@ -37,7 +37,7 @@ def parent_pid(pid: str) -> str:
 
 def node_slurmd_pid(node_name: str) -> str:
     """The slurmd of `node_name`: its mount namespace is the node's (scripts/cluster.sh)."""
-    pids = run("pgrep", "-x", "-f", f"slurmd -N {node_name}").stdout.split()
+    pids = run(*PGREP_HERE, "-x", "-f", f"slurmd -N {node_name}").stdout.split()
     # slurmd forks briefly (to start a slurmstepd, to run a prolog): a child has the same command line
     daemons = [p for p in pids if parent_pid(p) not in pids + [""]]
     assert len(daemons) == 1, f"slurmd of {node_name}: {pids}"

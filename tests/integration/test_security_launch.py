@@ -17,7 +17,7 @@ from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName
 from slurmckpt.launch import Credentials
 from slurmckpt.task_cgroup import TaskCgroup
-from tests.integration.slurmjob import node, proctrack_delegate, run, site_config, submit, task_cgroups, workdir
+from tests.integration.slurmjob import node, proctrack_delegate, run, site_config, submit, task_cgroups, workdir, PGREP_HERE
 from tests.integration.test_security import _agent_and_attacker
 
 USER = "ckptuser1"
@@ -168,7 +168,7 @@ def _v1_trees(job_id: int) -> list[TaskCgroup]:
 
 
 def _pgrep(pattern: str) -> list[int]:
-    return [int(p) for p in run("pgrep", "-f", pattern, check=False).stdout.split()]
+    return [int(p) for p in run(*PGREP_HERE, "-f", pattern, check=False).stdout.split()]
 
 
 def _alive(pid: int) -> bool:
