@@ -73,12 +73,13 @@ def test_capture_over_quota_is_refused_job_runs_on_and_restores_the_previous_com
     job.wait_output(r"restored from checkpoint epoch", timeout=240)
     job.wait_output(r"ABORTED \(rank [^,]+, node [^,]+, stage space\): .*capture refused: job \d+'s images would take .* over quota_job",
                     timeout=120)
-    assert job.wait_done() == "COMPLETED"
-    assert job.app_lines() == expected_lines("q", 260)
+    # while the job runs: once it has completed, its end removes its images (test_job_end.py)
     store = store_of(job.id)
     assert len(store.committed()) >= 1
     for e in store.committed():
         store.verify_rank(e["epoch"], "batch", 0, full=True)
+    assert job.wait_done() == "COMPLETED"
+    assert job.app_lines() == expected_lines("q", 260)
 
 
 def test_persist_failure_after_the_thaw_leaves_the_epoch_uncommitted(config_keys) -> None:
