@@ -36,13 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
-from slurmckpt import proctree  # noqa: E402
+from slurmckpt.node import proctree  # noqa: E402
 from slurmckpt.config import Config  # noqa: E402
-from slurmckpt.criu import COMMON, CriuDriver  # noqa: E402
+from slurmckpt.criu.driver import COMMON, CriuDriver  # noqa: E402
 from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
 from slurmckpt.identity import TreeName  # noqa: E402
-from slurmckpt.task_cgroup import TaskCgroup  # noqa: E402
-from slurmckpt.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
+from slurmckpt.node.task_cgroup import TaskCgroup  # noqa: E402
+from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
 from slurmckpt.pipeline import RankPipeline  # noqa: E402
 from slurmckpt.restore import restore_rank  # noqa: E402
 from slurmckpt.rank_images import StorePolicy  # noqa: E402

@@ -16,19 +16,21 @@ from pathlib import Path
 
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config
-from slurmckpt.criu import CriuDriver
+from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.events import AgentEvents
 from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import durable, ipc, lease, packet_filter, pmi, procfs, watchdog
+from slurmckpt import durable, ipc, lease, pmi, procfs
+from slurmckpt.node import watchdog
+from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.interruptions import PartitionHistory, QUERY_TIMEOUT_S
 from slurmckpt.interruptions import answer as interruption_answer
-from slurmckpt.launch import Credentials, init_home, relay_dir, spawn_tree
-from slurmckpt.peer import Peer
+from slurmckpt.node.launch import Credentials, init_home, relay_dir, spawn_tree
+from slurmckpt.node.peer import Peer
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
@@ -37,7 +39,7 @@ from slurmckpt import reclaim, summary
 from slurmckpt.slurm.control import CliSlurm, other_node_addresses, this_node
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.storage import JobStore, atomic_write_json, rank_name
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 from slurmckpt import validate
 
 log = logging.getLogger("slurmckpt.agent")

@@ -20,7 +20,7 @@ from slurmckpt.duration import interval_arg
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.events import AgentEvents, SlurmdLog, Task
 from slurmckpt.metrics import NodeMetrics, node_name
-from slurmckpt.peer import Peer
+from slurmckpt.node.peer import Peer
 from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment
 from slurmckpt.slurm.control import CliSlurm, job_record

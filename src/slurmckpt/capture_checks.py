@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from slurmckpt import crossnode, ghost, ipc, netlock, proctree
+from slurmckpt import crossnode, ghost, ipc, netlock
+from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from slurmckpt import netlock
 from slurmckpt.errors import RestoreError
-from slurmckpt.packet_filter import Drop, PacketFilter
-from slurmckpt.proctree import TcpConnection
+from slurmckpt.node.packet_filter import Drop, PacketFilter
+from slurmckpt.node.proctree import TcpConnection
 
 log = logging.getLogger("slurmckpt.crossnode")
 

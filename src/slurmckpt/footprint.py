@@ -18,9 +18,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import host_memory, procfs
-from slurmckpt.gpu import GpuStage, GpuUse
-from slurmckpt.host_memory import Headroom
+from slurmckpt import procfs
+from slurmckpt.node import host_memory
+from slurmckpt.cuda.interface import GpuStage, GpuUse
+from slurmckpt.node.host_memory import Headroom
 
 MEMORY_FIELDS = ("RssAnon", "RssShmem", "VmSwap")     # /proc/PID/status, kB
 

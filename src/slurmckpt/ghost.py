@@ -9,7 +9,7 @@ so the limit is sized from what the tree holds (proctree.deleted_files), bounded
 from __future__ import annotations
 
 from slurmckpt.errors import CaptureError
-from slurmckpt.proctree import DeletedFile
+from slurmckpt.node.proctree import DeletedFile
 
 CRIU_DEFAULT = 1 << 20          # criu's own --ghost-limit
 

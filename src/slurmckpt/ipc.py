@@ -35,10 +35,11 @@ from pathlib import Path
 
 import xxhash
 
-from slurmckpt import asuser, netlock, procfs
+from slurmckpt import netlock, procfs
+from slurmckpt.node import asuser
 from slurmckpt.identity import TreeName
 from slurmckpt.errors import PermissionDenied, RestoreError
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 from slurmckpt.storage import file_checksum
 
 SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET

@@ -26,8 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from slurmckpt import procfs, proctree
-from slurmckpt.packet_filter import Drop, PacketFilter
+from slurmckpt import procfs
+from slurmckpt.node import proctree
+from slurmckpt.node.packet_filter import Drop, PacketFilter
 
 log = logging.getLogger("slurmckpt.netlock")
 

@@ -20,9 +20,10 @@ import struct
 import termios
 import time
 
-from slurmckpt import asuser, procfs
+from slurmckpt import procfs
+from slurmckpt.node import asuser
 from slurmckpt.errors import SlurmckptError
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 log = logging.getLogger("slurmckpt.output_pipes")
 

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurmckpt import asuser, procfs, proctree, sparse
+from slurmckpt import procfs, sparse
+from slurmckpt.node import asuser
+from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError, RestoreError
 
 FDS = (1, 2)

@@ -25,18 +25,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slurmckpt import (capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs,
-                       proctree, rank_images, shm_files, space, tcp_ports)
-from slurmckpt.criu import CheckpointEngine
+from slurmckpt import capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs, rank_images, shm_files, space, tcp_ports
+from slurmckpt.node import proctree
+from slurmckpt.criu.driver import CheckpointEngine
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.footprint import Footprint, measure as measure_footprint
-from slurmckpt.gpu import GpuStage
-from slurmckpt.launch import Credentials
-from slurmckpt.packet_filter import Iptables, PacketFilter
+from slurmckpt.cuda.interface import GpuStage
+from slurmckpt.node.launch import Credentials
+from slurmckpt.node.packet_filter import Iptables, PacketFilter
 from slurmckpt.rank_images import StorePolicy
 from slurmckpt.storage import JobStore
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.pipeline")
 

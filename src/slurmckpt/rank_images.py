@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from slurmckpt import lease, output_snapshot, proctree, reclaim, shm_files, space
+from slurmckpt import lease, output_snapshot, reclaim, shm_files, space
+from slurmckpt.node import proctree
 from slurmckpt.compression import PLAIN, Plain, Zstd
 from slurmckpt.coordinator import budget
 from slurmckpt.durable import free_bytes

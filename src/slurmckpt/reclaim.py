@@ -30,7 +30,7 @@ from slurmckpt.durable import is_temp
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.identity import TreeName
 from slurmckpt.staging import Staging
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 from slurmckpt.storage import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 log = logging.getLogger("slurmckpt.reclaim")

@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slurmckpt import (asuser, crossnode, ipc, netlock, output_snapshot, pmi, proctree, rank_images, shm_files,
-                       tcp_ports)
-from slurmckpt.criu import InheritedFd
+from slurmckpt import crossnode, ipc, netlock, output_snapshot, pmi, rank_images, shm_files, tcp_ports
+from slurmckpt.node import asuser
+from slurmckpt.node import proctree
+from slurmckpt.criu.driver import InheritedFd
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 if TYPE_CHECKING:
     from slurmckpt.pipeline import RankPipeline

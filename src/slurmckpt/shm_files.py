@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import asuser, criu_images, netlock, procfs, sparse
+from slurmckpt import netlock, procfs, sparse
+from slurmckpt.node import asuser
+from slurmckpt.criu import images as criu_images
 from slurmckpt.errors import PermissionDenied
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 SHM_DIR = "/dev/shm"
 DELETED = " (deleted)"

@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 
-from slurmckpt import pmi, procfs, proctree, task_defaults
+from slurmckpt import pmi, procfs, task_defaults
+from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks

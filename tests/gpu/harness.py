@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from slurmckpt import proctree  # noqa: E402
+from slurmckpt.node import proctree  # noqa: E402
 
 CARRY = REPO / ".carry" / "criu"
 CRIU = os.environ.get("SLURMCKPT_CRIU") or str(CARRY / "criu")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from slurmckpt.task_cgroup import TaskCgroup
+    from slurmckpt.node.task_cgroup import TaskCgroup
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
@@ -22,7 +22,7 @@ WORKLOADS = Path(__file__).parent / "workloads"
 def task_cgroups(job_id: int) -> list[TaskCgroup]:
     """The cgroups of this job's checkpointable trees on this host (all nodes share the kernel)."""
     from slurmckpt.identity import TreeName
-    from slurmckpt.task_cgroup import TaskCgroup, default_root
+    from slurmckpt.node.task_cgroup import TaskCgroup, default_root
     return [TaskCgroup(p, tree) for p in sorted(default_root().glob(f"{job_id}.*")) if (tree := TreeName.parse(p.name))]
 WORK_ROOT = Path("/var/tmp/slurmckpt-work")
 # pgrep limited to this PID namespace: the Slurm 24.11/26.05 roots beside the host cluster (scripts/test-suites.sh)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.config import Config
-from slurmckpt.criu import CriuDriver
+from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.errors import CriuInterrupted
 
 

@@ -16,7 +16,7 @@ USER = "ckptuser1"
 PYTHON = "/opt/slurmckpt/venv/bin/python"
 HOLD = r"""
 import socket, subprocess
-from slurmckpt.packet_filter import Drop, Nftables, libnftables_run
+from slurmckpt.node.packet_filter import Drop, Nftables, libnftables_run
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
 cli = socket.create_connection(srv.getsockname()); conn, _ = srv.accept()

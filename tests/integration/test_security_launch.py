@@ -12,11 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
-from slurmckpt import asuser
+from slurmckpt.node import asuser
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName
-from slurmckpt.launch import Credentials
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.launch import Credentials
+from slurmckpt.node.task_cgroup import TaskCgroup
 from tests.integration.slurmjob import node, proctrack_delegate, run, site_config, submit, task_cgroups, workdir, PGREP_HERE
 from tests.integration.test_security import _agent_and_attacker
 

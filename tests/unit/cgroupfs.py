@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import task_cgroup
+from slurmckpt.node import task_cgroup
 
 
 def fake_rmdir(monkeypatch: pytest.MonkeyPatch) -> list[str]:

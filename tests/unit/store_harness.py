@@ -11,7 +11,7 @@ from pathlib import Path
 
 from slurmckpt.compression import Zstd
 from slurmckpt.identity import TreeName
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 from slurmckpt.persist import Priority, materialize
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.rank_images import StorePolicy

@@ -219,7 +219,7 @@ def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_
     """100 GB of GPU state and 4 GB of host memory, one more tree of the job on the node: criu's timeout and
     the watchdog's frozen limit follow the node's disk rate, never below the configured floor."""
     from slurmckpt.footprint import Footprint
-    from slurmckpt.gpu import GpuUse
+    from slurmckpt.cuda.interface import GpuUse
 
     def size(epoch):
         a.pipeline.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)

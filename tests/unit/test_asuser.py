@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from slurmckpt import asuser
+from slurmckpt.node import asuser
 from slurmckpt.errors import PermissionDenied
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 ME = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
 

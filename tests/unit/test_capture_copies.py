@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import output_snapshot, proctree, space, sparse
+from slurmckpt import output_snapshot, space, sparse
+from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.staging import Staging
 from slurmckpt.storage import JobStore

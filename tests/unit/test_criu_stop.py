@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt.criu import STOP_SIGNAL, CriuDriver
+from slurmckpt.criu.driver import STOP_SIGNAL, CriuDriver
 from slurmckpt.errors import CriuError, CriuInterrupted
 
 

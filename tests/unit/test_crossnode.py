@@ -9,8 +9,8 @@ import pytest
 
 from slurmckpt import crossnode
 from slurmckpt.errors import RestoreError
-from slurmckpt.packet_filter import Iptables
-from slurmckpt.proctree import TcpConnection
+from slurmckpt.node.packet_filter import Iptables
+from slurmckpt.node.proctree import TcpConnection
 
 A, B = "10.77.0.1:40000", "10.77.0.2:5000"
 
@@ -83,7 +83,8 @@ def test_connections_are_closed_or_held_as_the_check_sorted_them_never_by_what_i
     (all trees running) sorted as outside is restored closed; a connection it did not sort is kept."""
     from types import SimpleNamespace
 
-    from slurmckpt import capture_checks, proctree
+    from slurmckpt import capture_checks
+    from slurmckpt.node import proctree
     client = TcpConnection("10.77.0.1:8000", "10.0.0.9:51000", "10.0.0.9", 21, True)
     other_node = TcpConnection(A, B, "10.77.0.2", 22, False)
     same_node_rank = TcpConnection("10.77.0.1:40002", "10.77.0.1:5001", "10.77.0.1", 23, False)  # peer just died

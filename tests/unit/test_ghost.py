@@ -12,7 +12,7 @@ import pytest
 from slurmckpt import ghost
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError, ConfigError
-from slurmckpt.proctree import DeletedFile, deleted_files
+from slurmckpt.node.proctree import DeletedFile, deleted_files
 
 MiB = 1 << 20
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import host_memory, procfs
+from slurmckpt import procfs
+from slurmckpt.node import host_memory
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.fake_nvml import FakeNvml, FakeNvmlGpu
@@ -16,8 +17,8 @@ from slurmckpt.cuda.inventory import NvmlInventory, NvmlUnavailable
 from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.cuda.stage import GpuUnsupportedError, PipelineGpu
 from slurmckpt.footprint import Footprint, measure, tree_memory
-from slurmckpt.gpu import GpuUse, NullGpu
-from slurmckpt.host_memory import Headroom
+from slurmckpt.cuda.interface import GpuUse, NullGpu
+from slurmckpt.node.host_memory import Headroom
 
 GIB = 1 << 30
 GPUS = fake_gpus(2)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from slurmckpt import proctree
+from slurmckpt.node import proctree
 
 MAKES_A_RING = """
 import ctypes, os, sys, time

@@ -13,8 +13,8 @@ import pytest
 
 from slurmckpt import ipc
 from slurmckpt.identity import TreeName
-from slurmckpt.launch import Credentials
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.launch import Credentials
+from slurmckpt.node.task_cgroup import TaskCgroup
 
 OTHER = "job 9 step 0 rank 1"
 

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import instance, ipc, proctree, task_defaults
+from slurmckpt import instance, ipc, task_defaults
+from slurmckpt.node import proctree
 from slurmckpt.config import Config
 from slurmckpt.identity import TreeName
 from slurmckpt.instance import JobInstance, claim, mismatch
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.jobrecord import expand_hostlist, gpu_indices, parse_record
 from slurmckpt.storage import JobStore
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 
 # `squeue --json` on this cluster (Slurm 22.05.8, openapi/v0.0.38), trimmed to the fields read and the ones a
 # user writes: a two-node GPU job named and run from a directory that spell out other Slurm fields (`scontrol

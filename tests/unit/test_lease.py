@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import lease, persist, proctree, reclaim, space
+from slurmckpt import lease, persist, reclaim, space
+from slurmckpt.node import proctree
 from slurmckpt.staging import Staging
 from slurmckpt.storage import JobStore
 from store_harness import Tree, images, pipeline, read_back

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurmckpt import netlock
-from slurmckpt.packet_filter import Iptables, Nftables
+from slurmckpt.node.packet_filter import Iptables, Nftables
 
 A, B = "127.0.0.1:40000", "127.0.0.1:50000"
 TAG = "slurmckpt job 7"

@@ -8,7 +8,7 @@ import threading
 import time
 
 from slurmckpt import output_pipes
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 ME = Credentials(os.getuid(), os.getgid(), (), ())
 NOBODY = Credentials(65534, 65534, (), ())

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from slurmckpt import launch, proctree
-from slurmckpt.criu import CriuDriver, InheritedFd
+from slurmckpt.node import launch
+from slurmckpt.node import proctree
+from slurmckpt.criu.driver import CriuDriver, InheritedFd
 from tests.unit.smallfs import require_root
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slurmckpt import packet_filter
-from slurmckpt.packet_filter import Drop, Nftables
+from slurmckpt.node import packet_filter
+from slurmckpt.node.packet_filter import Drop, Nftables
 
 TAG = "slurmckpt job 7"
 DROPS = [Drop("10.77.0.1", 40000, "10.77.0.2", 5000), Drop("10.77.0.2", 5000, "10.77.0.1", 40000)]

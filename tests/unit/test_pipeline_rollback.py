@@ -10,9 +10,9 @@ import pytest
 
 from slurmckpt.cuda.stage import GpuRollbackError
 from slurmckpt.errors import CaptureError, CriuError, CriuInterrupted, GpuError, TaskEnded
-from slurmckpt.gpu import GpuUse
+from slurmckpt.cuda.interface import GpuUse
 from slurmckpt.identity import TreeName
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
 from slurmckpt.compression import Zstd
 from slurmckpt.persist import Priority
@@ -308,7 +308,7 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     """GPU tasks run in the host PID namespace: the init's death does not take the tree with it. On a v1
     freezer every pid of the cgroup is killed while it is frozen, then the cgroup is thawed."""
     import subprocess
-    from slurmckpt.task_cgroup import TaskCgroup
+    from slurmckpt.node.task_cgroup import TaskCgroup
     procs = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
     cg = tmp_path / "cg"
     cg.mkdir()

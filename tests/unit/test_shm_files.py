@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import criu_images, shm_files
+from slurmckpt import shm_files
+from slurmckpt.criu import images as criu_images
 
 
 def _varint(n: int) -> bytes:
@@ -103,7 +104,7 @@ def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     if os.getuid() != 0:
         pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
     from slurmckpt.errors import PermissionDenied
-    from slurmckpt.launch import Credentials
+    from slurmckpt.node.launch import Credentials
     nobody = Credentials(65534, 65534, (), ())
     tmp_path = Path(tempfile.mkdtemp(prefix="shm-files-"))      # pytest's tmp_path is root's alone (0700)
     shm = tmp_path / "shm"
@@ -137,7 +138,7 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
     would put old slots under new counters) but still links its own link_remap name."""
     if os.getuid() != 0:
         pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
-    from slurmckpt.launch import Credentials
+    from slurmckpt.node.launch import Credentials
     nobody = Credentials(65534, 65534, (), ())
     tmp_path = Path(tempfile.mkdtemp(prefix="shm-once-"))
     try:
@@ -191,7 +192,7 @@ def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock(
     import threading
     import time
     from slurmckpt.errors import PermissionDenied
-    from slurmckpt.launch import Credentials
+    from slurmckpt.node.launch import Credentials
     nobody = Credentials(65534, 65534, (), ())
     tmp_path = Path(tempfile.mkdtemp(prefix="shm-fifo-"))
     try:
@@ -240,7 +241,7 @@ def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_pat
             files = shm_files.held([os.getpid()], os.getuid())
             mine = [f for f in files if f.name == str(seg)]
             assert mine and mine[0].allocated == st.st_blocks * 512 < 1 << 20
-            from slurmckpt.launch import Credentials
+            from slurmckpt.node.launch import Credentials
             me = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
             charged: list[tuple[int, str, int]] = []
             entries = shm_files.save(me, mine, tmp_path, lambda n, name, size: charged.append((n, name, size)))

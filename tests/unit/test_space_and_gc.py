@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmckpt import cli, proctree, reclaim, space
+from slurmckpt import cli, reclaim, space
+from slurmckpt.node import proctree
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError
 from slurmckpt.instance import JobInstance, claim

@@ -24,7 +24,7 @@ import pytest
 
 from slurmckpt.channel import Channel
 from slurmckpt.errors import PermissionDenied, ProtocolError
-from slurmckpt.launch import relay_dir
+from slurmckpt.node.launch import relay_dir
 from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay, request_of
 from slurmckpt.srun_standin import REAL_SRUN, RELAY, connect, exec_real, install
 

@@ -10,7 +10,7 @@ import pytest
 
 from slurmckpt import ipc, procfs
 from slurmckpt.identity import TreeName
-from slurmckpt.task_cgroup import LABEL, SlurmV2Placement, TaskCgroup, find_slurm_v2
+from slurmckpt.node.task_cgroup import LABEL, SlurmV2Placement, TaskCgroup, find_slurm_v2
 
 STEP = "system.slice/node1_slurmstepd.scope/3f2a9c1e-sluid/step_0"     # no job_<id>: names are not read
 
@@ -136,5 +136,5 @@ def test_the_jobs_other_trees_are_found_by_label(tmp_path: Path, xattrs: dict) -
 def test_slurm_cgroups_of_the_job_are_recognised_by_job_id_or_step_shape(path: str, ok: bool) -> None:
     """v1/hybrid: the task's cgroups that the tree joins are the job's own step cgroups, named by job id or
     (Slurm 26.05) by SLUID with the step below it; nothing outside a step of this job."""
-    from slurmckpt.task_cgroup import _slurm_step_path
+    from slurmckpt.node.task_cgroup import _slurm_step_path
     assert _slurm_step_path(path, 7) is ok

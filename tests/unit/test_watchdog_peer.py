@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import reclaim, watchdog
+from slurmckpt import reclaim
+from slurmckpt.node import watchdog
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName
-from slurmckpt.task_cgroup import TaskCgroup
-from slurmckpt.peer import Peer
+from slurmckpt.node.task_cgroup import TaskCgroup
+from slurmckpt.node.peer import Peer
 from cgroupfs import fake_rmdir
 
 

@@ -58,7 +58,7 @@ def check_config(r: Report) -> Config | None:
 
 
 def check_criu(r: Report, cfg: Config) -> None:
-    from slurmckpt.criu import MIN_VERSION, CriuDriver
+    from slurmckpt.criu.driver import MIN_VERSION, CriuDriver
     criu = CriuDriver(cfg.criu_path)
     if not (shutil.which(cfg.criu_path) or Path(cfg.criu_path).exists()):
         r.add(False, "criu", f"{cfg.criu_path} not found")
@@ -78,7 +78,7 @@ def check_criu(r: Report, cfg: Config) -> None:
 
 def check_network_lock(r: Report, cfg: Config) -> None:
     """Which packet filter holds TCP around dumps and restores here (packet_filter.py), and that it works."""
-    from slurmckpt import packet_filter
+    from slurmckpt.node import packet_filter
     method = packet_filter.method(cfg.network_lock)
     why = {"iptables": "iptables-restore found", "nftables": "no iptables here"}[method] \
         if cfg.network_lock == "auto" else f"network_lock: {cfg.network_lock}"

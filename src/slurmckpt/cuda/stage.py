@@ -30,7 +30,7 @@ from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, n
                                      unsupported_reasons)
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError, LockContended
-from slurmckpt.gpu import GpuUse
+from slurmckpt.cuda.interface import GpuUse
 
 log = logging.getLogger("slurmckpt.cuda")
 
@@ -325,7 +325,7 @@ class NullGpuStage:
 
 
 class PipelineGpu:
-    """slurmckpt.gpu.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
+    """slurmckpt.cuda.interface.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
     footprint(pids) sizes the tree's GPU state through NVML (cuda/inventory.py) before anything is locked;
     lock(pids) picks the CUDA stage or the null one; restore(record, pids) remaps onto the GPUs visible now:
     `visible_devices` is the new task's GPU list in CUDA_VISIBLE_DEVICES form (the agent takes it from Slurm's

@@ -13,7 +13,7 @@ import subprocess
 import time
 from typing import Protocol
 
-from slurmckpt import proctree
+from slurmckpt.node import proctree
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm import jobrecord, queue
 from slurmckpt.slurm.jobrecord import JobRecord

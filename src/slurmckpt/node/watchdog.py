@@ -13,7 +13,7 @@ import os
 import select
 import time
 
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.watchdog")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from slurmckpt import procfs
 from slurmckpt.errors import PermissionDenied, SlurmckptError
-from slurmckpt.task_cgroup import TaskCgroup
+from slurmckpt.node.task_cgroup import TaskCgroup
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurmckpt import procfs
-from slurmckpt.task_cgroup import cgroup_mounts
+from slurmckpt.node.task_cgroup import cgroup_mounts
 
 V1_UNLIMITED = 1 << 62       # v1 reports "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 bytes)
 

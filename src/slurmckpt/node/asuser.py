@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from slurmckpt.errors import PermissionDenied
-from slurmckpt.launch import Credentials
+from slurmckpt.node.launch import Credentials
 
 OPEN_TIMEOUT_S = 30.0           # an open (or a short action) on a local path answers in milliseconds
 COPY_BYTES_PER_S = 100 << 20    # well below a page-cache or tmpfs copy: the budget of a copy as the user

@@ -1,0 +1,2 @@
+"""criu."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""node."""
+from __future__ import annotations
