@@ -39,7 +39,7 @@ sys.path[:0] = [str(REPO / "src"), str(REPO)]
 from slurmckpt.coordinator.client import REPLIES  # noqa: E402
 from slurmckpt.coordinator.protocol import LineReader, Sealer, encode_prefix, new_token, parse_line  # noqa: E402
 from slurmckpt.coordinator.server import Coordinator  # noqa: E402
-from slurmckpt.storage import JobStore  # noqa: E402
+from slurmckpt.store.jobstore import JobStore  # noqa: E402
 
 TARGET_S = 0.050
 

@@ -46,7 +46,7 @@ from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_hom
 from slurmckpt.pipeline import RankPipeline  # noqa: E402
 from slurmckpt.restore import restore_rank  # noqa: E402
 from slurmckpt.rank_images import StorePolicy  # noqa: E402
-from slurmckpt.storage import JobStore  # noqa: E402
+from slurmckpt.store.jobstore import JobStore  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
 

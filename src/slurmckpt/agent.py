@@ -19,10 +19,12 @@ from slurmckpt.config import Config
 from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.events import AgentEvents
-from slurmckpt.fresh_start import FailureReporter, coordinator_verdict, reason_of
-from slurmckpt.instance import JobInstance, claim, mismatch, moved_aside_notes
+from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict, reason_of
+from slurmckpt.store.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import durable, ipc, lease, pmi, procfs
+from slurmckpt import ipc, pmi, procfs
+from slurmckpt.store import lease
+from slurmckpt.store import durable
 from slurmckpt.node import watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
@@ -35,10 +37,11 @@ from slurmckpt.pipeline import RankPipeline
 from slurmckpt.restore import restore_rank
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank_images import StorePolicy
-from slurmckpt import reclaim, summary
+from slurmckpt.store import summary
+from slurmckpt.store import reclaim
 from slurmckpt.slurm.control import CliSlurm, other_node_addresses, this_node
 from slurmckpt.slurm.jobrecord import JobRecord
-from slurmckpt.storage import JobStore, atomic_write_json, rank_name
+from slurmckpt.store.jobstore import JobStore, atomic_write_json, rank_name
 from slurmckpt.node.task_cgroup import TaskCgroup
 from slurmckpt import validate
 

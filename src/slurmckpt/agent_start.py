@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import agentlog, durable
+from slurmckpt import agentlog
+from slurmckpt.store import durable
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
@@ -25,7 +26,7 @@ from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment
 from slurmckpt.slurm.control import CliSlurm, job_record
 from slurmckpt.slurm.jobrecord import JobRecord
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 log = logging.getLogger("slurmckpt.agent")
 

@@ -168,8 +168,8 @@ class Config:
     source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        from slurmckpt.compression import from_settings
-        from slurmckpt.persist import IOPRIO_CLASSES
+        from slurmckpt.store.compression import from_settings
+        from slurmckpt.store.persist import IOPRIO_CLASSES
         from_settings(self.compression, self.compression_level, self.compression_threads)
         if not 0 <= self.persist_nice <= 19:
             raise ConfigError(f"key 'persist_nice': bad value {self.persist_nice!r}: want 0..19")
@@ -184,7 +184,7 @@ class Config:
             raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
 
     def codec(self):
-        from slurmckpt.compression import from_settings
+        from slurmckpt.store.compression import from_settings
         return from_settings(self.compression, self.compression_level, self.compression_threads)
 
     def stall(self) -> tuple[str, float] | None:

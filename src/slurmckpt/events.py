@@ -19,11 +19,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from slurmckpt import summary
+from slurmckpt.store import summary
 from slurmckpt.config import Config
 from slurmckpt.metrics import NodeMetrics
 from slurmckpt.slurm.comment import JobComment, one_line
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 log = logging.getLogger("slurmckpt.events")
 

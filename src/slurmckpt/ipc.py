@@ -40,7 +40,7 @@ from slurmckpt.node import asuser
 from slurmckpt.identity import TreeName
 from slurmckpt.errors import PermissionDenied, RestoreError
 from slurmckpt.node.launch import Credentials
-from slurmckpt.storage import file_checksum
+from slurmckpt.store.jobstore import file_checksum
 
 SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET
 _TYPE = {SOCK_STREAM: "stream", SOCK_DGRAM: "datagram", SOCK_SEQPACKET: "seqpacket"}

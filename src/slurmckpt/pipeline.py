@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slurmckpt import capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs, rank_images, shm_files, space, tcp_ports
+from slurmckpt import capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs, rank_images, shm_files, tcp_ports
+from slurmckpt.store import space
 from slurmckpt.node import proctree
 from slurmckpt.criu.driver import CheckpointEngine
 from slurmckpt.cuda.procscan import inherited_device_majors
@@ -35,7 +36,7 @@ from slurmckpt.cuda.interface import GpuStage
 from slurmckpt.node.launch import Credentials
 from slurmckpt.node.packet_filter import Iptables, PacketFilter
 from slurmckpt.rank_images import StorePolicy
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 from slurmckpt.node.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.pipeline")

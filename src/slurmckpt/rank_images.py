@@ -20,15 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from slurmckpt import lease, output_snapshot, reclaim, shm_files, space
+from slurmckpt import output_snapshot, shm_files
+from slurmckpt.store import space
+from slurmckpt.store import reclaim
+from slurmckpt.store import lease
 from slurmckpt.node import proctree
-from slurmckpt.compression import PLAIN, Plain, Zstd
+from slurmckpt.store.compression import PLAIN, Plain, Zstd
 from slurmckpt.coordinator import budget
-from slurmckpt.durable import free_bytes
+from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
-from slurmckpt.persist import Priority, bounded, materialize, persist_rank
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore, rank_name
+from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore, rank_name
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import netlock, procfs, sparse
+from slurmckpt import netlock, procfs
+from slurmckpt.store import sparse
 from slurmckpt.node import asuser
 from slurmckpt.criu import images as criu_images
 from slurmckpt.errors import PermissionDenied

@@ -108,7 +108,7 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
     """(f) CRIU fails (the workload opens a userfaultfd, which CRIU cannot dump): the epoch aborts, the
     job runs on to a correct end, and the epoch committed before the failure stays intact."""
     from slurmckpt.config import Config
-    from slurmckpt.storage import JobStore, list_jobs
+    from slurmckpt.store.jobstore import JobStore, list_jobs
     wd = workdir(USER, "capturefail")
     job = submit(USER, wd, "#!/bin/bash\n" + PREAMBLE +
                  "python3 zdtm.py --steps 200 --sleep 0.2 --tag f --data data.txt --poison-at 90\n",

@@ -30,7 +30,7 @@ WRITER = Path(__file__).parent / "workloads" / "store_writer.py"
 
 def store_of(job_id: int):
     from slurmckpt.config import Config
-    from slurmckpt.storage import JobStore, list_jobs
+    from slurmckpt.store.jobstore import JobStore, list_jobs
     root = Path(Config.load().storage_root)
     cluster = next(c for c, j in list_jobs(root) if j == job_id)
     return JobStore(root, cluster, job_id)
@@ -155,7 +155,7 @@ def test_a_finished_jobs_images_go_at_its_end_a_requeued_ones_stay_and_gc_takes_
     `scontrol requeue` keeps its images through that run's end and restores from them; once it completes they
     are gone within a minute of its EndTime, without gc, and its summary says so. A job requeued and held keeps them too; cancelled while pending, it ends without an
     epilog, and `slurmckpt gc` (the timer's and cron's command) removes them."""
-    from slurmckpt import summary
+    from slurmckpt.store import summary
     from slurmckpt.config import Config
     wd = workdir(USER, "jobend")
     script = "#!/bin/bash\npython3 zdtm.py --steps {} --sleep 0.2 --tag {} --data {}.txt\n"

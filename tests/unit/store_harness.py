@@ -9,15 +9,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurmckpt.compression import Zstd
+from slurmckpt.store.compression import Zstd
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
-from slurmckpt.persist import Priority, materialize
+from slurmckpt.store.persist import Priority, materialize
 from slurmckpt.pipeline import RankPipeline
 from slurmckpt.rank_images import StorePolicy
-from slurmckpt.space import Quotas
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.space import Quotas
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 
 
 def images(seed: int, kib: int = 64) -> dict[str, bytes]:

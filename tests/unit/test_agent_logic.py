@@ -17,9 +17,9 @@ from slurmckpt.config import Config
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
-from slurmckpt.instance import JobInstance, claim
+from slurmckpt.store.instance import JobInstance, claim
 from slurmckpt.slurm.jobrecord import JobRecord
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 
 class FakeChannel:
@@ -202,7 +202,7 @@ def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tu
     """An agent whose pipeline measures with `size` (a function of the epoch), whose tree has `others` more
     trees of the job on the node, and whose watchdog pipe is read back by the test."""
     from slurmckpt.config import Config
-    from slurmckpt.fresh_start import FailureReporter
+    from slurmckpt.store.fresh_start import FailureReporter
     from slurmckpt.identity import TreeName
     a = make_agent(tmp_path, chan)
     a.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
@@ -235,7 +235,7 @@ def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_
 
 def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     from slurmckpt.errors import CaptureError
-    from slurmckpt.fresh_start import failures
+    from slurmckpt.store.fresh_start import failures
 
     def size(epoch):
         a.pipeline.failed_stage = "size"

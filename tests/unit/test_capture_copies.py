@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import output_snapshot, space, sparse
+from slurmckpt import output_snapshot
+from slurmckpt.store import space
+from slurmckpt.store import sparse
 from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from smallfs import tmpfs
 from store_harness import Tree, capture, images, pipeline, read_back, settled
 

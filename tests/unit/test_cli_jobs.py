@@ -160,7 +160,7 @@ def test_shown_escapes_control_characters_and_terminal_sequences():
 
 def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
     from slurmckpt.cli import lookup as lk
-    from slurmckpt.storage import JobStore
+    from slurmckpt.store.jobstore import JobStore
     root = tmp_path / "images"
     store = JobStore(root, "c", 77)
     store.ensure()
@@ -182,7 +182,7 @@ def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
 
 def test_inspect_shows_timings_and_sizes_as_people_read_them_and_json_keeps_the_numbers(monkeypatch, tmp_path: Path):
     from slurmckpt.cli import lookup as lk
-    from slurmckpt.storage import JobStore
+    from slurmckpt.store.jobstore import JobStore
     root = tmp_path / "images"
     store = JobStore(root, "c", 78)
     store.ensure()

@@ -12,14 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt import fresh_start
+from slurmckpt.store import fresh_start
 from slurmckpt.config import Config
 from slurmckpt.agent import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import CaptureError, CriuError, ProtocolError
-from slurmckpt.fresh_start import (FAILURES_FILE, CaptureFailure, FailureReporter, coordinator_verdict, failures,
+from slurmckpt.store.fresh_start import (FAILURES_FILE, CaptureFailure, FailureReporter, coordinator_verdict, failures,
                                    no_checkpoint_reason, one_line, reason_of, record)
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 from test_coordinator import Committer, Job  # noqa: E402  (tests/unit helpers)
 

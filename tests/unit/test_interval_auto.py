@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from fake_slurm import FakeSlurm
-from slurmckpt import summary
+from slurmckpt.store import summary
 from slurmckpt.config import Config
 from slurmckpt.coordinator.interval import AutoInterval, AutoSettings, daly, young
 from slurmckpt.duration import AUTO, format_interval, interval_arg, parse_duration, parse_interval
 from slurmckpt.slurm.env import TaskEnv
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 
 # ---- the value ---------------------------------------------------------------------------------------------

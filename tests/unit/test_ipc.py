@@ -206,7 +206,7 @@ def test_other_trees_reads_sibling_cgroups_and_their_names(tmp_path: Path) -> No
 
 def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(procs, tmp_path: Path) -> None:
     from slurmckpt.errors import RestoreError
-    from slurmckpt.storage import file_checksum
+    from slurmckpt.store.jobstore import file_checksum
     shm = Path("/dev/shm") / f"slurmckpt-test-fp-{os.getpid()}"
     shm.write_bytes(b"a" * 4096)
     rw = f"import mmap, os\nfd = os.open({str(shm)!r}, os.O_RDWR)\nm = mmap.mmap(fd, 4096, mmap.MAP_SHARED)"

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import job_end, reclaim, summary
+from slurmckpt.store import job_end
+from slurmckpt.store import summary
+from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError
-from slurmckpt.instance import JobInstance, claim
-from slurmckpt.job_end import JobEnd, end
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.instance import JobInstance, claim
+from slurmckpt.store.job_end import JobEnd, end
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, capture, images, pipeline
 
 UID = 60021

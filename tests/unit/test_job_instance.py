@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import instance, ipc, task_defaults
+from slurmckpt import ipc, task_defaults
+from slurmckpt.store import instance
 from slurmckpt.node import proctree
 from slurmckpt.config import Config
 from slurmckpt.identity import TreeName
-from slurmckpt.instance import JobInstance, claim, mismatch
+from slurmckpt.store.instance import JobInstance, claim, mismatch
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.jobrecord import expand_hostlist, gpu_indices, parse_record
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 from slurmckpt.node.task_cgroup import TaskCgroup
 
 # `squeue --json` on this cluster (Slurm 22.05.8, openapi/v0.0.38), trimmed to the fields read and the ones a
@@ -206,7 +207,7 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
 
     from slurmckpt.agent import Agent
     from slurmckpt.identity import TaskIdentity
-    from slurmckpt.fresh_start import FailureReporter
+    from slurmckpt.store.fresh_start import FailureReporter
     from slurmckpt.slurm.jobrecord import JobRecord
     a = object.__new__(Agent)
     a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)

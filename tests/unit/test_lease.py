@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import lease, persist, reclaim, space
+from slurmckpt.store import space
+from slurmckpt.store import reclaim
+from slurmckpt.store import lease
+from slurmckpt.store import persist
 from slurmckpt.node import proctree
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, images, pipeline, read_back
 
 

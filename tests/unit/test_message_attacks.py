@@ -19,9 +19,9 @@ from slurmckpt.coordinator import connection
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import VERSION, Sealer, new_token
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError
-from slurmckpt.fresh_start import FailureReporter
+from slurmckpt.store.fresh_start import FailureReporter
 from slurmckpt.policy import JobPolicy
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 from test_coordinator import Committer, Job, Raw, still_serves, wait_for  # noqa: E402  (tests/unit helpers)
 

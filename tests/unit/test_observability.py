@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import agentlog, summary
+from slurmckpt import agentlog
+from slurmckpt.store import summary
 from slurmckpt.config import Config
 from slurmckpt.events import MAX_LINE, AgentEvents, SlurmdLog, Task
-from slurmckpt.fresh_start import FailureReporter
+from slurmckpt.store.fresh_start import FailureReporter
 from slurmckpt.metrics import NodeMetrics
 from slurmckpt.slurm.comment import CHECKPOINT_EVERY_S, MAX_FIELD, Checkpoint, JobComment, compose, foreign_part
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 
 class Slurm:

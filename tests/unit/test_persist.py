@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import compression, persist, rank_images
-from slurmckpt.compression import PLAIN, Zstd
+from slurmckpt import rank_images
+from slurmckpt.store import compression
+from slurmckpt.store import persist
+from slurmckpt.store.compression import PLAIN, Zstd
 from slurmckpt.errors import ConfigError, RestoreError, SlurmckptError, StorageError
-from slurmckpt.persist import Priority, bounded, materialize, persist_rank
+from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
 from slurmckpt.restore import restore_rank
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, capture, images, pipeline, read_back, settled
 
 

@@ -14,11 +14,11 @@ from slurmckpt.cuda.interface import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
 from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
-from slurmckpt.compression import Zstd
-from slurmckpt.persist import Priority
+from slurmckpt.store.compression import Zstd
+from slurmckpt.store.persist import Priority
 from slurmckpt.rank_images import StorePolicy
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 
 
 @dataclass

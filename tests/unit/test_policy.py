@@ -189,7 +189,7 @@ def test_policy_show_lists_entries_and_resolves(site):
 def test_the_agent_plan_and_prepare_follow_the_policy(tmp_path: Path):
     from test_agent_logic import make_agent
     from slurmckpt.errors import PermissionDenied
-    from slurmckpt.fresh_start import FailureReporter
+    from slurmckpt.store.fresh_start import FailureReporter
     a = make_agent(tmp_path)
     a.reporter = FailureReporter(a.store, 43, "0.0", "n", annotate=lambda j, t: "none", background=False)
     a.policy, a.interval_s = policy().for_job(["debug"], None), 0

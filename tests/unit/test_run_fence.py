@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.errors import StorageError
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, images, pipeline, read_back
 
 

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmckpt import cli, reclaim, space
+from slurmckpt import cli
+from slurmckpt.store import space
+from slurmckpt.store import reclaim
 from slurmckpt.node import proctree
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError
-from slurmckpt.instance import JobInstance, claim
+from slurmckpt.store.instance import JobInstance, claim
 from slurmckpt.slurm.control import CliSlurm
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JOB_MANIFEST, PREVIOUS, JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JOB_MANIFEST, PREVIOUS, JobStore
 from cgroupfs import fake_rmdir
 from fake_slurm import FakeSlurm, Ran
 from store_harness import Tree, capture, images, pipeline, read_back, settled
@@ -168,7 +170,7 @@ def test_finished_jobs_are_removed_by_slurms_word_and_nothing_else(tmp_path, tre
 def test_staging_areas_of_dead_agents_are_orphans(tmp_path):
     staging = Staging(tmp_path / "staging")
     mine = staging.make(staging.area("c", 5, "capture", 1, "0", 0))
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:2]; from slurmckpt.staging "
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:2]; from slurmckpt.store.staging "
                               "import Staging; from pathlib import Path; s = Staging(Path(sys.argv[2])); "
                               "s.make(s.area('c', 6, 'restore', 2, '0', 0))",
                               str(Path(__file__).resolve().parents[2] / "src"), str(staging.root)])
@@ -182,7 +184,7 @@ def test_staging_areas_of_dead_agents_are_orphans(tmp_path):
 def test_an_area_being_made_is_not_taken_for_an_orphan_until_it_is_old(tmp_path):
     """Another agent's area between its mkdir and its .owner write (or with .owner still empty) is left
     alone by the node's staging collection; the same area MAKING_S later, still without an owner, goes."""
-    from slurmckpt.staging import MAKING_S, OWNER
+    from slurmckpt.store.staging import MAKING_S, OWNER
     staging = Staging(tmp_path / "staging")
     staging.ensure()
     bare = staging.area("c", 7, "restore", 2, "0", 0)

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from slurmckpt import reclaim, storage
+from slurmckpt.store import reclaim
+from slurmckpt.store import jobstore as storage
 from slurmckpt.errors import StorageError
-from slurmckpt.storage import JOB_MANIFEST, RANK_MANIFEST, JobStore, list_jobs
+from slurmckpt.store.jobstore import JOB_MANIFEST, RANK_MANIFEST, JobStore, list_jobs
 
 
 @pytest.fixture
@@ -238,7 +239,7 @@ def test_list_jobs(tmp_path):
 
 
 def test_reject_withdraws_a_committed_epoch_and_keeps_numbers_growing(tmp_path):
-    from slurmckpt.storage import JobStore
+    from slurmckpt.store.jobstore import JobStore
     store = JobStore(tmp_path, "c", 9)
     store.ensure()
     for epoch in (1, 2):

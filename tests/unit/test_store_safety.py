@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import durable, reclaim, space
+from slurmckpt.store import space
+from slurmckpt.store import reclaim
+from slurmckpt.store import durable
 from slurmckpt.errors import SlurmckptError, StorageError
-from slurmckpt.staging import Staging
-from slurmckpt.storage import JobStore
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import JobStore
 from smallfs import PAGE, free, leave_free, tmpfs
 from store_harness import Tree, capture, images, leftovers, pipeline, read_back, settled
 
@@ -271,7 +273,7 @@ def test_an_unreachable_store_is_waited_for_and_then_named(tmp_path, monkeypatch
     it goes on as soon as the store answers, and past the limit it fails naming the store and the error.
     Any other error is not an outage and is left to the caller."""
     import errno as errno_
-    from slurmckpt.durable import await_store
+    from slurmckpt.store.durable import await_store
     calls, now = {"n": 0}, [0.0]
 
     def listdir(path):

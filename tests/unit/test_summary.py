@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurmckpt import summary
-from slurmckpt.storage import JobStore
+from slurmckpt.store import summary
+from slurmckpt.store.jobstore import JobStore
 
 JOB_UID, OTHER_UID = 60011, 60012
 

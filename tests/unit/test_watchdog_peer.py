@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import reclaim
+from slurmckpt.store import reclaim
 from slurmckpt.node import watchdog
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName

@@ -28,10 +28,10 @@ def gc(dry_run: bool, fmt: Format) -> None:
     areas whose agent is gone, and this node's empty task cgroups of finished jobs. The job epilog removes a
     finished job's images at its end; this is the safety net, run hourly on every node by the package's timer
     or cron entry (docs/storage.md)."""
-    from slurmckpt import reclaim
+    from slurmckpt.store import reclaim
     from slurmckpt.slurm.control import CliSlurm
-    from slurmckpt.staging import Staging
-    from slurmckpt.storage import list_jobs
+    from slurmckpt.store.staging import Staging
+    from slurmckpt.store.jobstore import list_jobs
     if os.geteuid() != 0:
         raise CliError("gc runs as root (the image store is root's)")
     cfg = config()
@@ -74,7 +74,7 @@ def job_end(job: int, uid: int, node: str, nodes: str) -> None:
         raise CliError("job-end runs as root, started by the SPANK plugin's job epilog")
     from slurmckpt import agentlog
     from slurmckpt.config import load_root_config
-    from slurmckpt.job_end import JobEnd, end
+    from slurmckpt.store.job_end import JobEnd, end
     from slurmckpt.slurm.control import CliSlurm
     cfg = load_root_config()
     agentlog.setup(cfg, job, "end", 0)

@@ -13,7 +13,7 @@ from slurmckpt.cli.output import CliError, Column, Format, emit, output_options,
 from slurmckpt.config import Config
 from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.jobref import JobRef
-from slurmckpt.storage import JobStore, list_jobs
+from slurmckpt.store.jobstore import JobStore, list_jobs
 
 LIST_COLUMNS = [Column("cluster", "CLUSTER"), Column("job", "JOBID", right=True), Column("epoch", "EPOCH", right=True),
                 Column("reason", "TRIGGER"), Column("ranks", "RANKS", right=True), Column("committed", "COMMITTED")]

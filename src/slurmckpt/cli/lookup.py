@@ -10,7 +10,7 @@ import time
 
 import click
 
-from slurmckpt import summary
+from slurmckpt.store import summary
 from slurmckpt.cli.output import CliError, JobNotFoundError
 from slurmckpt.config import Config, load_user_config
 from slurmckpt.duration import parse_interval

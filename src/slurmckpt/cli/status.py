@@ -14,7 +14,7 @@ from slurmckpt.cli.output import (CliError, Column, Format, JobNotFoundError, em
                                   shown, when)
 from slurmckpt.duration import format_duration, format_interval
 from slurmckpt.errors import SlurmError
-from slurmckpt.fresh_start import CaptureFailure
+from slurmckpt.store.fresh_start import CaptureFailure
 from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobref import JobRef

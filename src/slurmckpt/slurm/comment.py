@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from slurmckpt.errors import SlurmckptError
-from slurmckpt.storage import JobStore, atomic_write_json
+from slurmckpt.store.jobstore import JobStore, atomic_write_json
 
 log = logging.getLogger("slurmckpt.comment")
 
@@ -81,7 +81,7 @@ class JobComment:
     def __init__(self, store: JobStore, job: int, field: str, write: Write | None = None,
                  read: Read | None = None, lock=None, background: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from slurmckpt.instance import store_lock
+        from slurmckpt.store.instance import store_lock
         self.store, self.job, self.field = store, job, field
         self._write, self._read = write or _scontrol_write, read or _scontrol_read
         self.lock = lock or (lambda: store_lock(store))

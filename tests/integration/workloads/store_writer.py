@@ -13,9 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slurmckpt.compression import Zstd
-from slurmckpt.persist import materialize, persist_rank
-from slurmckpt.storage import JobStore
+from slurmckpt.store.compression import Zstd
+from slurmckpt.store.persist import materialize, persist_rank
+from slurmckpt.store.jobstore import JobStore
 
 JOB = 77
 

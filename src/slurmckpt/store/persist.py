@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from slurmckpt.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
+from slurmckpt.store.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
 from slurmckpt.errors import RestoreError, StorageError
-from slurmckpt.storage import RANK_MANIFEST, JobStore, file_checksum, identity, rank_name
+from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, identity, rank_name
 
 log = logging.getLogger("slurmckpt.persist")
 

@@ -17,7 +17,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import xxhash
 
-from slurmckpt.durable import write_all
+from slurmckpt.store.durable import write_all
 from slurmckpt.errors import ConfigError
 
 CHUNK = 4 << 20

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from slurmckpt import reclaim
+from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError, StorageError
-from slurmckpt.instance import bound_uid
+from slurmckpt.store.instance import bound_uid
 from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.jobrecord import expand_hostlist
-from slurmckpt.storage import JobStore
+from slurmckpt.store.jobstore import JobStore
 
 log = logging.getLogger("slurmckpt.job_end")
 

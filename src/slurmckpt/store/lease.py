@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from slurmckpt import durable
-from slurmckpt.durable import atomic_write_json
+from slurmckpt.store import durable
+from slurmckpt.store.durable import atomic_write_json
 from slurmckpt.errors import EpochGone, StorageError
 
 if TYPE_CHECKING:
-    from slurmckpt.storage import JobStore
+    from slurmckpt.store.jobstore import JobStore
 
 log = logging.getLogger("slurmckpt.lease")
 

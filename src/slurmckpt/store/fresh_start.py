@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Protocol
 
 from slurmckpt import validate
 from slurmckpt.errors import CriuError, StorageError, TaskEnded, is_retryable
-from slurmckpt.instance import store_lock
+from slurmckpt.store.instance import store_lock
 from slurmckpt.slurm.comment import one_line
-from slurmckpt.storage import JobStore, atomic_write_json
+from slurmckpt.store.jobstore import JobStore, atomic_write_json
 
 log = logging.getLogger("slurmckpt.fresh_start")
 

@@ -25,13 +25,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slurmckpt import lease
-from slurmckpt.durable import is_temp
+from slurmckpt.store import lease
+from slurmckpt.store.durable import is_temp
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.identity import TreeName
-from slurmckpt.staging import Staging
+from slurmckpt.store.staging import Staging
 from slurmckpt.node.task_cgroup import TaskCgroup
-from slurmckpt.storage import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
+from slurmckpt.store.jobstore import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 log = logging.getLogger("slurmckpt.reclaim")
 
@@ -169,8 +169,8 @@ def _mark_summary(store: JobStore, summary_dir: str, why: str) -> None:
     """The job's user learns from its summary that the images are gone: republished for the uid the store
     is bound to (instance.py), with `images_removed`. A store without a binding, or a summary that cannot be
     written, only logs: the images go all the same."""
-    from slurmckpt import summary
-    from slurmckpt.instance import bound_uid
+    from slurmckpt.store import summary
+    from slurmckpt.store.instance import bound_uid
     uid = bound_uid(store)
     if uid is None:
         log.warning("job %d: its store names no owner; its summary is left as it was", store.job)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterator
 
 from slurmckpt.errors import StorageError
-from slurmckpt.storage import JOB_MANIFEST, FORMAT_VERSION, JobStore
+from slurmckpt.store.jobstore import JOB_MANIFEST, FORMAT_VERSION, JobStore
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import xxhash
 
-from slurmckpt import lease, validate
-from slurmckpt.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
+from slurmckpt import validate
+from slurmckpt.store import lease
+from slurmckpt.store.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
 from slurmckpt.errors import StorageError
 
 __all__ = ["JobStore", "atomic_write_json", "file_checksum", "list_jobs", "rank_name"]

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from slurmckpt.errors import PermissionDenied, StorageError
-from slurmckpt.storage import JobStore, atomic_write_json
+from slurmckpt.store.jobstore import JobStore, atomic_write_json
 
 log = logging.getLogger("slurmckpt.summary")
 
@@ -57,7 +57,7 @@ def epoch_bytes(store: JobStore, entry: dict) -> int:
 
 def update_run(store: JobStore, fields: dict) -> None:
     """The batch agent's record of the current run (`restart_count` starts a new one)."""
-    from slurmckpt.instance import store_lock
+    from slurmckpt.store.instance import store_lock
     with store_lock(store):
         run = {} if "restart_count" in fields else _json(store.job_dir / RUN_FILE)
         atomic_write_json(store.job_dir / RUN_FILE, {**run, **fields})
@@ -100,7 +100,7 @@ def recorded_stalls(store: JobStore) -> list[float]:
 
 def build(store: JobStore) -> dict:
     """The summary of a job's store as it is now."""
-    from slurmckpt.fresh_start import failures
+    from slurmckpt.store.fresh_start import failures
     from slurmckpt.slurm.comment import STATE_FILE
     manifest = store.read_manifest()
     epochs = []

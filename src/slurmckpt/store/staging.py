@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurmckpt import validate
-from slurmckpt.durable import posix_lock
+from slurmckpt.store.durable import posix_lock
 from slurmckpt.errors import StorageError
-from slurmckpt.storage import rank_name, tree_bytes
+from slurmckpt.store.jobstore import rank_name, tree_bytes
 
 OWNER = ".owner"
 RESERVE = ".reserve"

@@ -18,10 +18,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt.durable import free_bytes
+from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, StorageError
-from slurmckpt.staging import Staging
-from slurmckpt.storage import RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
+from slurmckpt.store.staging import Staging
+from slurmckpt.store.jobstore import RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
 
 
 @dataclass(frozen=True)

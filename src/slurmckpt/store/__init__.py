@@ -1,0 +1,2 @@
+"""store."""
+from __future__ import annotations
