@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO / "src")]
 
 from slurmckpt.coordinator.interval import AutoInterval, AutoSettings, daly  # noqa: E402
 from slurmckpt.duration import format_duration, parse_duration  # noqa: E402
-from slurmckpt.interruptions import answer, tally  # noqa: E402
+from slurmckpt.agent.interruptions import answer, tally  # noqa: E402
 
 # Measured stalls (s) and restore (s) per scenario, with where they were measured.
 SCENARIOS = {

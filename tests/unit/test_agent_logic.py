@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from slurmckpt.config import Config
-from slurmckpt.agent import Agent
+from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
 from slurmckpt.store.instance import JobInstance, claim

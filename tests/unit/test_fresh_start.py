@@ -14,7 +14,7 @@ import pytest
 
 from slurmckpt.store import fresh_start
 from slurmckpt.config import Config
-from slurmckpt.agent import Agent
+from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import CaptureError, CriuError, ProtocolError
 from slurmckpt.store.fresh_start import (FAILURES_FILE, CaptureFailure, FailureReporter, coordinator_verdict, failures,

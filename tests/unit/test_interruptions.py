@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from fake_slurm import FakeSlurm
-from slurmckpt import interruptions
+from slurmckpt.agent import interruptions
 from slurmckpt.config import Config
 from slurmckpt.errors import ConfigError, SlurmError
-from slurmckpt.interruptions import History, PartitionHistory, answer, tally
+from slurmckpt.agent.interruptions import History, PartitionHistory, answer, tally
 from slurmckpt.slurm.control import CliSlurm
 
 

@@ -205,7 +205,7 @@ def test_pre_capture_checks_see_only_trees_of_the_same_job(tmp_path: Path) -> No
 def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from types import SimpleNamespace
 
-    from slurmckpt.agent import Agent
+    from slurmckpt.agent.service import Agent
     from slurmckpt.identity import TaskIdentity
     from slurmckpt.store.fresh_start import FailureReporter
     from slurmckpt.slurm.jobrecord import JobRecord
@@ -260,7 +260,7 @@ def test_plan_refuses_when_slurm_did_not_say_who_the_job_is(tmp_path: Path) -> N
 def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monkeypatch) -> None:
     import socket
 
-    from slurmckpt import agent as agent_mod
+    from slurmckpt.agent import service as agent_mod
     a = _agent(tmp_path, _me(restarts=1), gpus={socket.gethostname(): [0, 2]})
     for claimed, used in (("1", "0,2"), ("", "0,2"), ("2", "2"), ("2,0", "2,0"), ("0,0", "0,2"),
                           ("GPU-abc", "0,2"), ("3,0", "0,2")):
@@ -277,7 +277,7 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
     import socket
     from types import SimpleNamespace
 
-    from slurmckpt import agent as agent_mod
+    from slurmckpt.agent import service as agent_mod
     modes: list[bool] = []
     monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args: modes.append(args[-1]) or 4242)
     monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")

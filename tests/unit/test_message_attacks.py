@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt.agent import Agent
+from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
 from slurmckpt.coordinator import connection

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slurmckpt.metrics import MAX_LABEL_VALUES, METRICS, SECONDS_BUCKETS, NodeMetrics, read_state, render
+from slurmckpt.agent.metrics import MAX_LABEL_VALUES, METRICS, SECONDS_BUCKETS, NodeMetrics, read_state, render
 
 
 def families(text: str) -> dict:
@@ -193,9 +193,9 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     pipeline's tables, each phase the agent runs and each stage the coordinator names, and each trigger the
     wrapper, the coordinator and the schedule start an epoch with, is one of them."""
     import re
-    from slurmckpt.agent import PHASE_OPS
+    from slurmckpt.agent.service import PHASE_OPS
     from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES
-    from slurmckpt.metrics import STAGES
+    from slurmckpt.agent.metrics import STAGES
     from slurmckpt.triggers import TRIGGERS
     src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
     named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import agentlog
+from slurmckpt.agent import logs as agentlog
 from slurmckpt.store import summary
 from slurmckpt.config import Config
-from slurmckpt.events import MAX_LINE, AgentEvents, SlurmdLog, Task
+from slurmckpt.agent.events import MAX_LINE, AgentEvents, SlurmdLog, Task
 from slurmckpt.store.fresh_start import FailureReporter
-from slurmckpt.metrics import NodeMetrics
+from slurmckpt.agent.metrics import NodeMetrics
 from slurmckpt.slurm.comment import CHECKPOINT_EVERY_S, MAX_FIELD, Checkpoint, JobComment, compose, foreign_part
 from slurmckpt.store.jobstore import JobStore
 

@@ -68,7 +68,7 @@ def agent(**args) -> None:
     """Per-task privileged agent (started by the SPANK plugin only)."""
     if os.geteuid() != 0:
         raise CliError("the agent runs as root, started by slurmstepd")
-    from slurmckpt.agent_start import ShimArgs, run_agent
+    from slurmckpt.agent.start import ShimArgs, run_agent
     run_agent(ShimArgs(**args))
 
 

@@ -72,7 +72,7 @@ def job_end(job: int, uid: int, node: str, nodes: str) -> None:
     SPANK plugin's job epilog only; logs to the agent log of step "end")."""
     if os.geteuid() != 0:
         raise CliError("job-end runs as root, started by the SPANK plugin's job epilog")
-    from slurmckpt import agentlog
+    from slurmckpt.agent import logs as agentlog
     from slurmckpt.config import load_root_config
     from slurmckpt.store.job_end import JobEnd, end
     from slurmckpt.slurm.control import CliSlurm

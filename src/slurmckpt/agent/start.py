@@ -11,16 +11,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import agentlog
+from slurmckpt.agent import logs as agentlog
 from slurmckpt.store import durable
-from slurmckpt.agent import Agent
+from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config, load_root_config
 from slurmckpt.duration import interval_arg
 from slurmckpt.errors import SlurmckptError, StorageError
-from slurmckpt.events import AgentEvents, SlurmdLog, Task
-from slurmckpt.metrics import NodeMetrics, node_name
+from slurmckpt.agent.events import AgentEvents, SlurmdLog, Task
+from slurmckpt.agent.metrics import NodeMetrics, node_name
 from slurmckpt.node.peer import Peer
 from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment

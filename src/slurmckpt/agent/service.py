@@ -18,7 +18,7 @@ from slurmckpt.channel import Channel
 from slurmckpt.config import Config
 from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
-from slurmckpt.events import AgentEvents
+from slurmckpt.agent.events import AgentEvents
 from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.store.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
@@ -29,8 +29,8 @@ from slurmckpt.node import watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
-from slurmckpt.interruptions import PartitionHistory, QUERY_TIMEOUT_S
-from slurmckpt.interruptions import answer as interruption_answer
+from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
+from slurmckpt.agent.interruptions import answer as interruption_answer
 from slurmckpt.node.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.node.peer import Peer
 from slurmckpt.pipeline import RankPipeline

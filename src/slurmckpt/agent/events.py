@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from slurmckpt.store import summary
 from slurmckpt.config import Config
-from slurmckpt.metrics import NodeMetrics
+from slurmckpt.agent.metrics import NodeMetrics
 from slurmckpt.slurm.comment import JobComment, one_line
 from slurmckpt.store.jobstore import JobStore
 

@@ -1,0 +1,2 @@
+"""agent."""
+from __future__ import annotations
