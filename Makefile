@@ -89,7 +89,7 @@ deb:
 # The venv's python once set-up made it (make install), else Debian's with its python3-* packages (make deb).
 MAN_PYTHON = $(if $(wildcard $(PYTHON)),$(PYTHON),/usr/bin/python3)
 man:
-	PYTHONPATH=src $(MAN_PYTHON) -m slurmckpt.manpage build/man
+	PYTHONPATH=src $(MAN_PYTHON) -m slurmckpt.cli.manpage build/man
 
 shim-matrix:
 	bash scripts/shim-matrix.sh $(SHIM_SUITES)

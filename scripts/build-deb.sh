@@ -51,16 +51,16 @@ site=$STAGE/usr/lib/python3/dist-packages
 mkdir -p "$site"
 (cd "$REPO/src" && find slurmckpt -name '*.py' -print0 | xargs -0 -I{} install -D -m 0644 {} "$site/{}")
 mkdir -p "$STAGE/usr/bin"
-for cmd in "slurmckpt:slurmckpt.cli" "slurmckpt-wrap:slurmckpt.wrapper"; do
+for cmd in "slurmckpt:slurmckpt.cli" "slurmckpt-wrap:slurmckpt.task.wrapper"; do
   printf '#!/usr/bin/python3\nfrom %s import main\n\nmain()\n' "${cmd#*:}" >"$STAGE/usr/bin/${cmd%%:*}"
   chmod 0755 "$STAGE/usr/bin/${cmd%%:*}"
 done
 # the srun an MPI launcher in a batch step finds first (config srun_standin_dir; docs/mpi.md)
-PYTHONPATH=$REPO/src /usr/bin/python3 -c 'import sys; from slurmckpt.srun_standin import install; install(*sys.argv[1:])' \
+PYTHONPATH=$REPO/src /usr/bin/python3 -c 'import sys; from slurmckpt.task.srun_standin import install; install(*sys.argv[1:])' \
   "$STAGE/usr/libexec/slurmckpt/standin" /usr/bin/python3 >/dev/null
 
 # 3. Man pages, built from the commands and the Config dataclass (one source).
-PYTHONPATH=$REPO/src /usr/bin/python3 -m slurmckpt.manpage "$OUT/man" >/dev/null
+PYTHONPATH=$REPO/src /usr/bin/python3 -m slurmckpt.cli.manpage "$OUT/man" >/dev/null
 install -D -m 0644 "$OUT/man/slurmckpt.1" "$STAGE/usr/share/man/man1/slurmckpt.1"
 install -D -m 0644 "$OUT/man/slurmckpt.yaml.5" "$STAGE/usr/share/man/man5/slurmckpt.yaml.5"
 gzip -9n "$STAGE/usr/share/man/man1/slurmckpt.1" "$STAGE/usr/share/man/man5/slurmckpt.yaml.5"

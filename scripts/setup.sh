@@ -221,7 +221,7 @@ step_python() {
       [ -x "$SLURMCKPT_VENV/bin/$b" ] || die "$SLURMCKPT_VENV/bin/$b missing after pip install (pyproject.toml [project.scripts])"
     done
     # the srun an MPI launcher in a batch step finds first (config srun_standin_dir; docs/mpi.md)
-    "$SLURMCKPT_VENV/bin/python" -c 'import sys; from slurmckpt.srun_standin import install; install(*sys.argv[1:])' \
+    "$SLURMCKPT_VENV/bin/python" -c 'import sys; from slurmckpt.task.srun_standin import install; install(*sys.argv[1:])' \
       "$SLURMCKPT_VENV/libexec/slurmckpt/standin" "$SLURMCKPT_VENV/bin/python" >/dev/null \
       || die "could not write the srun stand-in"
   fi

@@ -70,7 +70,7 @@ class Config:
     init_path: str = _key("/usr/local/libexec/slurmckpt/slurmckpt-init", "The PID-namespace init of each task's "
                           "tree; the plugstack line's init= overrides it.")
     srun_standin_dir: str = _key("auto", "Directory holding the srun stand-in (the `srun` script that "
-                                 "slurmckpt.srun_standin.install writes), put first in batch steps' PATH: an MPI launcher's srun then "
+                                 "slurmckpt.task.srun_standin.install writes), put first in batch steps' PATH: an MPI launcher's srun then "
                                  "runs outside the checkpointed tree (docs/mpi.md). auto: "
                                  "<python prefix>/libexec/slurmckpt/standin, i.e. /usr/libexec/... for the "
                                  "Debian package, <venv>/libexec/... for a venv install.")

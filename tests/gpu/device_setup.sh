@@ -55,7 +55,7 @@ export PYTHONPATH=$STAGE/src:$STAGE PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 chmod -R a+rX "$STAGE"
 uid=$(id -u "$DEVICE_USER"); gid=$(id -g "$DEVICE_USER")
 asuser() { /usr/bin/setpriv --reuid="$uid" --regid="$gid" --clear-groups "$@"; }
-probe='import slurmckpt.wrapper, yaml, xxhash, click, sys; print("user imports OK", sys.executable)'
+probe='import slurmckpt.task.wrapper, yaml, xxhash, click, sys; print("user imports OK", sys.executable)'
 if ! (cd /tmp && asuser "$PY" -c "$probe"); then
   venv=$(dirname "$(dirname "$PY")")
   echo "user cannot run $PY with our imports: chmod -R a+rX $venv"

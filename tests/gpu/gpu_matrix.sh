@@ -29,7 +29,7 @@ install -D -m 755 -t /usr/local/lib/slurmckpt .carry/slurmckpt_spank.so .carry/p
 mkdir -p /opt/slurmckpt/venv/bin
 ep() { printf '#!%s\nimport sys\nsys.path.insert(0, "%s/src")\nfrom %s import main\nsys.exit(main())\n' \
   "$PY" "$STAGE" "$2" > "/opt/slurmckpt/venv/bin/$1"; chmod 755 "/opt/slurmckpt/venv/bin/$1"; }
-ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.wrapper
+ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.task.wrapper
 sed "s#@SPANK_PREFIX@##" etc/plugstack.conf.in | grep -v '^#' > /etc/slurm/plugstack.conf
 slurmctld; sleep 1; slurmd; sleep 3
 echo "iptables: $(command -v iptables-restore || echo none)"; /opt/slurmckpt/venv/bin/slurmckpt doctor 2>&1 | grep -E "network lock|NVIDIA driver"

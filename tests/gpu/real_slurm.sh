@@ -44,12 +44,12 @@ install -D -m 755 -t /usr/local/lib/slurmckpt .carry/slurmckpt_spank.so .carry/p
 mkdir -p /opt/slurmckpt/venv/bin
 ep() { printf '#!%s\nimport sys\nsys.path.insert(0, "%s/src")\nfrom %s import main\nsys.exit(main())\n' \
   "$PY" "$STAGE" "$2" > "/opt/slurmckpt/venv/bin/$1"; chmod 755 "/opt/slurmckpt/venv/bin/$1"; }
-ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.wrapper
+ep slurmckpt slurmckpt.cli; ep slurmckpt-wrap slurmckpt.task.wrapper
 sed "s#@SPANK_PREFIX@##" etc/plugstack.conf.in | grep -v '^#' > /etc/slurm/plugstack.conf
 slurmctld; sleep 1; slurmd; sleep 3
 sinfo -h; grep -v '^#' /etc/slurm/cgroup.conf | tr '\n' ' '; echo
 grep -E '^(ProctrackType|TaskPlugin|JobAcctGatherType|KillWait)' /etc/slurm/slurm.conf | tr '\n' ' '; echo
-(cd /tmp && asuser "$PY" -c 'import zstandard, pynvml, slurmckpt.wrapper; print("zstandard", zstandard.__version__, "pynvml ok")')
+(cd /tmp && asuser "$PY" -c 'import zstandard, pynvml, slurmckpt.task.wrapper; print("zstandard", zstandard.__version__, "pynvml ok")')
 
 H=/home/$DEVICE_USER/rs; rm -rf "$H"; mkdir -p "$H/ref"    # a second run must not append to the first's outputs
 cp "$STAGE"/tests/integration/workloads/memhog.py "$STAGE"/tests/gpu/workload_{train,jax,cupy,graph_loader,devices,hold}.py "$H/"

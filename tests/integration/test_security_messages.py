@@ -314,7 +314,7 @@ time.sleep(300)
 """
 RELAY_CHECK = r"""
 import os, sys
-from slurmckpt.srun_standin import connect
+from slurmckpt.task.srun_standin import connect
 path = os.environ.get("SLURMCKPT_SRUN_RELAY", "")
 try:
     connect(path).close()

@@ -1,7 +1,7 @@
 """torch.distributed as users run it (docs/gpu.md, "What slurmckpt sets in a checkpointed job"): DDP over gloo,
 `srun -n2` in the batch script, rendezvous through init_process_group's env:// with the TCPStore on rank 0,
 DataLoader workers started with the default fork. PyTorch's TCPStore runs on libuv, whose io_uring criu
-cannot checkpoint; slurmckpt starts every task with USE_LIBUV=0 (task_defaults.py), so no rank holds one.
+cannot checkpoint; slurmckpt starts every task with USE_LIBUV=0 (task/defaults.py), so no rank holds one.
 The CPU build here; tests/gpu runs the same workload with CUDA tensors on the GPU machine."""
 from __future__ import annotations
 

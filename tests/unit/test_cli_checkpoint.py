@@ -69,7 +69,7 @@ def test_the_run_record_says_the_batch_step_is_wrapped_and_nothing_else_is_asked
 
 
 def lookup_signal():
-    from slurmckpt.triggers import CHECKPOINT_SIGNAL
+    from slurmckpt.task.schedule import CHECKPOINT_SIGNAL
     return CHECKPOINT_SIGNAL
 
 
@@ -143,7 +143,7 @@ def test_a_job_that_is_not_running_is_not_signalled(site, monkeypatch):
 
 
 def test_requeue_sends_the_capture_then_requeue_signal_and_parsable_prints_the_id(site, monkeypatch):
-    from slurmckpt.triggers import REQUEUE_SIGNAL
+    from slurmckpt.task.schedule import REQUEUE_SIGNAL
     slurm = _fake(sacct="7|sbatch --checkpoint-interval=10m job.sh\n").install(monkeypatch)
     r = CliRunner().invoke(cli, ["requeue", "--parsable", "--noheader", "7"])
     assert r.exit_code == 0 and r.output == "7\n", r.output

@@ -1,5 +1,5 @@
 """A process holding an io_uring instance (which criu cannot checkpoint) is found and named before anything is
-frozen; what PyTorch's rendezvous would make one is kept from making it (task_defaults.py)."""
+frozen; what PyTorch's rendezvous would make one is kept from making it (task/defaults.py)."""
 from __future__ import annotations
 
 import subprocess

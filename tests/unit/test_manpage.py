@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from slurmckpt import manpage
+from slurmckpt.cli import manpage
 from slurmckpt.cli import cli
 from slurmckpt.config import Config
 from slurmckpt.policy import RULE_DOCS

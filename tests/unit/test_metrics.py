@@ -196,11 +196,11 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     from slurmckpt.agent.service import PHASE_OPS
     from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES
     from slurmckpt.agent.metrics import STAGES
-    from slurmckpt.triggers import TRIGGERS
+    from slurmckpt.task.schedule import TRIGGERS
     src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
     named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))
     assert named and {st.name for st in PREPARE_STAGES + CAPTURE_STAGES} | set(PHASE_OPS) | named <= set(STAGES)
-    started = set(re.findall(r'(?:self\.trigger|self\.epoch)\("([a-z-]+)"', (src / "wrapper.py").read_text()
+    started = set(re.findall(r'(?:self\.trigger|self\.epoch)\("([a-z-]+)"', (src / "task" / "wrapper.py").read_text()
                              + (src / "coordinator" / "host.py").read_text()))
-    started |= set(re.findall(r'\[\("([a-z-]+)", True\)\]', (src / "triggers.py").read_text()))
+    started |= set(re.findall(r'\[\("([a-z-]+)", True\)\]', (src / "task" / "schedule.py").read_text()))
     assert started == set(TRIGGERS), started

@@ -25,8 +25,8 @@ import pytest
 from slurmckpt.channel import Channel
 from slurmckpt.errors import PermissionDenied, ProtocolError
 from slurmckpt.node.launch import relay_dir
-from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay, request_of
-from slurmckpt.srun_standin import REAL_SRUN, RELAY, connect, exec_real, install
+from slurmckpt.task.srun_relay import STEP_TOKEN, SrunRelay, request_of
+from slurmckpt.task.srun_standin import REAL_SRUN, RELAY, connect, exec_real, install
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -63,7 +63,7 @@ class Relay:
 
     def standin(self, argv: list[str], tmp_path: Path) -> subprocess.Popen:
         """A stand-in process (its serve loop, as after the launcher check) sending `argv`."""
-        code = ("import os, sys; from slurmckpt.srun_standin import connect, serve; from slurmckpt.channel import "
+        code = ("import os, sys; from slurmckpt.task.srun_standin import connect, serve; from slurmckpt.channel import "
                 f"Channel; sys.exit(serve(Channel(connect({self.relay.name!r})), {{'argv': {argv!r}, "
                 f"'env': {{'PATH': os.environ['PATH'], 'SLURM_JOB_ID': 'old'}}, 'cwd': {str(tmp_path)!r}}}))")
         return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

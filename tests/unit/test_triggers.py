@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slurmckpt.triggers import IntervalClock, Schedule
+from slurmckpt.task.schedule import IntervalClock, Schedule
 
 
 class Clock:

@@ -14,7 +14,7 @@ import pytest
 import slurmckpt
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
-from slurmckpt.wrapper import task_argv
+from slurmckpt.task.wrapper import task_argv
 
 BASE = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}
 
@@ -71,7 +71,7 @@ def test_main_execs_the_task_in_either_form(form: dict[str, str], args: list[str
     child_env.pop("SLURMCKPT_AGENT_FD", None)
     for other in {"SLURMCKPT_TASK_ARGV", "SLURMCKPT_TASK_ARGV0"} - set(form):
         child_env.pop(other, None)
-    out = subprocess.run([sys.executable, "-c", "import sys; from slurmckpt.wrapper import main; "
+    out = subprocess.run([sys.executable, "-c", "import sys; from slurmckpt.task.wrapper import main; "
                           "sys.argv[0] = 'slurmckpt-wrap'; main()", *args],
                          env=child_env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr

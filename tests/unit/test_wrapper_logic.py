@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import wrapper
+from slurmckpt.task import wrapper
 from slurmckpt.config import Config
 from slurmckpt.errors import LockContended, RestoreError, SlurmckptError
 from slurmckpt.slurm import control

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import psutil
 
-from slurmckpt.triggers import TRIGGERS
+from slurmckpt.task.schedule import TRIGGERS
 
 log = logging.getLogger("slurmckpt.metrics")
 

@@ -14,7 +14,7 @@ from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobrecord import expand_hostlist
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.slurm.queue import QueuedJob
-from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
+from slurmckpt.task.schedule import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
 
 BAD_NODE_STATES = ("DOWN", "DRAIN", "FAIL", "FUTURE", "NOT_RESPONDING", "POWER", "REBOOT", "MAINT")
 RESULT = [Column("job", "JOBID"), Column("action", "ACTION"), Column("detail", "DETAIL")]

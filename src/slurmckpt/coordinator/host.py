@@ -34,7 +34,7 @@ import socket
 from slurmckpt.coordinator.interval import AutoInterval, AutoSettings
 from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
 from slurmckpt.duration import AUTO
-from slurmckpt.triggers import IntervalClock
+from slurmckpt.task.schedule import IntervalClock
 
 log = logging.getLogger("slurmckpt.coordinator.host")
 

@@ -17,17 +17,18 @@ import sys
 import threading
 import time
 
-from slurmckpt import pmi, procfs, task_defaults
+from slurmckpt import pmi, procfs
+from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
 from slurmckpt.coordinator.supervisor import HostCallbacks
 from slurmckpt.duration import AUTO
-from slurmckpt.membership import Membership
+from slurmckpt.task.membership import Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
-from slurmckpt.srun_relay import STEP_TOKEN, SrunRelay
-from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
+from slurmckpt.task.srun_relay import STEP_TOKEN, SrunRelay
+from slurmckpt.task.schedule import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
 
 log = logging.getLogger("slurmckpt.wrapper")
 

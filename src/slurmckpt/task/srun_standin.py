@@ -110,7 +110,7 @@ def serve(chan: Channel, request: dict) -> int:
 
 
 SCRIPT = """#!/bin/sh
-# slurmckpt's srun stand-in (written by slurmckpt.srun_standin.install; docs/mpi.md): an MPI launcher's srun
+# slurmckpt's srun stand-in (written by slurmckpt.task.srun_standin.install; docs/mpi.md): an MPI launcher's srun
 # goes to the batch wrapper's relay; any other caller gets the real srun at once. The parent's pid is read
 # from /proc/self, which is the shell's own here: the tree has its own PID namespace but the node's /proc.
 ppid=
@@ -118,7 +118,7 @@ while read -r key value _; do
     if [ "$key" = "PPid:" ]; then ppid=$value; break; fi
 done < /proc/self/status
 case "$(readlink "/proc/$ppid/exe" 2>/dev/null)" in
-    {patterns}) exec {python} -m slurmckpt.srun_standin "$@" ;;
+    {patterns}) exec {python} -m slurmckpt.task.srun_standin "$@" ;;
 esac
 if [ -z "${{{real}:-}}" ]; then
     echo "srun (slurmckpt stand-in): the real srun is not known ({real} is unset)" >&2

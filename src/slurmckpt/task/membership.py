@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Callable
 
-from slurmckpt.task_defaults import uses_gpus
+from slurmckpt.task.defaults import uses_gpus
 from slurmckpt.config import Config
 from slurmckpt.coordinator.client import RankClient
 from slurmckpt.coordinator.protocol import new_token

@@ -31,7 +31,7 @@ from typing import Callable
 from slurmckpt.channel import Channel
 from slurmckpt.errors import ProtocolError, SlurmckptError
 from slurmckpt.slurm.control import SRUN, user_srun
-from slurmckpt.srun_standin import REAL_SRUN, RELAY
+from slurmckpt.task.srun_standin import REAL_SRUN, RELAY
 from slurmckpt.validate import TOKEN_HEX16
 
 log = logging.getLogger("slurmckpt.srun_relay")

@@ -1,6 +1,6 @@
 """slurmckpt(1) and slurmckpt.yaml(5), built from the one source of each: the click commands (their usage,
 help and options) and the Config dataclass (its keys, defaults and descriptions) with the policy's keys.
-`python -m slurmckpt.manpage DIR` writes DIR/slurmckpt.1 and DIR/slurmckpt.yaml.5 (make man)."""
+`python -m slurmckpt.cli.manpage DIR` writes DIR/slurmckpt.1 and DIR/slurmckpt.yaml.5 (make man)."""
 from __future__ import annotations
 
 import dataclasses

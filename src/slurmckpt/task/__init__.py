@@ -1,0 +1,2 @@
+"""task."""
+from __future__ import annotations
