@@ -43,9 +43,9 @@ from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
 from slurmckpt.identity import TreeName  # noqa: E402
 from slurmckpt.node.task_cgroup import TaskCgroup  # noqa: E402
 from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
-from slurmckpt.pipeline import RankPipeline  # noqa: E402
-from slurmckpt.restore import restore_rank  # noqa: E402
-from slurmckpt.rank_images import StorePolicy  # noqa: E402
+from slurmckpt.rank.pipeline import RankPipeline  # noqa: E402
+from slurmckpt.rank.restore import restore_rank  # noqa: E402
+from slurmckpt.rank.images import StorePolicy  # noqa: E402
 from slurmckpt.store.jobstore import JobStore  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36

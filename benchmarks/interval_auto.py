@@ -18,7 +18,7 @@ product's own code:
                requeue started from the stalls the job's store recorded (summary.recorded_stalls).
 
 The job: `--work` hours of computation on one node. Periodic captures every interval of running time after
-the previous capture ended (triggers.IntervalClock); an interruption (during work, a capture or a restore)
+the previous capture ended (coordinator/interval.py IntervalClock); an interruption (during work, a capture or a restore)
 loses the work since the last committed capture and costs a restore. Overhead = (stall + lost work +
 restores) / work. The queue wait after a requeue is the same for every interval and left out. The persist
 after the thaw (compress, copy) runs beside the job and is not counted. Runs are paired: every interval of

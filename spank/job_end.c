@@ -6,7 +6,7 @@
  * Starts `<agent> job-end --job N --uid U [--node NAME --nodes LIST]`
  * detached (its own session, a grandchild nobody waits for) and returns at
  * once. What it decides, whether Slurm says the job is finished and which
- * node acts, is Python's (src/slurmckpt/job_end.py): slurmctld shows the job
+ * node acts, is Python's (src/slurmckpt/store/job_end.py): slurmctld shows the job
  * COMPLETING until every node's epilog has returned, so its final word cannot
  * be waited for here. Job id and uid come from Slurm (S_JOB_ID, S_JOB_UID);
  * the node's name and the job's node list from the variables slurmd itself

@@ -3,7 +3,7 @@
  * (slurm_spank_task_exit: slurmstepd, root, each time it reaps a task).
  *
  * The root agent keeps each task's tree in a freeze cgroup of its own,
- * <root>/<job>.<step>.<rank>.<restart> (src/slurmckpt/task_cgroup.py), and
+ * <root>/<job>.<step>.<rank>.<restart> (src/slurmckpt/node/task_cgroup.py), and
  * kills it when the task's wrapper goes. But Slurm's final SIGKILL ends the
  * agent and its thaw watchdog together with the wrapper, and a process frozen
  * by the cgroup v1 freezer does not die of SIGKILL until thawed: a tree its

@@ -23,6 +23,10 @@ from slurmckpt.policy import Policy
 
 DEFAULT_PATH = Path("/etc/slurmckpt/slurmckpt.yaml")
 FILE_NAME = "slurmckpt.yaml"
+# A persist's I/O priority class (ioprio_set, store/persist.py) and zstd's highest level (store/compression.py):
+# checked here, where every key is, so that reading the config loads none of the store's code.
+IOPRIO_CLASSES = {"best-effort": 2, "idle": 3}
+ZSTD_MAX_LEVEL = 19
 DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
 
 
@@ -56,8 +60,20 @@ def _default_criu() -> str:
 
 
 def _key(default: object = dataclasses.MISSING, doc: str = "", factory=dataclasses.MISSING, **meta: object):
-    """A config key: its default and the one description slurmckpt.yaml(5) and the docs show (manpage.py)."""
+    """A config key: its default and the one description slurmckpt.yaml(5) and the docs show (cli/manpage.py)."""
     return field(default=default, default_factory=factory, metadata={"doc": doc, **meta})  # type: ignore[arg-type]
+
+
+def check_compression(name: str, level: int, threads: int) -> None:
+    """Keys `compression`, `compression_level`, `compression_threads` (the codec: store/compression.py)."""
+    if name in ("off", "none", ""):
+        return
+    if name != "zstd":
+        raise ConfigError(f"key 'compression': bad value {name!r}: want zstd or off")
+    if not 1 <= level <= ZSTD_MAX_LEVEL:
+        raise ConfigError(f"key 'compression_level': bad value {level!r}: want 1..{ZSTD_MAX_LEVEL}")
+    if threads < 1:
+        raise ConfigError(f"key 'compression_threads': bad value {threads!r}: want >= 1")
 
 
 @dataclass(frozen=True)
@@ -168,9 +184,7 @@ class Config:
     source: str = field(default="(built-in defaults)", compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        from slurmckpt.store.compression import from_settings
-        from slurmckpt.store.persist import IOPRIO_CLASSES
-        from_settings(self.compression, self.compression_level, self.compression_threads)
+        check_compression(self.compression, self.compression_level, self.compression_threads)
         if not 0 <= self.persist_nice <= 19:
             raise ConfigError(f"key 'persist_nice': bad value {self.persist_nice!r}: want 0..19")
         if self.persist_io_class not in IOPRIO_CLASSES:
@@ -182,10 +196,6 @@ class Config:
                               "states as sacct prints them (NODE_FAIL, PREEMPTED, REQUEUED, ...)")
         if not os.path.isabs(self.staging_dir):
             raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
-
-    def codec(self):
-        from slurmckpt.store.compression import from_settings
-        return from_settings(self.compression, self.compression_level, self.compression_threads)
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:

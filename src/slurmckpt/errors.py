@@ -6,7 +6,7 @@ class SlurmckptError(Exception):
     """Base of every slurmckpt error. `context` holds job/step/rank/pid/stage where known.
 
     `retryable`: the same operation may succeed if tried again. Only LockContended, ExchangeInFlight and
-    EpochGone set it; a lock round (coordinator/server.py, barrier/lock_round.py) retries on those, with a
+    EpochGone set it; a lock round (coordinator/server.py, barrier/rounds.py) retries on those, with a
     new epoch, and on nothing else."""
 
     retryable = False

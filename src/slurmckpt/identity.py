@@ -1,5 +1,7 @@
 """Who a task is: built once from Slurm's word (the SPANK shim's argv) and passed around as a value.
 
+A rank's name, `step.rank` (`RankName`), keys its images in the store, its record in a job manifest and its
+connection at the coordinator; it is written in `RankName.__str__` and read in `validate.rank_name`.
 A tree's name, `job.step.rank.restart`, labels its cgroup (task_cgroup.py) and keys node-wide restore state
 (netlock.py). It is written in one place (`TreeName.__str__`) and read back in one place (`TreeName.parse`),
 where a name comes from outside this process: another task's cgroup on the node.
@@ -7,6 +9,16 @@ where a name comes from outside this process: another task's cgroup on the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class RankName(NamedTuple):
+    """One rank of a job across its restarts (a tuple: `step, rank = name` unpacks it)."""
+    step: str            # "batch" or a step number
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.step}.{self.rank}"
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,10 @@ class TreeName:
     def task(self) -> str:
         """job.step.rank: the task across restarts (log files, the namespace init's home)."""
         return f"{self.job}.{self.step}.{self.rank}"
+
+    @property
+    def rank_name(self) -> RankName:
+        return RankName(self.step, self.rank)
 
     @property
     def label(self) -> str:

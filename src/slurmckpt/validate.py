@@ -14,6 +14,7 @@ import math
 import re
 
 from slurmckpt.errors import ProtocolError
+from slurmckpt.identity import RankName
 
 MAX_EPOCH = 10**6 - 1              # epoch-NNNNNN
 MAX_TASKS = 100_000                # tasks of one step (Slurm's own limits are far lower per node)
@@ -148,8 +149,8 @@ def rank_index(value: object, field: str = "rank") -> int:
     return integer(value, field, 0, MAX_TASKS - 1)
 
 
-def rank_name(value: object, field: str = "rank") -> tuple[str, int]:
-    """`<step>.<rank>` -> (step, rank): step `batch` or digits, rank digits, both bounded, no leading zeros
+def rank_name(value: object, field: str = "rank") -> RankName:
+    """`<step>.<rank>` -> RankName, the one reading of a rank's name: step `batch` or digits, rank digits, both bounded, no leading zeros
     (one spelling per rank: `0.01` and `0.1` must not be two directories)."""
     if not isinstance(value, str) or len(value) > 32:
         raise _refuse(field, value, "not <step>.<rank>")
@@ -157,7 +158,7 @@ def rank_name(value: object, field: str = "rank") -> tuple[str, int]:
     if not dot or _STEP.fullmatch(s) is None or _INDEX.fullmatch(r) is None:
         raise _refuse(field, value, "not <step>.<rank> (step batch or digits, rank digits)")
     step(s, field)
-    return s, rank_index(int(r), field)
+    return RankName(s, rank_index(int(r), field))
 
 
 def scope(value: object, field: str = "scope") -> str:

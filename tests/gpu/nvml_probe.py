@@ -23,13 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from slurmckpt import procfs  # noqa: E402
+from slurmckpt.node import procfs  # noqa: E402
 from slurmckpt.coordinator.budget import Estimate, RankSize  # noqa: E402
 from slurmckpt.cuda import frameworks  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.inventory import doctor_checks  # noqa: E402
 from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
-from slurmckpt.footprint import measure  # noqa: E402
+from slurmckpt.rank.fit import measure  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 JAX_HOLD = ("import os, sys, time, jax, jax.numpy as jnp\n"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 
 READ = {"x86_64": 0, "aarch64": 63}[os.uname().machine]
 

@@ -13,8 +13,8 @@ from slurmckpt.store.compression import Zstd
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
 from slurmckpt.store.persist import Priority, materialize
-from slurmckpt.pipeline import RankPipeline
-from slurmckpt.rank_images import StorePolicy
+from slurmckpt.rank.pipeline import RankPipeline
+from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.space import Quotas
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore

@@ -218,7 +218,7 @@ def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tu
 def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_path):
     """100 GB of GPU state and 4 GB of host memory, one more tree of the job on the node: criu's timeout and
     the watchdog's frozen limit follow the node's disk rate, never below the configured floor."""
-    from slurmckpt.footprint import Footprint
+    from slurmckpt.rank.fit import Footprint
     from slurmckpt.cuda.interface import GpuUse
 
     def size(epoch):

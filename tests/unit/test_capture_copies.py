@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import output_snapshot
+from slurmckpt.rank import output_snapshot
 from slurmckpt.store import space
 from slurmckpt.store import sparse
 from slurmckpt.node import proctree
@@ -129,7 +129,7 @@ def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Pat
     try:
         store, staging = JobStore(tmp_path / "images", "c", 8), Staging(tmp_path / "staging")
         p = pipeline(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
-        with pytest.raises(CaptureError, match=rf"over quota_job .*; it copies {shm_file} \(0\.00 GiB\)"):
+        with pytest.raises(CaptureError, match=rf"over quota_job .*; it copies {shm_file} \(2\.0 MiB\)"):
             p.prepare(1)
         assert p.cgroup.state() == "THAWED" and p.failed_stage == "space"
         assert staging.areas() == [] and not list(store.job_dir.glob("epoch-*/batch.0"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import crossnode
+from slurmckpt.rank.sharing import crossnode
 from slurmckpt.errors import RestoreError
 from slurmckpt.node.packet_filter import Iptables
 from slurmckpt.node.proctree import TcpConnection
@@ -83,7 +83,7 @@ def test_connections_are_closed_or_held_as_the_check_sorted_them_never_by_what_i
     (all trees running) sorted as outside is restored closed; a connection it did not sort is kept."""
     from types import SimpleNamespace
 
-    from slurmckpt import capture_checks
+    from slurmckpt.rank import checks as capture_checks
     from slurmckpt.node import proctree
     client = TcpConnection("10.77.0.1:8000", "10.0.0.9:51000", "10.0.0.9", 21, True)
     other_node = TcpConnection(A, B, "10.77.0.2", 22, False)

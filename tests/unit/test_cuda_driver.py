@@ -192,7 +192,7 @@ def test_importing_slurmckpt_and_the_gpu_modules_never_loads_a_library():
         ctypes.CDLL = refuse
         ctypes.cdll.LoadLibrary = refuse
         import slurmckpt, slurmckpt.cuda, slurmckpt.cuda.driver, slurmckpt.cuda.fake, slurmckpt.cuda.stage
-        import slurmckpt.cuda.remap, slurmckpt.barrier.lock_round
+        import slurmckpt.cuda.remap, slurmckpt.barrier.rounds
         assert slurmckpt.cuda.driver._loaded is None
         print("clean")
     """)

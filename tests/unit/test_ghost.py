@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import ghost
+from slurmckpt.rank import ghost
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError, ConfigError
 from slurmckpt.node.proctree import DeletedFile, deleted_files

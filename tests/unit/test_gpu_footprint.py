@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node import host_memory
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
@@ -16,7 +16,7 @@ from slurmckpt.cuda.fake_nvml import FakeNvml, FakeNvmlGpu
 from slurmckpt.cuda.inventory import NvmlInventory, NvmlUnavailable
 from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.cuda.stage import GpuUnsupportedError, PipelineGpu
-from slurmckpt.footprint import Footprint, measure, tree_memory
+from slurmckpt.rank.fit import Footprint, measure, tree_memory
 from slurmckpt.cuda.interface import GpuUse, NullGpu
 from slurmckpt.node.host_memory import Headroom
 

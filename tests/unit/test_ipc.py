@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import ipc
+from slurmckpt.rank.sharing import ipc
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
 from slurmckpt.node.task_cgroup import TaskCgroup

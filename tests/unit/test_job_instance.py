@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import ipc
+from slurmckpt.rank.sharing import ipc
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.store import instance
 from slurmckpt.node import proctree

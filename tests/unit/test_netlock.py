@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import netlock
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank.sharing.netlock import RestoreKey
 from slurmckpt.node.packet_filter import Iptables, Nftables
 
 A, B = "127.0.0.1:40000", "127.0.0.1:50000"
 TAG = "slurmckpt job 7"
+KEY = RestoreKey(1, 0, 1, 1)
 
 
 class FakeIptables:
@@ -49,7 +51,7 @@ def test_rules_drop_both_directions_and_let_criu_repair_traffic_through() -> Non
 @pytest.mark.parametrize("order", ["nested", "sequential"])
 def test_first_rank_locks_both_ends_and_the_last_one_back_unlocks(tmp_path: Path, order: str) -> None:
     ipt = FakeIptables()
-    hold = lambda local, remote: netlock.hold_during_restore([[local, remote]], "7.0.3", TAG, Iptables(ipt), tmp_path)
+    hold = lambda local, remote: netlock.hold_during_restore([[local, remote]], RestoreKey(7, 0, 3, 1), TAG, Iptables(ipt), tmp_path)
     if order == "nested":       # B starts while A is being restored, finishes after it
         with hold(A, B):
             assert len(ipt.rules) == 2
@@ -67,30 +69,30 @@ def test_first_rank_locks_both_ends_and_the_last_one_back_unlocks(tmp_path: Path
 
 def test_a_failed_restore_still_counts_so_the_peer_is_not_held_forever(tmp_path: Path) -> None:
     ipt = FakeIptables()
-    with netlock.hold_during_restore([[A, B]], "7.0.3", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([[A, B]], RestoreKey(7, 0, 3, 1), TAG, Iptables(ipt), tmp_path):
         pass
     with pytest.raises(RuntimeError):
-        with netlock.hold_during_restore([[B, A]], "7.0.3", TAG, Iptables(ipt), tmp_path):
+        with netlock.hold_during_restore([[B, A]], RestoreKey(7, 0, 3, 1), TAG, Iptables(ipt), tmp_path):
             raise RuntimeError("criu restore failed")
     assert ipt.rules == []
 
 
 def test_rules_already_gone_are_deleted_one_by_one(tmp_path: Path) -> None:
     ipt = FakeIptables()
-    with netlock.hold_during_restore([[A, B]], "k", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([[A, B]], KEY, TAG, Iptables(ipt), tmp_path):
         pass
     ipt.rules.pop()              # someone removed one rule by hand
-    with netlock.hold_during_restore([[B, A]], "k", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([[B, A]], KEY, TAG, Iptables(ipt), tmp_path):
         pass
     assert ipt.rules == []
 
 
 def test_ipv6_connections_use_ip6tables_and_nothing_runs_without_connections(tmp_path: Path) -> None:
     ipt = FakeIptables()
-    with netlock.hold_during_restore([], "k", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([], KEY, TAG, Iptables(ipt), tmp_path):
         pass
     assert ipt.calls == []
-    with netlock.hold_during_restore([["[::1]:1", "[::1]:2"]], "k", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([["[::1]:1", "[::1]:2"]], KEY, TAG, Iptables(ipt), tmp_path):
         assert {c for c, _ in ipt.rules} == {"ip6tables-restore"}
 
 
@@ -139,17 +141,19 @@ def test_only_connections_both_ranks_recorded_are_held() -> None:
 
 def test_restore_key_is_per_network_namespace() -> None:
     import os
-    assert netlock.restore_key(7, "1", 3) == f"7.1.3.{os.stat('/proc/self/ns/net').st_ino}"
+    key = netlock.restore_key(7, 1, 3)
+    assert str(key) == f"7.1.3.{os.stat('/proc/self/ns/net').st_ino}"
+    assert RestoreKey.parse(f"{key}.127.0.0.1_5-127.0.0.1_6") == key and RestoreKey.parse("7.1.x.4") is None
 
 
 def test_a_hold_left_by_an_earlier_attempt_is_lifted_by_the_next_one(tmp_path: Path) -> None:
     ipt = FakeIptables()
-    with netlock.hold_during_restore([[A, B]], "7.0.3.1", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([[A, B]], RestoreKey(7, 0, 3, 1), TAG, Iptables(ipt), tmp_path):
         pass                                 # restart 0: rank 1 never came (job requeued)
-    with netlock.hold_during_restore([["127.0.0.1:9", "127.0.0.1:8"]], "8.0.3.1", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([["127.0.0.1:9", "127.0.0.1:8"]], RestoreKey(8, 0, 3, 1), TAG, Iptables(ipt), tmp_path):
         pass                                 # another job's hold stays
     assert len(ipt.rules) == 4
-    with netlock.hold_during_restore([[A, B]], "7.1.2.1", TAG, Iptables(ipt), tmp_path):
+    with netlock.hold_during_restore([[A, B]], RestoreKey(7, 1, 2, 1), TAG, Iptables(ipt), tmp_path):
         assert len(ipt.rules) == 4           # restart 1 lifted restart 0's, added its own
     assert len(ipt.rules) == 4 and len(list(tmp_path.glob("7.1.*"))) == 1 and not list(tmp_path.glob("7.0.*"))
 

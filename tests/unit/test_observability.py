@@ -1,6 +1,6 @@
 """What an agent tells the world (events.py): one key=value line per event into the plugin's log relay (a
 real pipe here; the relay itself: spank/tests/log_relay_test.c), the job's comment field through its one
-writer (slurm/comment.py), the user-readable summary (summary.py), and the agent's own log (agentlog.py)."""
+writer (slurm/comment.py), the user-readable summary (summary.py), and the agent's own log (agent/logs.py)."""
 from __future__ import annotations
 
 import json

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from slurmckpt import output_pipes
+from slurmckpt.rank import output_pipes
 from slurmckpt.node.launch import Credentials
 
 ME = Credentials(os.getuid(), os.getgid(), (), ())

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import rank_images
+from slurmckpt.rank import images as rank_images
 from slurmckpt.store import compression
 from slurmckpt.store import persist
 from slurmckpt.store.compression import PLAIN, Zstd
 from slurmckpt.errors import ConfigError, RestoreError, SlurmckptError, StorageError
 from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
-from slurmckpt.restore import restore_rank
+from slurmckpt.rank.restore import restore_rank
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, capture, images, pipeline, read_back, settled
@@ -215,7 +215,7 @@ def test_restore_unpacks_into_staging_and_removes_it_after_criu(committed):
 def test_restore_refuses_when_staging_cannot_hold_the_unpacked_images(committed, monkeypatch):
     store, staging, p = committed
     monkeypatch.setattr(rank_images, "free_bytes", lambda path: 1000)
-    with pytest.raises(RestoreError, match=r"staging area \(.*\) has 0\.00 GiB free; unpacking epoch 1"):
+    with pytest.raises(RestoreError, match=r"staging area \(.*\) has \d+ B free; unpacking epoch 1 needs [\d.]+ KiB"):
         restore_rank(p, 1, [0, 1, 2])
     assert p.engine.restored is None
 

@@ -13,10 +13,10 @@ from slurmckpt.errors import CaptureError, CriuError, CriuInterrupted, GpuError,
 from slurmckpt.cuda.interface import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
-from slurmckpt.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
+from slurmckpt.rank.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
 from slurmckpt.store.compression import Zstd
 from slurmckpt.store.persist import Priority
-from slurmckpt.rank_images import StorePolicy
+from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 
@@ -351,7 +351,7 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     start) can start one; the error is the typed failure the fallback acts on."""
     import subprocess
 
-    from slurmckpt.restore import restore_rank
+    from slurmckpt.rank.restore import restore_rank
     p, j, store = make(tmp_path, gpu_fail="gpu-restore")
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
@@ -377,7 +377,7 @@ def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) ->
     """criu restore was stopped at its timeout with part of the tree restored (criu did not take it back):
     those processes are killed before the fallback (an older epoch or a fresh start) runs, which needs the
     task cgroup empty; the error stays the typed criu failure."""
-    from slurmckpt.restore import restore_rank
+    from slurmckpt.rank.restore import restore_rank
     p, j, store = make(tmp_path)
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
@@ -404,7 +404,7 @@ def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Pa
     p, j, _ = make(tmp_path)
     p.gpu.use = GpuUse({os.getpid(): {"GPU-x": 1 << 50}})
     with pytest.raises(CaptureError, match="capture refused before anything was locked: the GPU checkpoint copies "
-                                           "1048576.0 GiB of device memory"):
+                                           "1024.0 TiB of device memory"):
         p.size(1)
     assert p.failed_stage == "size" and j.events == [] and p.footprint is None
     p.gpu.use = GpuUse()

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from slurmckpt import pmi, procfs
+from slurmckpt.slurm import pmi
+from slurmckpt.node import procfs
 from slurmckpt.errors import ExchangeInFlight, ProtocolError, RestoreError, is_retryable
 from tests.support.pmi_client import waiting_client
 

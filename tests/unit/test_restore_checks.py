@@ -1,7 +1,7 @@
-"""Which files a restore checks against the capture before criu runs (restore.files_to_check)."""
+"""Which files a restore checks against the capture before criu runs (rank/restore.py files_to_check)."""
 from __future__ import annotations
 
-from slurmckpt.restore import files_to_check
+from slurmckpt.rank.restore import files_to_check
 
 
 def test_dev_shm_files_written_back_are_not_checked_as_shared_or_written_files() -> None:

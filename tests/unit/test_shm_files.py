@@ -1,4 +1,4 @@
-"""Files in /dev/shm a tree holds (shm_files.py) and the criu image records read for them (criu_images.py)."""
+"""Files in /dev/shm a tree holds (shm_files.py) and the criu image records read for them (criu/images.py)."""
 from __future__ import annotations
 
 import mmap
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import shm_files
+from slurmckpt.rank.sharing import shm_files
 from slurmckpt.criu import images as criu_images
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt import ipc, procfs
+from slurmckpt.rank.sharing import ipc
+from slurmckpt.node import procfs
 from slurmckpt.identity import TreeName
 from slurmckpt.node.task_cgroup import LABEL, SlurmV2Placement, TaskCgroup, find_slurm_v2
 

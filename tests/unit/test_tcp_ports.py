@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from slurmckpt import tcp_ports
+from slurmckpt.node import tcp_ports
 
 
 def _listener(addr: str = "127.0.0.1", port: int = 0) -> tuple[socket.socket, int]:

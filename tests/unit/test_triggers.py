@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurmckpt.task.schedule import IntervalClock, Schedule
+from slurmckpt.coordinator.interval import IntervalClock
+from slurmckpt.task.schedule import Schedule
 
 
 class Clock:

@@ -24,6 +24,7 @@ from slurmckpt.config import Config
 from slurmckpt.agent.metrics import NodeMetrics
 from slurmckpt.slurm.comment import JobComment, one_line
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.identity import RankName
 
 log = logging.getLogger("slurmckpt.events")
 
@@ -70,7 +71,7 @@ class Task:
 
     @property
     def name(self) -> str:
-        return f"{self.step}.{self.rank}"
+        return str(RankName(self.step, self.rank))
 
 
 class AgentEvents:

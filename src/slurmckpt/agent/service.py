@@ -22,7 +22,9 @@ from slurmckpt.agent.events import AgentEvents
 from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict, reason_of
 from slurmckpt.store.instance import JobInstance, claim, mismatch, moved_aside_notes
 from slurmckpt.cuda.stage import PipelineGpu
-from slurmckpt import ipc, pmi, procfs
+from slurmckpt.rank.sharing import ipc
+from slurmckpt.slurm import pmi
+from slurmckpt.node import procfs
 from slurmckpt.store import lease
 from slurmckpt.store import durable
 from slurmckpt.node import watchdog
@@ -33,10 +35,10 @@ from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
 from slurmckpt.agent.interruptions import answer as interruption_answer
 from slurmckpt.node.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.node.peer import Peer
-from slurmckpt.pipeline import RankPipeline
-from slurmckpt.restore import restore_rank
+from slurmckpt.rank.pipeline import RankPipeline
+from slurmckpt.rank.restore import restore_rank
 from slurmckpt.policy import JobPolicy
-from slurmckpt.rank_images import StorePolicy
+from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store import summary
 from slurmckpt.store import reclaim
 from slurmckpt.slurm.control import CliSlurm, other_node_addresses, this_node
@@ -57,7 +59,7 @@ class Agent:
     interval_s = 0                       # the interval this task uses (the shim's, after the policy)
     last_periodic: float | None = None   # monotonic time of the last periodic capture's PREPARE
     prepared: tuple[int, bool, float] | None = None   # the last PREPARE let through: epoch, final, when
-    store_outage: str | None = None      # the store did not answer at the start: waited (agent_start.py)
+    store_outage: str | None = None      # the store did not answer at the start: waited (agent/start.py)
     store_wait_s = 120.0                 # Config.store_wait_s
     reporter: FailureReporter | None = None   # capture failures recorded and told (fresh_start.py)
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
@@ -76,7 +78,7 @@ class Agent:
         self.store = JobStore(Path(config.storage_root), ident.cluster, ident.job)
         self.store.ensure()
         self.store_policy = StorePolicy.from_config(config)
-        self.store_wait_s = config.store_wait_s   # staging, compression, quotas (rank_images.py)
+        self.store_wait_s = config.store_wait_s   # staging, compression, quotas (rank/images.py)
         self.srun_relay = self._relay_path() if ident.step == "batch" else None
         # The job instance, from slurmctld by the trusted job id (instance.py); None: Slurm did not answer
         self.slurm_job = slurm_job
@@ -218,7 +220,7 @@ class Agent:
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
-        if self.store_outage:                            # waited for the store's file system (agent_start.py)
+        if self.store_outage:                            # waited for the store's file system (agent/start.py)
             notes.append(self.store_outage)
         if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])

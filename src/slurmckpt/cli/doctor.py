@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import psutil
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.store import summary
 from slurmckpt.cli.output import CliError, Column, Format, emit, output_options
 from slurmckpt.config import Config, config_paths, load_user_config

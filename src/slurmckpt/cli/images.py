@@ -11,9 +11,10 @@ import click
 from slurmckpt.cli.lookup import JOB, config, queued
 from slurmckpt.cli.output import CliError, Column, Format, emit, output_options, shown, took, when
 from slurmckpt.config import Config
-from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.store.jobstore import JobStore, list_jobs
+from slurmckpt.sizes import size_text
+from slurmckpt import validate
 
 LIST_COLUMNS = [Column("cluster", "CLUSTER"), Column("job", "JOBID", right=True), Column("epoch", "EPOCH", right=True),
                 Column("reason", "TRIGGER"), Column("ranks", "RANKS", right=True), Column("committed", "COMMITTED")]
@@ -64,8 +65,8 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
     ranks = {}
     for name, record in sorted(chosen["ranks"].items()):
         if record["kind"] != "completed":
-            step, _, rank = name.rpartition(".")
-            record = {**record, **store.read_rank_manifest(chosen["epoch"], step, int(rank))}
+            step, rank = validate.rank_name(name)
+            record = {**record, **store.read_rank_manifest(chosen["epoch"], step, rank)}
         ranks[name] = record
     if fmt.kind == "json":
         emit(fmt, [], [], {"job": job_id, "cluster": clusters[0], "epoch": chosen["epoch"],
@@ -86,7 +87,7 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
         total = sum(f["size"] for f in m["files"].values())
         raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
         click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
-                   f"process(es), {human_bytes(total)} stored ({human_bytes(raw)} raw) in "
+                   f"process(es), {size_text(total)} stored ({size_text(raw)} raw) in "
                    f"{len(m['files'])} file(s), uid {shown(m.get('uid'))}")
         if m.get("argv"):
             click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
@@ -107,7 +108,7 @@ def timings(recorded: dict) -> str:
         if type(value) not in (int, float):
             times.append(f"{shown(name)} {shown(value)}")
         elif name.endswith("_mib"):
-            sizes.append(f"{shown(name.removesuffix('_mib'))} {human_bytes(round(value * 2**20))}")
+            sizes.append(f"{shown(name.removesuffix('_mib'))} {size_text(round(value * 2**20))}")
         else:
             times.append(f"{shown(name)} {took(value)}")
     return ", ".join(times + sizes) or "none recorded"

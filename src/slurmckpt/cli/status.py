@@ -15,10 +15,10 @@ from slurmckpt.cli.output import (CliError, Column, Format, JobNotFoundError, em
 from slurmckpt.duration import format_duration, format_interval
 from slurmckpt.errors import SlurmError
 from slurmckpt.store.fresh_start import CaptureFailure
-from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.slurm.queue import QueuedJob, note_in
+from slurmckpt.sizes import size_text
 
 COLUMNS = [Column("job", "JOBID", right=True), Column("user", "USER"), Column("state", "STATE"),
            Column("restarts", "RESTARTS", right=True), Column("epoch", "LAST_EPOCH", right=True),
@@ -34,7 +34,7 @@ def row(job: dict, info: dict | None) -> dict:
     newest = ((info or {}).get("epochs") or [None])[0]
     return {**job, "epoch": newest["epoch"] if newest else None,
             "committed": when(newest["committed_at"]) if newest else None,
-            "size": human_bytes(newest["bytes"]) if newest else None,
+            "size": size_text(newest["bytes"]) if newest else None,
             "bytes": newest["bytes"] if newest else None}
 
 
@@ -144,7 +144,7 @@ def _details(cfg, r: dict, fmt: Format) -> None:
                                             if epochs else "none committed"))
         if epochs:
             emit(Format("text"), EPOCH_COLUMNS,
-                 [{**e, "committed": when(e["committed_at"]), "size": human_bytes(e["bytes"]),
+                 [{**e, "committed": when(e["committed_at"]), "size": size_text(e["bytes"]),
                    "nodes": ",".join(e.get("nodes", []))} for e in epochs])
         gone = info.get("images_removed")
         if gone:

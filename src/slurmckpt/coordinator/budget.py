@@ -1,4 +1,4 @@
-"""An epoch's budget, from what every rank measured in the SIZE phase (footprint.py): whether the GPU copies
+"""An epoch's budget, from what every rank measured in the SIZE phase (rank/fit.py): whether the GPU copies
 of ranks that share a node or a memory cgroup fit together, and how long each phase may take.
 
 Timeouts follow the bytes at the rates measured on the H200 (driver 580; docs/gpu.md, "Rates"), times
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from slurmckpt import validate
-from slurmckpt.footprint import gib
+from slurmckpt.sizes import size_text
 
 GPU_CHECKPOINT_BPS = 2.0e9          # device -> host, one process (32 GiB: 15-18 s)
 GPU_CHECKPOINT_NODE_BPS = 6.0e9     # all processes of a node at once (4 processes on one GPU)
@@ -73,15 +73,15 @@ def refusals(sizes: list[RankSize]) -> list[tuple[RankSize, str]]:
     for node, ranks in sorted(_by(sizes, lambda s: s.node).items()):
         total, available = sum(r.gpu_bytes for r in ranks), min(r.mem_available for r in ranks)
         if len(ranks) > 1 and total > available:
-            out.append((ranks[0], f"on node {node} the GPU checkpoints of ranks {_names(ranks)} copy {gib(total)} "
-                                  f"of device memory into host memory, the node has {gib(available)} available "
-                                  f"(MemAvailable): {gib(total - available)} short"))
+            out.append((ranks[0], f"on node {node} the GPU checkpoints of ranks {_names(ranks)} copy {size_text(total)} "
+                                  f"of device memory into host memory, the node has {size_text(available)} available "
+                                  f"(MemAvailable): {size_text(total - available)} short"))
         for cgroup, members in sorted(_by([r for r in ranks if r.cgroup], lambda s: s.cgroup).items()):
             total, room = sum(r.gpu_bytes for r in members), min(r.cgroup_headroom for r in members)
             if len(members) > 1 and total > room:
                 out.append((members[0], f"on node {node} the GPU checkpoints of ranks {_names(members)} copy "
-                                        f"{gib(total)} into memory cgroup {cgroup}, which has room for {gib(room)}: "
-                                        f"{gib(total - room)} short; ask Slurm for more memory (--mem)"))
+                                        f"{size_text(total)} into memory cgroup {cgroup}, which has room for {size_text(room)}: "
+                                        f"{size_text(total - room)} short; ask Slurm for more memory (--mem)"))
     return out
 
 

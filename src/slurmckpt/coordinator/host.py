@@ -31,10 +31,9 @@ import resource
 import signal
 import socket
 
-from slurmckpt.coordinator.interval import AutoInterval, AutoSettings
+from slurmckpt.coordinator.interval import AutoInterval, AutoSettings, IntervalClock
 from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
 from slurmckpt.duration import AUTO
-from slurmckpt.task.schedule import IntervalClock
 
 log = logging.getLogger("slurmckpt.coordinator.host")
 

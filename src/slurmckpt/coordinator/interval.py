@@ -9,7 +9,7 @@ the root agent (interruptions.py: the partition's history in accounting, weighed
 
 Daly's (2006) higher-order interval, T = sqrt(2CM) (1 + sqrt(C/2M)/3 + C/18M) - C for C < 2M, else M;
 Young's (1974) first-order sqrt(2CM) is shown beside it. T is the work between the end of one capture and
-the start of the next, which is what the interval timer counts (triggers.IntervalClock). The result is
+the start of the next, which is what the interval timer counts (IntervalClock, below). The result is
 bounded by the policy's min_interval and max_interval (policy.JobPolicy.auto_bounds); until a capture has
 been measured the job uses auto_first_interval. The root agents enforce min_interval whatever is chosen here.
 """
@@ -162,3 +162,27 @@ class AutoInterval:
         bound = "min_interval" if wanted < low else "max_interval" if wanted > high else ""
         return Choice(interval, basis, c, tuple(self.stalls), self.mtbi_s, dict(self.interruptions), y, d, bound,
                       low, high, s.min_from, s.max_from, self.clock())
+
+
+@dataclass
+class IntervalClock:
+    """Periodic captures, in the coordinator process: due once `interval` seconds have passed since the last
+    epoch of any kind ended (a manual or failed capture restarts the count too)."""
+    clock: Callable[[], float] = time.monotonic
+    _last: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        self._last = self.clock()
+
+    def epoch_ended(self) -> None:
+        self._last = self.clock()
+
+    def seconds_to_next(self, interval: int) -> float | None:
+        """None: no interval."""
+        return max(0.0, self._last + interval - self.clock()) if interval > 0 else None
+
+    def due(self, interval: int) -> bool:
+        if interval > 0 and self.clock() - self._last >= interval:
+            self._last = self.clock()
+            return True
+        return False

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
 from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
+from slurmckpt.barrier.rounds import LockRounds
 from slurmckpt.coordinator.phase import EpochFailed, PhaseReplies, RankConn, check_reply, rank_list
 from slurmckpt.coordinator.protocol import encode_prefix
 from slurmckpt import validate
 from slurmckpt.duration import AUTO
 from slurmckpt.errors import ProtocolError
+from slurmckpt.identity import RankName
 
 log = logging.getLogger("slurmckpt.coordinator")
 
@@ -183,13 +184,8 @@ class Coordinator:
             if self.withdrawn:     # capturing now would commit a state that is no moment of the computation
                 return {"status": "skipped", "reason": reason, "why": self.withdrawn}
             t0 = time.monotonic()
-            for round_no in range(1, self.lock_rounds + 1):
-                result = await self._attempt(reason, final)
-                retry = result["status"] == "aborted" and result.get("error_kind") == "retryable"
-                if not retry or round_no == self.lock_rounds:
-                    break
-                log.info("lock round %d failed (%s); retrying", round_no, result.get("error"))
-                await asyncio.sleep(self.lock_backoff_s * (1 + random.random()) * round_no)
+            rounds = LockRounds(self.lock_rounds, self.lock_backoff_s)
+            result, round_no = await rounds.run(lambda: self._attempt(reason, final))
             result["lock_rounds"] = round_no
             result["time_to_cut_s"] = (time.monotonic() - t0 - result.get("total_s", 0) + result.get("cut_s", 0)
                                        if result["status"] == "committed" else None)
@@ -347,7 +343,8 @@ class Coordinator:
         present = set(self.ranks) | set(self.completed)
         missing = []
         for step, n in sorted(self.expected.items()):
-            have = {name for name in present if name.rpartition(".")[0] == step}
+            have = {name for name in present if validate.rank_name(name).step == step}
             if len(have) < n:
-                missing += [f"{step}.{r}" for r in range(n) if f"{step}.{r}" not in have][: n - len(have)]
+                missing += [str(RankName(step, r)) for r in range(n) if str(RankName(step, r)) not in have
+                            ][: n - len(have)]
         return missing

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from slurmckpt import procfs
-from slurmckpt.footprint import gib
+from slurmckpt.node import procfs
+from slurmckpt.sizes import size_text
 
 JAX_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
 TF_VARS = ("TF_FORCE_GPU_ALLOW_GROWTH", "TF_GPU_ALLOCATOR")
@@ -61,7 +61,7 @@ def preallocation_note(held: Held, framework: str | None, env: Mapping[str, str]
     if held.bytes < SMALL or framework is None or not held.total:
         return None
     share = held.bytes / held.total
-    held_text = f"{gib(held.bytes)} ({share:.0%} of the GPU's memory)"
+    held_text = f"{size_text(held.bytes)} ({share:.0%} of the GPU's memory)"
     copied = "every capture copies, writes and restores all of it"
     if framework == "jax" and env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() not in ("false", "0"):
         fraction = _fraction(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), JAX_DEFAULT_FRACTION)

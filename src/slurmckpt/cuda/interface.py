@@ -8,7 +8,7 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class GpuUse:
-    """What a tree holds on its GPUs, measured before anything is locked (the SIZE phase, footprint.py)."""
+    """What a tree holds on its GPUs, measured before anything is locked (the SIZE phase, rank/fit.py)."""
     held: dict[int, dict[str, int]] = field(default_factory=dict)   # pid -> {GPU uuid: bytes}
     notes: tuple[str, ...] = ()          # for the job's stderr: allocators holding far more than used
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from slurmckpt.errors import GpuError
-from slurmckpt.footprint import gib
+from slurmckpt.sizes import size_text
 
 COMPUTE_MODES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 MIN_DRIVER = 570          # the CUDA process checkpoint API with restore onto other GPUs (580 tested)
@@ -93,8 +93,8 @@ class Inventory:
                  f"{self.cuda_version % 1000 // 10}, {len(self.gpus)} GPU(s)"]
         for g in self.gpus:
             procs = [p for p in self.processes if same_uuid(p.uuid, g.uuid)]
-            lines.append(f"GPU {g.index} {g.name} {g.uuid} bus {g.pci_bus_id}: {gib(g.memory_total)} total, "
-                         f"{gib(g.memory_used)} used, {len(procs)} process(es); MIG "
+            lines.append(f"GPU {g.index} {g.name} {g.uuid} bus {g.pci_bus_id}: {size_text(g.memory_total)} total, "
+                         f"{size_text(g.memory_used)} used, {len(procs)} process(es); MIG "
                          f"{'on' if g.mig_enabled else 'off'}, compute mode {g.compute_mode}")
         return lines
 

@@ -15,10 +15,10 @@ import os
 import re
 from typing import Sequence
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
 from slurmckpt.cuda.frameworks import framework_of
-from slurmckpt.ipc import unix_sockets
+from slurmckpt.rank.sharing.ipc import unix_sockets
 
 log = logging.getLogger("slurmckpt.cuda")
 

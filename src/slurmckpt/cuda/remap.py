@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from slurmckpt.cuda.driver import GpuInfo, GpuPair
 from slurmckpt.cuda.inventory import Inventory
 from slurmckpt.errors import GpuError
-from slurmckpt.footprint import gib
+from slurmckpt.sizes import size_text
 
 
 class GpuRemapError(GpuError):
@@ -103,9 +103,9 @@ def check_free(captured: Sequence[GpuInfo], now: Sequence[GpuInfo], inventory: I
             problems.append(f"GPU {pos} ({new.uuid}) prohibits compute (compute mode PROHIBITED)")
         held = int(device_bytes.get(old.uuid, 0))
         if held > gpu.memory_free:
-            problems.append(f"GPU {pos} ({new.uuid}) has {gib(gpu.memory_free)} free ({gib(gpu.memory_used)} in "
-                            f"use by other processes), the checkpoint holds {gib(held)} on it: "
-                            f"{gib(held - gpu.memory_free)} short")
+            problems.append(f"GPU {pos} ({new.uuid}) has {size_text(gpu.memory_free)} free ({size_text(gpu.memory_used)} in "
+                            f"use by other processes), the checkpoint holds {size_text(held)} on it: "
+                            f"{size_text(held - gpu.memory_free)} short")
     if problems:
         raise GpuRemapError("GPUs of this allocation cannot take the checkpoint's GPU state: " + "; ".join(problems),
                             **dict(context or {}))

@@ -4,7 +4,7 @@ tightest memory cgroup limit above the process (Slurm's job, step or task cgroup
 Why a capture asks: the CUDA driver's checkpoint copies a process's device memory into fresh host memory of
 that same process. The copy is charged to the process's memory cgroup; past the limit the kernel's OOM
 killer ends the job in the middle of its capture. A capture whose GPU copy does not fit is refused before
-anything is locked (footprint.py; docs/gpu.md, "Large GPU memory").
+anything is locked (rank/fit.py; docs/gpu.md, "Large GPU memory").
 
 Room left in a cgroup = limit - usage + its page cache (active_file + inactive_file: reclaimed before the
 OOM killer acts; shmem is not in it). Every ancestor up to the hierarchy's root counts; the smallest wins.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node.task_cgroup import cgroup_mounts
 
 V1_UNLIMITED = 1 << 62       # v1 reports "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 bytes)

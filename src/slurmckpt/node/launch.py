@@ -15,7 +15,7 @@ import stat
 import sys
 from dataclasses import dataclass
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.errors import PermissionDenied, SlurmckptError
 from slurmckpt.node.task_cgroup import TaskCgroup
 

@@ -6,7 +6,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 
 
 def children_map() -> dict[int, list[int]]:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.store.jobstore import JobStore, atomic_write_json
+from slurmckpt.sizes import size_text
 
 log = logging.getLogger("slurmckpt.comment")
 
@@ -41,14 +42,6 @@ def one_line(value: object, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
 
 
-def human_bytes(n: int) -> str:
-    size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            break
-        size /= 1024
-    return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -58,7 +51,7 @@ class Checkpoint:
 
     def describe(self) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.at))
-        return f"last checkpoint: epoch {self.epoch} at {stamp}, {human_bytes(self.size)}"
+        return f"last checkpoint: epoch {self.epoch} at {stamp}, {size_text(self.size)}"
 
 
 def compose(note: str | None, checkpoint: Checkpoint | None, foreign: str = "") -> str:

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from slurmckpt.duration import interval_arg
+from slurmckpt.identity import RankName
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class TaskEnv:
 
     @property
     def rank_name(self) -> str:
-        return f"{self.step}.{self.rank}"
+        return str(RankName(self.step, self.rank))
 
 
 # Variables slurmckpt sets for itself; the workload never sees them.

@@ -18,7 +18,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
 import xxhash
 
 from slurmckpt.store.durable import write_all
-from slurmckpt.errors import ConfigError
+from slurmckpt.config import ZSTD_MAX_LEVEL, check_compression
 
 CHUNK = 4 << 20
 T = TypeVar("T")
@@ -270,20 +270,13 @@ def _in_order(workers: int, items: Iterable[T], work: Callable[[T], bytes], out:
 
 
 PLAIN = Plain()
-MAX_LEVEL = 19
+MAX_LEVEL = ZSTD_MAX_LEVEL
 
 
 def from_settings(name: str, level: int, threads: int) -> Plain | Zstd:
     """The codec that configuration names (keys `compression`, `compression_level`, `compression_threads`)."""
-    if name in ("off", "none", ""):
-        return PLAIN
-    if name != "zstd":
-        raise ConfigError(f"key 'compression': bad value {name!r}: want zstd or off")
-    if not 1 <= level <= MAX_LEVEL:
-        raise ConfigError(f"key 'compression_level': bad value {level!r}: want 1..{MAX_LEVEL}")
-    if threads < 1:
-        raise ConfigError(f"key 'compression_threads': bad value {threads!r}: want >= 1")
-    return Zstd(level, threads)
+    check_compression(name, level, threads)
+    return PLAIN if name in ("off", "none", "") else Zstd(level, threads)
 
 
 def for_stored(name: str) -> Plain | Zstd:

@@ -243,5 +243,5 @@ def coordinator_verdict(m: dict) -> dict:
     return {"epoch": validate.epoch(m.get("epoch")), "stage": validate.label(m.get("stage", "unknown"), "stage"),
             "reason": validate.text(m.get("error", ""), "error"), "final": validate.flag(m.get("final"), "final"),
             "trigger": validate.label(m.get("trigger", "unknown"), "trigger"),
-            "rank": "" if rank in (None, "?") else ".".join(map(str, validate.rank_name(rank))),
+            "rank": "" if rank in (None, "?") else str(validate.rank_name(rank)),
             "node": "" if node in (None, "?") else validate.hostname(node), "seen_by": "coordinator"}

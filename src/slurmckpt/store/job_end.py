@@ -25,9 +25,9 @@ from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError, StorageError
 from slurmckpt.store.instance import bound_uid
-from slurmckpt.slurm.comment import human_bytes
 from slurmckpt.slurm.jobrecord import expand_hostlist
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.sizes import size_text
 
 log = logging.getLogger("slurmckpt.job_end")
 
@@ -91,7 +91,7 @@ def end(job: JobEnd, config: Config, slurm: Slurm, clock: Callable[[], float] = 
             except StorageError as e:
                 return _said(logging.WARNING, f"left to gc: {detail}, but {e}")
             verb = "removed" if removal.kind == "finished-job" else "kept"
-            return _said(logging.INFO, f"{verb} {human_bytes(removal.bytes)} of images: {removal.why}")
+            return _said(logging.INFO, f"{verb} {size_text(removal.bytes)} of images: {removal.why}")
         if said == "runs-again":
             return _said(logging.INFO, f"images kept: {detail}, it runs again")
         if clock() >= deadline:

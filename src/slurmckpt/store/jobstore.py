@@ -31,6 +31,7 @@ from slurmckpt import validate
 from slurmckpt.store import lease
 from slurmckpt.store.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
 from slurmckpt.errors import StorageError
+from slurmckpt.identity import RankName
 
 __all__ = ["JobStore", "atomic_write_json", "file_checksum", "list_jobs", "rank_name"]
 
@@ -62,7 +63,7 @@ def identity(st: os.stat_result) -> list[int]:
 
 def rank_name(step: str, rank: int) -> str:
     """Checked (validate.py) before it names a directory: a rank name is a path component."""
-    return f"{validate.step(step)}.{validate.rank_index(rank)}"
+    return str(RankName(validate.step(step), validate.rank_index(rank)))
 
 
 def epoch_of(name: str) -> int | None:

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from slurmckpt.store.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
+from slurmckpt.config import IOPRIO_CLASSES
 from slurmckpt.errors import RestoreError, StorageError
 from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, identity, rank_name
 
 log = logging.getLogger("slurmckpt.persist")
 
 SKIPPED = (".owner", ".reserve", RANK_MANIFEST)
-IOPRIO_CLASSES = {"best-effort": 2, "idle": 3}
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 T = TypeVar("T")
 

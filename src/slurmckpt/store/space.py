@@ -22,6 +22,7 @@ from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, StorageError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
+from slurmckpt.sizes import size_text
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Need:
     def named(self) -> str:
         """The biggest files the capture copies, for a refusal."""
         big = sorted(self.copies, key=lambda c: -c[1])[:3]
-        return f"; it copies {', '.join(f'{n} ({gib(b)})' for n, b in big)}" if big else ""
+        return f"; it copies {', '.join(f'{n} ({size_text(b)})' for n, b in big)}" if big else ""
 
 
 COPY_MARGIN = 64 << 20    # what the tree may add to its copied files between PREPARE and the freeze
@@ -54,10 +55,10 @@ class CopyBudget:
 
     def charge(self, n: int, name: str, size: int) -> None:
         if self.spent + n > self.limit:
-            raise CaptureError(f"capture refused: {name} (size {gib(size)}) holds more data than this capture "
+            raise CaptureError(f"capture refused: {name} (size {size_text(size)}) holds more data than this capture "
                                f"may copy: the files copied besides the memory images would take over "
-                               f"{gib(self.spent + n)}, {gib(self.counted)} were counted and reserved for them "
-                               f"in PREPARE (limit {gib(self.limit)})")
+                               f"{size_text(self.spent + n)}, {size_text(self.counted)} were counted and reserved for them "
+                               f"in PREPARE (limit {size_text(self.limit)})")
         self.spent += n
 
 
@@ -66,9 +67,6 @@ class Quotas:
     job: int = 0      # 0: off
     user: int = 0
 
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def expected(memory: int, previous: dict | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
@@ -147,18 +145,18 @@ def reserve_store(store: JobStore, epoch: int, step: str, rank: int, need: Need,
         pending = job_usage(store)
         free = free_bytes(store.job_dir)
         if need.stored > free:
-            raise CaptureError(f"capture refused: the image store ({store.root}) has {gib(free)} free, this rank's "
-                               f"images need about {gib(need.stored)}{need.named()}", rank=rname)
+            raise CaptureError(f"capture refused: the image store ({store.root}) has {size_text(free)} free, this rank's "
+                               f"images need about {size_text(need.stored)}{need.named()}", rank=rname)
         if quotas.job and pending + need.stored > quotas.job:
-            raise CaptureError(f"capture refused: job {store.job}'s images would take {gib(pending + need.stored)} "
-                               f"(in the store now {gib(pending)}, this rank {gib(need.stored)}), over quota_job "
-                               f"{gib(quotas.job)}{need.named()}", rank=rname)
+            raise CaptureError(f"capture refused: job {store.job}'s images would take {size_text(pending + need.stored)} "
+                               f"(in the store now {size_text(pending)}, this rank {size_text(need.stored)}), over quota_job "
+                               f"{size_text(quotas.job)}{need.named()}", rank=rname)
         if quotas.user:
             used = user_usage(store, uid)
             if used + need.stored > quotas.user:
-                raise CaptureError(f"capture refused: uid {uid}'s images would take {gib(used + need.stored)} "
-                                   f"(in the store now {gib(used)}, this rank {gib(need.stored)}), over "
-                                   f"quota_user {gib(quotas.user)}{need.named()}", rank=rname)
+                raise CaptureError(f"capture refused: uid {uid}'s images would take {size_text(used + need.stored)} "
+                                   f"(in the store now {size_text(used)}, this rank {size_text(need.stored)}), over "
+                                   f"quota_user {size_text(quotas.user)}{need.named()}", rank=rname)
         store.epoch_dir(epoch).mkdir(mode=0o700, exist_ok=True)
         (store.epoch_dir(epoch) / f"{RESERVE}{rname}").write_text(json.dumps({"stored": need.stored}))
 
@@ -170,11 +168,11 @@ def reserve_staging(staging: Staging, area: Path, need: Need) -> None:
         used = staging.usage()
         free = free_bytes(staging.root)
         if need.raw > free:
-            raise CaptureError(f"capture refused: the staging area ({staging.root}) has {gib(free)} free, this "
-                               f"rank's dump needs about {gib(need.raw)}{need.named()}")
+            raise CaptureError(f"capture refused: the staging area ({staging.root}) has {size_text(free)} free, this "
+                               f"rank's dump needs about {size_text(need.raw)}{need.named()}")
         if staging.cap and used + need.raw > staging.cap:
             raise CaptureError(f"capture refused: the staging area ({staging.root}) would hold "
-                               f"{gib(used + need.raw)}, over staging_max {gib(staging.cap)}{need.named()}")
+                               f"{size_text(used + need.raw)}, over staging_max {size_text(staging.cap)}{need.named()}")
         staging.make(area, reserve=need.raw)
 
 

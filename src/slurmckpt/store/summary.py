@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from slurmckpt.errors import PermissionDenied, StorageError
+from slurmckpt.errors import PermissionDenied, ProtocolError, StorageError
 from slurmckpt.store.jobstore import JobStore, atomic_write_json
+from slurmckpt import validate
 
 log = logging.getLogger("slurmckpt.summary")
 
@@ -46,11 +47,11 @@ def epoch_bytes(store: JobStore, entry: dict) -> int:
     for name, record in entry.get("ranks", {}).items():
         if record.get("kind") not in ("image", "replay"):
             continue
-        step, _, rank = name.rpartition(".")
         try:
+            step, rank = validate.rank_name(name)
             total += sum(int(f.get("size", 0)) for f in store.read_rank_manifest(entry["epoch"], step,
-                                                                                 int(rank))["files"].values())
-        except (StorageError, ValueError, KeyError, TypeError):
+                                                                                 rank)["files"].values())
+        except (StorageError, ProtocolError, ValueError, KeyError, TypeError):
             continue
     return total
 

@@ -1,12 +1,12 @@
-"""When to capture: the interval (`IntervalClock`, run by the job's coordinator process) and the job's
-wall-time (`Schedule`, run by the wrapper that hosts the coordinator: EndTime minus a margin learnt from the
-last capture's duration, so no `--signal` is needed from the user)."""
+"""When to capture, besides the interval (`coordinator.interval.IntervalClock`, run by the job's coordinator
+process): the job's wall-time (`Schedule`, run by the wrapper that hosts the coordinator: EndTime minus a
+margin learnt from the last capture's duration, so no `--signal` is needed from the user)."""
 from __future__ import annotations
 
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger("slurmckpt.triggers")
@@ -18,30 +18,6 @@ REQUEUE_SIGNAL = signal.SIGRTMIN + 5        # capture, then requeue
 # What starts an epoch (its trigger, its commit's reason): the interval (coordinator/host.py), the wall-time
 # (Schedule), Slurm's SIGTERM, `slurmckpt checkpoint` and `slurmckpt requeue` (wrapper.py)
 TRIGGERS = ("interval", "walltime", "sigterm", "manual", "manual-requeue")
-
-
-@dataclass
-class IntervalClock:
-    """Periodic captures, in the coordinator process: due once `interval` seconds have passed since the last
-    epoch of any kind ended (a manual or failed capture restarts the count too)."""
-    clock: Callable[[], float] = time.monotonic
-    _last: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        self._last = self.clock()
-
-    def epoch_ended(self) -> None:
-        self._last = self.clock()
-
-    def seconds_to_next(self, interval: int) -> float | None:
-        """None: no interval."""
-        return max(0.0, self._last + interval - self.clock()) if interval > 0 else None
-
-    def due(self, interval: int) -> bool:
-        if interval > 0 and self.clock() - self._last >= interval:
-            self._last = self.clock()
-            return True
-        return False
 
 
 @dataclass

@@ -31,7 +31,7 @@ import socket
 import struct
 import sys
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.channel import Channel
 
 RELAY = "SLURMCKPT_SRUN_RELAY"           # the socket path the wrapper serves (the tree's env only)

@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 
-from slurmckpt import pmi, procfs
+from slurmckpt.slurm import pmi
+from slurmckpt.node import procfs
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel

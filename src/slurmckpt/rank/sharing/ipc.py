@@ -35,7 +35,8 @@ from pathlib import Path
 
 import xxhash
 
-from slurmckpt import netlock, procfs
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.node import procfs
 from slurmckpt.node import asuser
 from slurmckpt.identity import TreeName
 from slurmckpt.errors import PermissionDenied, RestoreError

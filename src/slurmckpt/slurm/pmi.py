@@ -2,7 +2,7 @@
 
 Slurm's mpi/pmi2 plugin gives every task one end of a unix socketpair whose other end stays in slurmstepd,
 and names it in `PMI_FD`. The wrapper is that task process; the tree the agent starts gets only stdio, so
-the socket is handed into the tree by a one-shot helper (`python -m slurmckpt.pmi -- PROG ARGS`, run inside
+the socket is handed into the tree by a one-shot helper (`python -m slurmckpt.slurm.pmi -- PROG ARGS`, run inside
 the tree as the job's user): it receives the fd from the wrapper over an abstract unix socket (SCM_RIGHTS,
 peer uid checked both ways), puts it at the number `PMI_FD` names and execs the program. The tree thus
 holds exactly the socket it would hold without slurmckpt.
@@ -30,7 +30,7 @@ import termios
 import threading
 import time
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.errors import ExchangeInFlight, ProtocolError, RestoreError
 
 PMI_FD = "PMI_FD"                        # Slurm's mpi/pmi2 plugin (and hydra) name the socket here
@@ -218,7 +218,7 @@ def attach(environ: dict[str, str]) -> None:
 
 def attach_argv(argv: list[str]) -> list[str]:
     """The command line that runs `argv` inside the tree with the PMI socket in place."""
-    return [sys.executable, "-m", "slurmckpt.pmi", "--", *argv]
+    return [sys.executable, "-m", "slurmckpt.slurm.pmi", "--", *argv]
 
 
 def main(args: list[str]) -> None:

@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from slurmckpt import crossnode, ghost, ipc, netlock
+from slurmckpt.rank.sharing import crossnode
+from slurmckpt.rank import ghost
+from slurmckpt.rank.sharing import ipc
+from slurmckpt.rank.sharing import netlock
 from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 
 if TYPE_CHECKING:
-    from slurmckpt.pipeline import RankPipeline
+    from slurmckpt.rank.pipeline import RankPipeline
 
 log = logging.getLogger("slurmckpt.pipeline")
 

@@ -20,7 +20,7 @@ import struct
 import termios
 import time
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node import asuser
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.node.launch import Credentials

@@ -1,6 +1,6 @@
 """Restore of one rank: the capture pipeline read backwards (docs/architecture.md, "Restore on requeue").
 
-    check the target GPUs -> unpack and verify the images into staging (rank_images.py) -> files mapped
+    check the target GPUs -> unpack and verify the images into staging (rank/images.py) -> files mapped
     shared with other ranks unchanged (ipc.py) -> output snapshot -> files the tree writes cut back ->
     criu restore into the task cgroup (TCP to other ranks held until both ends are back: netlock.py, to
     other nodes: crossnode.py; connections to outside the job restored closed) -> GPU restore + unlock.
@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slurmckpt import crossnode, ipc, netlock, output_snapshot, pmi, rank_images, shm_files, tcp_ports
+from slurmckpt.rank.sharing import crossnode
+from slurmckpt.rank.sharing import ipc
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank import output_snapshot
+from slurmckpt.slurm import pmi
+from slurmckpt.rank import images as rank_images
+from slurmckpt.rank.sharing import shm_files
+from slurmckpt.node import tcp_ports
 from slurmckpt.node import asuser
 from slurmckpt.node import proctree
 from slurmckpt.criu.driver import InheritedFd
@@ -26,9 +33,9 @@ from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, Sl
 from slurmckpt.node.launch import Credentials
 
 if TYPE_CHECKING:
-    from slurmckpt.pipeline import RankPipeline
+    from slurmckpt.rank.pipeline import RankPipeline
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank.pipeline")
 
 
 def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:

@@ -13,7 +13,7 @@ capture it holds what the tree wrote since, not what it held at the cut. So:
 - glibc's sem_open maps a semaphore by a temporary name it removes once the real name is linked. criu dumps
   a file held by a removed name that has another name only with --link-remap: it links the file to
   /dev/shm/link_remap.N for the dump (and removes that link again when the tree runs on), and the restore
-  opens it by that name. The names criu used are read from the images after the dump (criu_images.py);
+  opens it by that name. The names criu used are read from the images after the dump (criu/images.py);
 - restore: as the user, each file is written back under its name (created if missing, only ever a regular
   file of the user: opened O_NONBLOCK|O_NOFOLLOW, so a FIFO, a lease or a symlink put at the name is
   refused at once), and the link_remap names are linked to it; criu removes those once it opened them.
@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slurmckpt import netlock, procfs
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.node import procfs
 from slurmckpt.store import sparse
 from slurmckpt.node import asuser
 from slurmckpt.criu import images as criu_images

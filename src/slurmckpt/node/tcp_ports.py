@@ -19,7 +19,7 @@ import logging
 import subprocess
 import time
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node import proctree
 
 log = logging.getLogger("slurmckpt.tcp_ports")

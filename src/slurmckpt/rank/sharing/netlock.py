@@ -23,10 +23,11 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node import proctree
 from slurmckpt.node.packet_filter import Drop, PacketFilter
 
@@ -104,14 +105,38 @@ def drops(local: str, remote: str) -> list[Drop]:
     return [Drop(lh, lp, rh, rp), Drop(rh, rp, lh, lp)]
 
 
-def restore_key(job: int | str, restart: int | str, epoch: int) -> str:
+@dataclass(frozen=True)
+class RestoreKey:
     """Names one restore of a job's epoch on one node (network namespace: test clusters run several slurmds,
-    one per namespace, on one host), the same for every rank that takes part in it."""
+    one per namespace, on one host), the same for every rank that takes part in it: the prefix of every
+    marker that ranks restored on this node meet at (`str(key)`, `job.restart.epoch.netns`)."""
+    job: int
+    restart: int
+    epoch: int
+    netns: int
+
+    def __str__(self) -> str:
+        return f"{self.job}.{self.restart}.{self.epoch}.{self.netns}"
+
+    @classmethod
+    def parse(cls, text: str) -> RestoreKey | None:
+        """The key a marker's name starts with (its first four fields); None if it is not one."""
+        parts = text.split(".", 4)[:4]
+        if len(parts) != 4 or not all(x.isdigit() for x in parts):
+            return None
+        return cls(*map(int, parts))
+
+    def same_restart(self, other: RestoreKey) -> bool:
+        return self.restart == other.restart
+
+
+def restore_key(job: int, restart: int, epoch: int) -> RestoreKey:
+    """This node's (network namespace's) key for restoring `epoch` of `job` in its start `restart`."""
     try:
         netns = procfs.namespace("self", "net")
     except OSError:
         netns = 0
-    return f"{job}.{restart}.{epoch}.{netns}"
+    return RestoreKey(int(job), int(restart), int(epoch), netns)
 
 
 def pair_id(local: str, remote: str) -> str:
@@ -133,7 +158,7 @@ def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
 
 
 @contextmanager
-def hold_during_restore(connections: list[list[str]], key: str, tag: str, packets: PacketFilter,
+def hold_during_restore(connections: list[list[str]], key: RestoreKey, tag: str, packets: PacketFilter,
                         lock_dir: Path = LOCK_DIR) -> Iterator[None]:
     """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of node-local
     connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
@@ -181,16 +206,13 @@ def _unlock(packets: PacketFilter, marker: Path, state: dict) -> None:
     marker.unlink(missing_ok=True)
 
 
-def _lift_stale(key: str, packets: PacketFilter, lock_dir: Path) -> None:
+def _lift_stale(key: RestoreKey, packets: PacketFilter, lock_dir: Path) -> None:
     """Holds of the same job from another restart on this node (network namespace): that attempt's trees
     are gone (Slurm requeued the job), so a hold it left (its other end never came) only blocks the ports."""
-    parts = key.split(".")
-    if len(parts) != 4:
-        return
-    job, restart, _, netns = parts
-    for marker in lock_dir.glob(f"{job}.*"):
-        m = marker.name.split(".", 4)
-        if len(m) < 5 or m[1] == restart or m[3] != netns or m[4].startswith("file."):
+    for marker in lock_dir.glob(f"{key.job}.*"):
+        theirs, rest = RestoreKey.parse(marker.name), marker.name.split(".", 4)[4:]
+        if theirs is None or not rest or theirs.same_restart(key) or theirs.netns != key.netns \
+                or rest[0].startswith("file."):
             continue
         try:
             _unlock(packets, marker, json.loads(marker.read_text()))

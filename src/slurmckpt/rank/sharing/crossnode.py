@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from slurmckpt import netlock
+from slurmckpt.rank.sharing import netlock
 from slurmckpt.errors import RestoreError
 from slurmckpt.node.packet_filter import Drop, PacketFilter
 from slurmckpt.node.proctree import TcpConnection

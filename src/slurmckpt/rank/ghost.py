@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from slurmckpt.errors import CaptureError
 from slurmckpt.node.proctree import DeletedFile
+from slurmckpt.sizes import size_text
 
 CRIU_DEFAULT = 1 << 20          # criu's own --ghost-limit
 
-
-def mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 def limit_for(files: list[DeletedFile], cap: int, **context: object) -> int:
@@ -23,10 +21,10 @@ def limit_for(files: list[DeletedFile], cap: int, **context: object) -> int:
     Raises CaptureError naming the biggest files when together they exceed `cap` bytes."""
     total = sum(f.size for f in files)
     if total > cap:
-        named = ", ".join(f"{f.path} ({mib(f.size)}, {f.how} by pid {f.pid})" for f in files[:3])
+        named = ", ".join(f"{f.path} ({size_text(f.size)}, {f.how} by pid {f.pid})" for f in files[:3])
         more = f" and {len(files) - 3} more" if len(files) > 3 else ""
-        raise CaptureError(f"deleted file(s) still in use hold {mib(total)}, above ghost_limit_max "
-                           f"({mib(cap)}): {named}{more}; CRIU would copy their contents into the images. "
+        raise CaptureError(f"deleted file(s) still in use hold {size_text(total)}, above ghost_limit_max "
+                           f"({size_text(cap)}): {named}{more}; CRIU would copy their contents into the images. "
                            "Raise ghost_limit_max in /etc/slurmckpt/slurmckpt.yaml or keep such files "
                            "linked until the program ends", **context)
     return max([CRIU_DEFAULT, *(f.size for f in files)])

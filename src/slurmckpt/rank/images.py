@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from slurmckpt import output_snapshot, shm_files
+from slurmckpt.rank import output_snapshot
+from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
 from slurmckpt.store import lease
 from slurmckpt.node import proctree
+from slurmckpt.store import compression
 from slurmckpt.store.compression import PLAIN, Plain, Zstd
 from slurmckpt.coordinator import budget
 from slurmckpt.store.durable import free_bytes
@@ -32,6 +34,7 @@ from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore, rank_name
+from slurmckpt.sizes import size_text
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class StorePolicy:
 
     @classmethod
     def from_config(cls, config: Any) -> "StorePolicy":
-        return cls(Staging(Path(config.staging_dir), config.staging_max), config.codec(),
+        return cls(Staging(Path(config.staging_dir), config.staging_max), compression.from_settings(config.compression, config.compression_level,
+                                                                                  config.compression_threads),
                    Priority(config.persist_nice, config.persist_io_class),
                    space.Quotas(config.quota_job, config.quota_user), lease.base_s(config))
 
@@ -151,8 +155,8 @@ def unpacked(p: Any, epoch: int) -> Iterator[tuple[Path, dict]]:
                    if f.get("codec", "none") != "none")
         free = free_bytes(where)
         if need > free:
-            raise RestoreError(f"the staging area ({p.policy.staging.root}) has {space.gib(free)} free; unpacking "
-                               f"epoch {epoch} needs {space.gib(need)}", step=p.step, rank=p.rank)
+            raise RestoreError(f"the staging area ({p.policy.staging.root}) has {size_text(free)} free; unpacking "
+                               f"epoch {epoch} needs {size_text(need)}", step=p.step, rank=p.rank)
         start = time.monotonic()
         manifest = materialize(p.store, epoch, p.step, p.rank, where)
         p.timings["unpack"] = round(time.monotonic() - start, 4)

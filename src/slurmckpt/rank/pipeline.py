@@ -1,9 +1,9 @@
 """The checkpoint pipeline of one rank, in order. The coordinator drives the phases across ranks:
 
-    SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (footprint.py)
-    PREPARE   refuse unrestorable state (capture_checks.py) -> no PMI exchange under way (cheap early look)
+    SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (rank/fit.py)
+    PREPARE   refuse unrestorable state (rank/checks.py) -> no PMI exchange under way (cheap early look)
               -> reserve room in the store and staging
-              (rank_images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
+              (rank/images.py) -> lock its GPUs -> GPU checkpoint -> freeze the tree (cgroup freezer)
               -> no PMI exchange under way (else thaw and retry the round, pmi.py)
               -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
               ... barrier: all READY ...
@@ -25,21 +25,31 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from slurmckpt import capture_checks, ghost, ipc, netlock, output_pipes, output_snapshot, pmi, procfs, rank_images, shm_files, tcp_ports
+from slurmckpt.rank import checks as capture_checks
+from slurmckpt.rank import ghost
+from slurmckpt.rank.sharing import ipc
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank import output_pipes
+from slurmckpt.rank import output_snapshot
+from slurmckpt.slurm import pmi
+from slurmckpt.node import procfs
+from slurmckpt.rank import images as rank_images
+from slurmckpt.rank.sharing import shm_files
+from slurmckpt.node import tcp_ports
 from slurmckpt.store import space
 from slurmckpt.node import proctree
 from slurmckpt.criu.driver import CheckpointEngine
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
-from slurmckpt.footprint import Footprint, measure as measure_footprint
+from slurmckpt.rank.fit import Footprint, measure as measure_footprint
 from slurmckpt.cuda.interface import GpuStage
 from slurmckpt.node.launch import Credentials
 from slurmckpt.node.packet_filter import Iptables, PacketFilter
-from slurmckpt.rank_images import StorePolicy
+from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.node.task_cgroup import TaskCgroup
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank.pipeline")
 
 
 @dataclass
@@ -85,8 +95,8 @@ class RankPipeline:
     standin_inos: set[int] = field(default_factory=set)
     standin_fds: list[int] = field(default_factory=list)
     step_token: str = ""       # a relayed srun's step: its name across restores (agent.py, plan)
-    footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, footprint.py)
-    policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank_images.py)
+    footprint: Footprint | None = None                     # this epoch's sizes (SIZE phase, rank/fit.py)
+    policy: StorePolicy | None = None      # staging, compression, persist priority, quotas (rank/images.py)
     # holds TCP between ranks while one end is restored (netlock.py, crossnode.py): iptables or nftables
     packets: PacketFilter = field(default_factory=Iptables)
     # bytes this epoch may copy from the user's files (PREPARE's count, rank_images.reserve; space.py)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.store import sparse
 from slurmckpt.node import asuser
 from slurmckpt.node import proctree

@@ -18,16 +18,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmckpt import procfs
+from slurmckpt.node import procfs
 from slurmckpt.node import host_memory
 from slurmckpt.cuda.interface import GpuStage, GpuUse
 from slurmckpt.node.host_memory import Headroom
+from slurmckpt.sizes import size_text
 
 MEMORY_FIELDS = ("RssAnon", "RssShmem", "VmSwap")     # /proc/PID/status, kB
 
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -51,18 +49,18 @@ class Footprint:
         out, gpu = [], self.gpu_bytes
         procs = f"{len(self.gpu.held)} CUDA process(es)"
         if gpu > self.mem_available:
-            out.append(f"the GPU checkpoint copies {gib(gpu)} of device memory ({procs}) into host memory, but the "
-                       f"node has {gib(self.mem_available)} available (MemAvailable): {gib(gpu - self.mem_available)} "
+            out.append(f"the GPU checkpoint copies {size_text(gpu)} of device memory ({procs}) into host memory, but the "
+                       f"node has {size_text(self.mem_available)} available (MemAvailable): {size_text(gpu - self.mem_available)} "
                        "short")
         if self.headroom is not None and gpu > self.headroom.bytes:
-            out.append(f"the GPU checkpoint copies {gib(gpu)} of device memory ({procs}) into the job's host memory, "
-                       f"but its memory cgroup {self.headroom.cgroup} (limit {gib(self.headroom.limit)}) has room for "
-                       f"{gib(self.headroom.bytes)}: {gib(gpu - self.headroom.bytes)} short; ask Slurm for more "
+            out.append(f"the GPU checkpoint copies {size_text(gpu)} of device memory ({procs}) into the job's host memory, "
+                       f"but its memory cgroup {self.headroom.cgroup} (limit {size_text(self.headroom.limit)}) has room for "
+                       f"{size_text(self.headroom.bytes)}: {size_text(gpu - self.headroom.bytes)} short; ask Slurm for more "
                        "memory (--mem) or hold less GPU memory")
         if self.store_free is not None and self.image_bytes > self.store_free:
-            out.append(f"the images take about {gib(self.image_bytes)} (host {gib(self.host_bytes)} + GPU {gib(gpu)}), "
-                       f"but the image store has {gib(self.store_free)} free: "
-                       f"{gib(self.image_bytes - self.store_free)} short")
+            out.append(f"the images take about {size_text(self.image_bytes)} (host {size_text(self.host_bytes)} + GPU {size_text(gpu)}), "
+                       f"but the image store has {size_text(self.store_free)} free: "
+                       f"{size_text(self.image_bytes - self.store_free)} short")
         return out
 
     def reply(self) -> dict:
