@@ -8,10 +8,10 @@ the same kind of process, paired and alternating (A B B A ...), after an untimed
   raw        `criu dump --leave-running` into the store directory (stall = criu's wall time; the tree runs
              again when it exits), `sync` of the images timed apart (what a durable image costs more), kill,
              `criu restore -d` from the store (restore = criu's wall time).
-  slurmckpt  the agent's pipeline in-process (RankPipeline with a real TaskCgroup, CriuDriver, JobStore, staging
+  slurmckpt  the agent's rank runner in-process (RankRunner over a RankContext with a real TaskCgroup, CriuDriver, JobStore, staging
              and zstd as configured by default): stall = freeze .. thaw (criu dumps into node-local staging);
              the persist (zstd, checksums, fsync, rank.json) runs after the thaw at nice 10 and is timed apart;
-             restore = restore_rank (unpack from the store into staging, verified, then criu restore).
+             restore = RankRunner.restore (RESTORE's table: unpack from the store into staging, verified, then criu restore).
 
 Store and staging are on the same local disk (--work) unless --staging says otherwise. Before each restore
 the images of both ways are evicted from the page cache (fadvise DONTNEED after a sync): a requeued job is
@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +44,10 @@ from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
 from slurmckpt.identity import TreeName  # noqa: E402
 from slurmckpt.node.task_cgroup import TaskCgroup  # noqa: E402
 from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
-from slurmckpt.rank.pipeline import RankPipeline  # noqa: E402
-from slurmckpt.rank.restore import restore_rank  # noqa: E402
+from slurmckpt.identity import RankName  # noqa: E402
+from slurmckpt.node.packet_filter import Iptables  # noqa: E402
+from slurmckpt.rank.context import RankContext  # noqa: E402
+from slurmckpt.rank.runner import RankRunner  # noqa: E402
 from slurmckpt.rank.images import StorePolicy  # noqa: E402
 from slurmckpt.store.jobstore import JobStore  # noqa: E402
 
@@ -237,10 +240,12 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     MARKS.clear()
     devnull = os.open("/dev/null", os.O_RDWR)
     wrapper = subprocess.Popen(["sleep", "infinity"], stdin=devnull, stdout=devnull, stderr=devnull)
-    pipe = RankPipeline(store, "0", 0, freezer, CriuDriver(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
-                        PipelineGpu(cfg.gpu_lock_timeout_ms), creds, wrapper_pid=wrapper.pid, policy=policy)
+    ctx = RankContext(store, RankName("0", 0), freezer,
+                      CriuDriver(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
+                      PipelineGpu(cfg.gpu_lock_timeout_ms), creds, policy, Iptables(), wrapper.pid)
+    pipe = RankRunner()
     try:
-        return _capture_and_restore(args, rep, tag, ready, store, freezer, pipe, devnull, cfg)
+        return _capture_and_restore(args, rep, tag, ready, store, freezer, ctx, pipe, devnull, cfg)
     finally:                                     # also when a run fails: nothing of it stays behind
         if pipe.root_pid:
             kill_tree(pipe.root_pid)
@@ -253,10 +258,11 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
         shutil.rmtree(Path(cfg.run_dir) / f"bench.{tag}", ignore_errors=True)
 
 
-def _capture_and_restore(args, rep, tag, ready, store, freezer, pipe, devnull, cfg) -> dict:
+def _capture_and_restore(args, rep, tag, ready, store, freezer, ctx, pipe, devnull, cfg) -> dict:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    pipe.root_pid = spawn_tree(workload(args, ready), env, "/tmp", [devnull] * 3, pipe.creds, cfg.init_path, freezer,
-                               init_home(cfg.run_dir, f"bench.{tag}", pipe.creds))
+    root = spawn_tree(workload(args, ready), env, "/tmp", [devnull] * 3, ctx.creds, cfg.init_path, freezer,
+                      init_home(cfg.run_dir, f"bench.{tag}", ctx.creds))
+    pipe.started(replace(ctx, root_pid=root))
     wait_ready(ready)
     os.sync()
 
@@ -273,21 +279,20 @@ def _capture_and_restore(args, rep, tag, ready, store, freezer, pipe, devnull, c
     m = store.read_rank_manifest(epoch, "0", 0)
     stored = sum(f["size"] for f in m["files"].values())
     raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
-    timings = dict(pipe.timings)
+    timings = dict(pipe.state.timings)
 
-    kill_tree(pipe.root_pid)
-    pipe.root_pid = None
+    kill_tree(root)
     os.sync()
     if not args.warm:
         evict(store.job_dir)
     t = time.monotonic()
-    new_root, manifest = restore_rank(pipe, epoch, [devnull] * 3)
+    new_root, manifest = pipe.restore(ctx, epoch, [devnull] * 3)
     restore = time.monotonic() - t
-    timings["unpack"] = pipe.timings.get("unpack", 0.0)
+    timings["unpack"] = pipe.state.timings.get("unpack", 0.0)
     assert new_root is not None and manifest["kind"] == "image"
     assert_running(new_root, args.mib << 20)
     kill_tree(new_root)
-    pipe.root_pid = None
+    pipe.started(ctx)                          # no tree left
     return {"way": "slurmckpt", "rep": rep, "stall_s": stall, "persist_s": persist, "restore_s": restore,
             "raw_bytes": raw, "stored_bytes": stored, "timings": timings}
 

@@ -80,7 +80,7 @@ class CriuError(SlurmckptError):
 class CriuInterrupted(CriuError):
     """criu did not end through its own error path: it ran past its timeout, or a signal ended it. What it
     left cannot be trusted: a dumped tree may still hold its parasite code (or be half-cured), a restore
-    may have left half-restored processes; the caller kills the tree (pipeline.py, restore.py)."""
+    may have left half-restored processes; the caller kills the tree (rank/runner.py, rank/restore.py)."""
 
 
 class StorageError(SlurmckptError):

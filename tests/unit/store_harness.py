@@ -1,4 +1,4 @@
-"""A rank pipeline whose CRIU and task cgroup are stand-ins, storing for real: images are written by a fake
+"""A rank runner whose CRIU and task cgroup are stand-ins, storing for real: images are written by a fake
 engine into staging, then persisted, committed, unpacked and compared byte for byte (the store's tests)."""
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from slurmckpt.store.compression import Zstd
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
 from slurmckpt.store.persist import Priority, materialize
-from slurmckpt.rank.pipeline import RankPipeline
+from slurmckpt.identity import RankName
+from slurmckpt.rank.context import RankContext
+from slurmckpt.rank.runner import RankRunner
+from slurmckpt.node.packet_filter import Iptables
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.space import Quotas
 from slurmckpt.store.staging import Staging
@@ -100,20 +103,24 @@ class Engine:
 
 
 def pipeline(store: JobStore, staging: Staging, tree: Tree, files: dict[str, bytes], step: str = "batch",
-             quotas: Quotas = Quotas()) -> RankPipeline:
+             quotas: Quotas = Quotas()) -> RankRunner:
+    """A rank runner holding the context the agent would build for `tree` (rank/context.py)."""
     creds = Credentials(os.getuid(), os.getgid(), (), ())
     policy = StorePolicy(staging, Zstd(1, 1), Priority(), quotas)
-    return RankPipeline(store, step, 0, Cgroup(tree), Engine(files), Gpu(), creds, wrapper_pid=tree.proc.pid,
-                        root_pid=tree.proc.pid, policy=policy)
+    runner = RankRunner()
+    runner.started(RankContext(store, RankName(step, 0), Cgroup(tree), Engine(files), Gpu(), creds, policy, Iptables(),
+                               tree.proc.pid, root_pid=tree.proc.pid))
+    return runner
 
 
-def capture(p: RankPipeline, epoch: int, final: bool = False, keep: int = 2) -> dict:
+def capture(p: RankRunner, epoch: int, final: bool = False, keep: int = 2) -> dict:
     """One epoch as the coordinator drives it, committed."""
     p.prepare(epoch)
     p.capture(epoch, final=final)
     if not final:
         p.resume(epoch)
-    return p.store.commit(epoch, {f"{p.step}.0": {"kind": "image"}}, "test", keep=keep)
+    assert p.ctx is not None
+    return p.ctx.store.commit(epoch, {f"{p.ctx.step}.0": {"kind": "image"}}, "test", keep=keep)
 
 
 def read_back(store: JobStore, epoch: int, where: Path, step: str = "batch") -> dict[str, bytes]:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slurmckpt.rank.context import Handovers
 from slurmckpt.config import Config
 from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
@@ -83,7 +84,8 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
     a.store.ensure()
     a.instance, a.slurm_job = ME, JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {})
     a.store_note = claim(a.store, ME)
-    a.pipeline = SimpleNamespace(root_pid=None, failed_stage="", step=a.ident.step, standin_inos=set())
+    a.runner = SimpleNamespace(root_pid=None, failed_stage="", killed_for="")
+    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
     return a
 
 
@@ -188,10 +190,10 @@ def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
     commit(a.store, 1, {"0.0": {"kind": "image"}})
     with pytest.raises(StorageError, match="epoch 2 is not a committed checkpoint"):
         a.op_restore({"epoch": 2}, [0, 1, 2])
-    a.pipeline.root_pid = 999
+    a.runner.root_pid = 999
     with pytest.raises(PermissionDenied, match="already running"):
         a.op_restore({"epoch": 1}, [0, 1, 2])
-    a.pipeline.root_pid = None
+    a.runner.root_pid = None
     with pytest.raises(ProtocolError, match="stdio"):
         a.op_restore({"epoch": 1}, [0, 1])
     assert a.cgroup.done == [] and not (tmp_path / "cg").exists()
@@ -207,8 +209,8 @@ def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tu
     a = make_agent(tmp_path, chan)
     a.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
     a.config = Config(capture_timeout_s=60.0)
-    a.pipeline = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None,
-                                 engine=SimpleNamespace(timeout_s=60.0))
+    a.runner = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None, killed_for="")
+    a.criu = SimpleNamespace(timeout_s=60.0)
     a.reporter = FailureReporter(a.store, 43, "0.0", "n1", annotate=lambda job, text: "AdminComment",
                                  background=False)
     r, a.watchdog_fd = os.pipe()
@@ -222,14 +224,14 @@ def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_
     from slurmckpt.cuda.interface import GpuUse
 
     def size(epoch):
-        a.pipeline.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)
+        a.runner.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)
         return {"gpu_bytes": 100 * 10**9, "notes": []}
     chan = FakeChannel(request("size", epoch=3, final=False, trigger="interval"))
     a, r = sizing_agent(tmp_path, chan, size, others=1)
     a.serve()
     assert chan.sent[0]["ok"] and chan.sent[0]["gpu_bytes"] == 100 * 10**9
     expect = 2 * (2 * 104 / 1.6 + 2 * 104 / 1.6)     # two trees' images through one disk, then read back
-    assert a.pipeline.engine.timeout_s == pytest.approx(expect)
+    assert a.criu.timeout_s == pytest.approx(expect)
     assert os.read(r, 100) == f"limit {expect + 120:.0f}\n".encode()
 
 
@@ -238,7 +240,7 @@ def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     from slurmckpt.store.fresh_start import failures
 
     def size(epoch):
-        a.pipeline.failed_stage = "size"
+        a.runner.failed_stage = "size"
         raise CaptureError("capture refused before anything was locked: the GPU checkpoint copies 9.0 GiB ...")
     chan = FakeChannel(request("size", epoch=3, final=True, trigger="sigterm"))
     a, r = sizing_agent(tmp_path, chan, size)
@@ -247,7 +249,7 @@ def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     assert chan.sent[0]["error_type"] == "CaptureError"
     (failure,) = failures(a.store)
     assert (failure.epoch, failure.stage, failure.final, failure.trigger) == (3, "size", True, "sigterm")
-    assert a.pipeline.engine.timeout_s == 60.0        # nothing measured: the limits stay
+    assert a.criu.timeout_s == 60.0        # nothing measured: the limits stay
 
 
 def test_epoch_numbers_for_the_coordinator_are_unique_and_leased(tmp_path):
@@ -283,7 +285,7 @@ def test_a_relayed_srun_step_takes_the_name_of_the_step_whose_record_holds_its_t
     rank_record(a.store, 1, "1.0", step_token="0123456789abcdef")
     plan = a.op_plan({"token": "0123456789abcdef"}, [])
     assert plan["step"] == "1" and [c["epoch"] for c in plan["candidates"]] == [1]
-    assert a.pipeline.step == "1" and a.pipeline.step_token == "0123456789abcdef" and a.reporter.rank == "1.0"
+    assert a.step == "1" and a.step_token == "0123456789abcdef" and a.reporter.rank == "1.0"
 
 
 def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_path):
@@ -303,10 +305,10 @@ def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_pa
     for bad in ("../../etc", "0123456789ABCDEF", 7, ["0123456789abcdef"]):
         plan = b.op_plan({"token": bad}, [])
         assert [c["epoch"] for c in plan["candidates"]] == [1] and plan["step"] == "0"
-        assert getattr(b.pipeline, "step_token", "") == ""
+        assert b.step_token == ""
     c = make_agent(tmp_path / "c")
     c.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
-    c.pipeline.step = "batch"
+    c.step = "batch"
     c.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
     c.config = Config(run_dir=str(tmp_path / "run"))
     c.srun_relay = c._relay_path()
@@ -329,7 +331,7 @@ def test_a_stand_in_socket_must_be_a_unix_stream_socket_and_a_restore_needs_one_
         a.op_srun_standin({}, [])
     s1, s2 = socket.socketpair()
     assert a.op_srun_standin({}, [s1.fileno()])["ino"] == os.fstat(s1.fileno()).st_ino
-    assert a.pipeline.standin_inos == {os.fstat(s1.fileno()).st_ino}
+    assert a.handovers.standin_inos == {os.fstat(s1.fileno()).st_ino}
     commit(a.store, 1, {"0.0": {"kind": "image"}})
     for standins, fds in ((2, [0, 1, 2, r]), (-1, [0, 1, 2]), ("1", [0, 1, 2, r]), (1, [0, 1, 2, r, w, r]), (True, [0, 1, 2, r])):
         with pytest.raises(ProtocolError, match="srun stand-in"):

@@ -131,7 +131,7 @@ def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Pat
         p = pipeline(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
         with pytest.raises(CaptureError, match=rf"over quota_job .*; it copies {shm_file} \(2\.0 MiB\)"):
             p.prepare(1)
-        assert p.cgroup.state() == "THAWED" and p.failed_stage == "space"
+        assert p.ctx.cgroup.state() == "THAWED" and p.failed_stage == "space"
         assert staging.areas() == [] and not list(store.job_dir.glob("epoch-*/batch.0"))
         shm_file.write_bytes(b"small")           # within the quota: the copy is counted and taken
         capture(p, 2)
@@ -155,7 +155,7 @@ def test_what_grows_after_prepare_counted_it_is_refused_before_it_is_copied(tmp_
                                                "this capture may copy"):
             p.capture(2, final=False)
         p.abort(2)
-        assert p.cgroup.state() == "THAWED"
+        assert p.ctx.cgroup.state() == "THAWED"
         assert [e["epoch"] for e in store.committed()] == [1] and settled(staging) == []
     finally:
         tree.close()

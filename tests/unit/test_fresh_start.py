@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from slurmckpt.rank.context import Handovers
 from slurmckpt.store import fresh_start
 from slurmckpt.config import Config
 from slurmckpt.agent.service import Agent
@@ -259,10 +260,11 @@ def _agent(tmp_path: Path, restart_count: int, notes: Notes, fail: str | None = 
 
     def prepare(epoch: int) -> dict:
         if fail:
-            a.pipeline.failed_stage = "check"
+            a.runner.failed_stage = "check"
             raise CaptureError(fail, step="batch", rank=0)
         return {}
-    a.pipeline = SimpleNamespace(prepare=prepare, failed_stage="", step=a.ident.step)
+    a.runner = SimpleNamespace(prepare=prepare, failed_stage="", killed_for="")
+    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
     return a
 
 

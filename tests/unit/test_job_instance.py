@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmckpt.rank.context import Handovers
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.store import instance
@@ -217,7 +218,8 @@ def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     a.instance, a.store_note = me, (claim(a.store, me) if me else None)
     a.cgroup = SimpleNamespace(path=tmp_path / "cg")
     a.wrapper_pid = 0
-    a.pipeline = SimpleNamespace(root_pid=None, step=a.ident.step)
+    a.runner = SimpleNamespace(root_pid=None, killed_for="")
+    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
     a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
     a.reporter = FailureReporter(a.store, 43, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                  background=False)
@@ -293,6 +295,8 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
         a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path))
         a._task_credentials = lambda: None
         a._place_with_slurm = lambda: None
+        a._context = lambda creds, pid: pid              # the tree's context: not what this test is about
+        a.runner = SimpleNamespace(root_pid=None, started=lambda ctx: None)
         assert a.op_launch({"argv": ["sleep"], "env": env, "cwd": "/"}, [0, 1, 2]) == {"pid": 4242}
         assert modes[-1] is own, (gpus, env)
 

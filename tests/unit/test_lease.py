@@ -60,7 +60,7 @@ def test_prepare_extends_the_lease_to_the_epochs_bytes(tmp_path: Path, tree, mon
     monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 50)
     store, staging = JobStore(tmp_path / "images", "c", 9), Staging(tmp_path / "staging")
     p = pipeline(store, staging, tree, images(4))
-    epoch = store.allocate_epoch(1, lease_s=p.policy.lease_s, owner="coordinator")
+    epoch = store.allocate_epoch(1, lease_s=p.ctx.policy.lease_s, owner="coordinator")
     allocated = lease.expiry(store.epoch_dir(epoch))
     p.prepare(epoch)
     assert lease.expiry(store.epoch_dir(epoch)) - allocated > 300       # 2 x (107 s dump + 67 s seal)

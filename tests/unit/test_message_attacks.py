@@ -37,8 +37,9 @@ def agent(tmp_path: Path) -> Agent:
     a.store.ensure()
     a.config = SimpleNamespace(keep_epochs=2)
     a.instance = a.slurm_job = a.store_note = None    # job-instance binding: not what these tests are about
-    a.pipeline = SimpleNamespace(capture=lambda epoch, final: {"final": final},
-                                 prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None)
+    a.runner = SimpleNamespace(capture=lambda epoch, final: {"final": final},
+                                 prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None, killed_for="")
+    a.step, a.step_token = a.ident.step, ""
     a.reporter = FailureReporter(a.store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                  background=False)
     return a

@@ -15,7 +15,7 @@ from slurmckpt.store import persist
 from slurmckpt.store.compression import PLAIN, Zstd
 from slurmckpt.errors import ConfigError, RestoreError, SlurmckptError, StorageError
 from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
-from slurmckpt.rank.restore import restore_rank
+from dataclasses import replace
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, capture, images, pipeline, read_back, settled
@@ -174,7 +174,7 @@ def test_a_periodic_capture_dumps_to_staging_and_persists_after_the_thaw(tmp_pat
         thawed_before_persist = []
 
         def spy(*a, **kw):
-            thawed_before_persist.append(p.cgroup.state() == "THAWED")
+            thawed_before_persist.append(p.ctx.cgroup.state() == "THAWED")
             return persist_rank(*a, **kw)
         monkeypatch.setattr(rank_images, "persist_rank", spy)
         p.prepare(1)
@@ -184,7 +184,7 @@ def test_a_periodic_capture_dumps_to_staging_and_persists_after_the_thaw(tmp_pat
         reply = p.resume(1)
         assert thawed_before_persist == [True]
         assert 0 < reply["bytes"] < reply["raw_bytes"]
-        assert "persist" in p.timings and p.timings["expected_mib"] >= 0
+        assert "persist" in p.state.timings and p.state.timings["expected_mib"] >= 0
         store.commit(1, {"batch.0": {"kind": "image"}}, "interval", 2)
         assert read_back(store, 1, tmp_path / "back") == images(1)
     finally:
@@ -204,11 +204,10 @@ def committed(tmp_path):
 
 def test_restore_unpacks_into_staging_and_removes_it_after_criu(committed):
     store, staging, p = committed
-    p.root_pid = None
-    pid, manifest = restore_rank(p, 1, [0, 1, 2])
+    pid, manifest = p.restore(replace(p.ctx, root_pid=None), 1, [0, 1, 2])
     assert pid == os.getpid() and manifest["kind"] == "image"
-    assert p.engine.restored == images(2)
-    assert p.engine.restored_from.parent == staging.root / "c.5"
+    assert p.ctx.criu.restored == images(2)
+    assert p.ctx.criu.restored_from.parent == staging.root / "c.5"
     assert settled(staging) == []
 
 
@@ -216,8 +215,8 @@ def test_restore_refuses_when_staging_cannot_hold_the_unpacked_images(committed,
     store, staging, p = committed
     monkeypatch.setattr(rank_images, "free_bytes", lambda path: 1000)
     with pytest.raises(RestoreError, match=r"staging area \(.*\) has \d+ B free; unpacking epoch 1 needs [\d.]+ KiB"):
-        restore_rank(p, 1, [0, 1, 2])
-    assert p.engine.restored is None
+        p.restore(replace(p.ctx, root_pid=None), 1, [0, 1, 2])
+    assert p.ctx.criu.restored is None
 
 
 def test_a_failed_periodic_persist_leaves_the_epoch_uncommitted_and_staging_clean(committed, monkeypatch):
@@ -230,7 +229,7 @@ def test_a_failed_periodic_persist_leaves_the_epoch_uncommitted_and_staging_clea
     p.capture(2, final=False)
     with pytest.raises(SlurmckptError, match="rank.json failed"):
         p.resume(2)
-    assert p.failed_stage == "persist" and p.cgroup.state() == "THAWED"
+    assert p.failed_stage == "persist" and p.ctx.cgroup.state() == "THAWED"
     p.abort(2)
     store.empty_trash()
     assert not store.epoch_dir(2).exists() and [e["epoch"] for e in store.committed()] == [1]

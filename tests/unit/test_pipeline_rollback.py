@@ -13,7 +13,13 @@ from slurmckpt.errors import CaptureError, CriuError, CriuInterrupted, GpuError,
 from slurmckpt.cuda.interface import GpuUse
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
-from slurmckpt.rank.pipeline import CAPTURE_STAGES, PREPARE_STAGES, RankPipeline
+from dataclasses import replace
+
+from slurmckpt.identity import RankName
+from slurmckpt.node.packet_filter import Iptables
+from slurmckpt.rank.capture import CAPTURE as CAPTURE_STAGES, PREPARE as PREPARE_STAGES
+from slurmckpt.rank.context import Limits, RankContext
+from slurmckpt.rank.runner import RankRunner
 from slurmckpt.store.compression import Zstd
 from slurmckpt.store.persist import Priority
 from slurmckpt.rank.images import StorePolicy
@@ -114,9 +120,16 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
     store.ensure()
     creds = Credentials(os.getuid(), os.getgid(), (), ())
     policy = StorePolicy(Staging(tmp_path / "staging"), Zstd(1, 1), Priority())
-    p = RankPipeline(store, "batch", 0, FakeCgroup(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail), creds,
-                     wrapper_pid=os.getpid(), root_pid=os.getpid(), ghost_limit_max=ghost_cap, policy=policy)
+    p = RankRunner()
+    p.started(RankContext(store, RankName("batch", 0), FakeCgroup(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail),
+                          creds, policy, Iptables(), os.getpid(), limits=Limits(ghost_limit_max=ghost_cap),
+                          root_pid=os.getpid()))
     return p, j, store
+
+
+def rooted(p: RankRunner, pid: int | None) -> None:
+    """The agent's context for a tree whose root is `pid` (None: none yet, as before a restore)."""
+    p.ctx = replace(p.ctx, root_pid=pid)
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
@@ -143,7 +156,7 @@ def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) 
         p.capture(1)
     assert j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"]
     assert not store.rank_dir(1, "batch", 0).exists()
-    assert p.cgroup.state() == "THAWED" and "kill" not in j.events and not p.killed_for
+    assert p.ctx.cgroup.state() == "THAWED" and "kill" not in j.events and not p.killed_for
 
 
 @pytest.mark.parametrize("final", [False, True])
@@ -152,9 +165,10 @@ def test_an_interrupted_criu_dump_gets_the_tree_killed_before_it_is_thawed(tmp_p
     run. The tree is killed while still frozen, before the rollback thaws the cgroup; the epoch's images go,
     the task says why it was killed, and the rank is never captured again (the previous commit stays)."""
     p, j, store = make(tmp_path, criu_fail=True)
-    p.engine.failure = CriuInterrupted
+    p.ctx.criu.failure = CriuInterrupted
     child = subprocess.Popen(["sleep", "60"])
-    p.cgroup.members, p.root_pid = [child.pid], child.pid
+    p.ctx.cgroup.members = [child.pid]
+    rooted(p, child.pid)
     p.prepare(1)
     with pytest.raises(CriuInterrupted):
         p.capture(1, final=final)
@@ -184,12 +198,13 @@ def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_cap
     later capture of this rank is refused."""
     p, j, _ = make(tmp_path)
     child = subprocess.Popen(["sleep", "60"])
-    p.cgroup.members, p.root_pid = [child.pid], child.pid
+    p.ctx.cgroup.members = [child.pid]
+    rooted(p, child.pid)
 
     def lost() -> None:
         j.events.append("gpu-resume")
         raise GpuRollbackError("GPU rollback failed", {child.pid: "NO_CUDA"})
-    p.gpu.resume = lost
+    p.ctx.gpu.resume = lost
     p.prepare(1)
     p.capture(1, final=False)
     with pytest.raises(CaptureError) as e:
@@ -208,14 +223,15 @@ def test_a_tree_without_gpu_state_that_cannot_be_killed_is_named_so_and_never_ca
     says that the kill failed and what to do, not a bare OSError, and later captures are still refused."""
     p, j, _ = make(tmp_path)
     child = subprocess.Popen(["sleep", "60"])
-    p.cgroup.members, p.root_pid = [child.pid], child.pid
+    p.ctx.cgroup.members = [child.pid]
+    rooted(p, child.pid)
 
     def lost() -> None:
         raise GpuRollbackError("GPU rollback failed", {child.pid: "NO_CUDA"})
 
     def refused() -> None:
         raise PermissionError(13, "Permission denied")
-    p.gpu.resume, p.cgroup.kill_all = lost, refused
+    p.ctx.gpu.resume, p.ctx.cgroup.kill_all = lost, refused
     p.prepare(1)
     p.capture(1, final=False)
     try:
@@ -235,7 +251,8 @@ def test_a_tree_that_ended_is_typed_ended_before_anything_is_touched(tmp_path: P
     p, j, _ = make(tmp_path)
     child = subprocess.Popen(["true"])
     child.wait()
-    p.cgroup.members, p.root_pid = [], child.pid
+    p.ctx.cgroup.members = []
+    rooted(p, child.pid)
     for phase in (p.size, p.prepare):
         with pytest.raises(TaskEnded, match="no running task tree"):
             phase(1)
@@ -264,12 +281,12 @@ def test_a_rank_inside_a_pmi_exchange_is_sent_back_to_try_again(tmp_path: Path, 
         stepd.recv(64)
         p, j, _ = make(tmp_path)
         if enters == "before":
-            p.cgroup.members = [child.pid]
+            p.ctx.cgroup.members = [child.pid]
         else:                          # the tree looks idle until the freeze
-            p.cgroup.members = []
-            freeze = p.cgroup.freeze
-            p.cgroup.freeze = lambda: (setattr(p.cgroup, "members", [child.pid]), freeze())[1]
-        p.pmi_fd, p.pmi_ino = theirs.fileno(), os.fstat(theirs.fileno()).st_ino
+            p.ctx.cgroup.members = []
+            freeze = p.ctx.cgroup.freeze
+            p.ctx.cgroup.freeze = lambda: (setattr(p.ctx.cgroup, "members", [child.pid]), freeze())[1]
+        p.ctx.handovers.pmi_fd, p.ctx.handovers.pmi_ino = theirs.fileno(), os.fstat(theirs.fileno()).st_ino
         with pytest.raises(ExchangeInFlight) as e:
             p.prepare(1)
         assert is_retryable(e.value)
@@ -278,7 +295,7 @@ def test_a_rank_inside_a_pmi_exchange_is_sent_back_to_try_again(tmp_path: Path, 
         else:
             assert p.failed_stage == "pmi-idle"
             assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "thaw", "gpu-resume", "gpu-unlock"]
-        assert p.cgroup.state() == "THAWED"
+        assert p.ctx.cgroup.state() == "THAWED"
     finally:
         child.kill()
         child.wait()
@@ -315,8 +332,8 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     (cg / "freezer.state").write_text("THAWED")
     (cg / "cgroup.procs").write_text("\n".join(str(q.pid) for q in procs))
     p, j, _ = make(tmp_path)
-    p.root_pid = procs[0].pid
-    p.cgroup = TaskCgroup(cg, TreeName(7, "batch", 0, 0))
+    rooted(p, procs[0].pid)
+    p.ctx = replace(p.ctx, cgroup=TaskCgroup(cg, TreeName(7, "batch", 0, 0)))
     p.finish(1)
     assert [q.wait(5) for q in procs] == [-9, -9, -9]
     assert (cg / "freezer.state").read_text() == "THAWED"
@@ -331,7 +348,7 @@ def test_capture_sizes_criu_ghost_limit_from_what_the_tree_holds(tmp_path: Path)
         p.prepare(1)
         p.capture(1, final=False)
     p.resume(1)
-    assert p.engine.ghost_limit >= (4 << 20) + 4096
+    assert p.ctx.criu.ghost_limit >= (4 << 20) + 4096
     ghosts = store.read_rank_manifest(1, "batch", 0)["ghost_files"]
     assert any(g["path"].endswith("pmix-seg") and g["size"] == (4 << 20) + 4096 for g in ghosts)
 
@@ -351,7 +368,6 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     start) can start one; the error is the typed failure the fallback acts on."""
     import subprocess
 
-    from slurmckpt.rank.restore import restore_rank
     p, j, store = make(tmp_path, gpu_fail="gpu-restore")
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
@@ -362,14 +378,14 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
 
     def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
         restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
-        p.cgroup.members = [q.pid for q in restored]
+        p.ctx.cgroup.members = [q.pid for q in restored]
         return restored[0].pid
-    p.engine.restore = fake_restore
-    p.root_pid = None
+    p.ctx.criu.restore = fake_restore
+    rooted(p, None)
     with pytest.raises(GpuError):
-        restore_rank(p, 3, [0, 1, 2])
+        p.restore(p.ctx, 3, [0, 1, 2])
     assert [q.wait(5) for q in restored] == [-9, -9], "the restored processes were left running"
-    assert p.root_pid is None and p.cgroup.pids() == []
+    assert p.root_pid is None and p.ctx.cgroup.pids() == []
     assert j.events[-2:] == ["gpu-restore", "kill"]
 
 
@@ -377,7 +393,6 @@ def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) ->
     """criu restore was stopped at its timeout with part of the tree restored (criu did not take it back):
     those processes are killed before the fallback (an older epoch or a fresh start) runs, which needs the
     task cgroup empty; the error stays the typed criu failure."""
-    from slurmckpt.rank.restore import restore_rank
     p, j, store = make(tmp_path)
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
@@ -387,27 +402,27 @@ def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) ->
 
     def interrupted(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
         restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
-        p.cgroup.members = [q.pid for q in restored]
+        p.ctx.cgroup.members = [q.pid for q in restored]
         raise CriuInterrupted("criu restore did not finish within 1s; it did not exit within 10s of SIGALRM "
                               "and was killed")
-    p.engine.restore = interrupted
-    p.root_pid = None
+    p.ctx.criu.restore = interrupted
+    rooted(p, None)
     with pytest.raises(CriuInterrupted):
-        restore_rank(p, 3, [0, 1, 2])
+        p.restore(p.ctx, 3, [0, 1, 2])
     assert [q.wait(5) for q in restored] == [-9, -9], "half-restored processes were left running"
-    assert p.root_pid is None and p.cgroup.pids() == [] and "kill" in j.events
+    assert p.root_pid is None and p.ctx.cgroup.pids() == [] and "kill" in j.events
 
 
 def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Path) -> None:
     """The SIZE phase measures the real tree (this process, the real /proc and MemAvailable) and refuses a GPU
     copy no node could hold, naming it; nothing is locked or frozen, and the stage is recorded as size."""
     p, j, _ = make(tmp_path)
-    p.gpu.use = GpuUse({os.getpid(): {"GPU-x": 1 << 50}})
+    p.ctx.gpu.use = GpuUse({os.getpid(): {"GPU-x": 1 << 50}})
     with pytest.raises(CaptureError, match="capture refused before anything was locked: the GPU checkpoint copies "
                                            "1024.0 TiB of device memory"):
         p.size(1)
     assert p.failed_stage == "size" and j.events == [] and p.footprint is None
-    p.gpu.use = GpuUse()
+    p.ctx.gpu.use = GpuUse()
     reply = p.size(2)
     assert reply["gpu_bytes"] == 0 and reply["host_bytes"] > 0 and reply["notes"] == []
     assert p.footprint is not None and p.footprint.store_free > 0

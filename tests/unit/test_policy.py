@@ -193,7 +193,7 @@ def test_the_agent_plan_and_prepare_follow_the_policy(tmp_path: Path):
     a = make_agent(tmp_path)
     a.reporter = FailureReporter(a.store, 43, "0.0", "n", annotate=lambda j, t: "none", background=False)
     a.policy, a.interval_s = policy().for_job(["debug"], None), 0
-    a.pipeline = SimpleNamespace(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, failed_stage="", step=a.ident.step)
+    a.runner = SimpleNamespace(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, failed_stage="", killed_for="")
     plan = a.op_plan({}, [])
     assert plan["disabled"] == "checkpoints are not allowed in partition debug (site policy)"
     with pytest.raises(PermissionDenied, match="not allowed in partition debug"):

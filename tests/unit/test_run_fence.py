@@ -24,7 +24,7 @@ def take(p, epoch: int, run: int, keep: int = 2) -> dict:
     p.prepare(epoch)
     p.capture(epoch, final=False)
     p.resume(epoch)
-    return p.store.commit(epoch, {"batch.0": {"kind": "image"}}, "interval", keep=keep, run=run)
+    return p.ctx.store.commit(epoch, {"batch.0": {"kind": "image"}}, "interval", keep=keep, run=run)
 
 
 def test_a_late_commit_of_an_older_run_is_refused_and_prunes_nothing(tmp_path: Path, tree) -> None:

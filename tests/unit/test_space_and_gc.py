@@ -3,6 +3,8 @@ its previous version, keep-N per rank, and garbage collection: finished jobs by 
 staging areas, `slurmckpt gc`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 import subprocess
@@ -47,11 +49,11 @@ def test_quota_job_refuses_before_anything_is_frozen_and_names_the_key(tmp_path,
     p = pipeline(store, staging, tree, images(1, kib=256))
     capture(p, 1)
     # room for what is stored now and half of a second image like the first
-    p.policy = p.policy.__class__(staging, p.policy.codec, p.policy.priority,
-                                  space.Quotas(job=space.job_usage(store) * 3 // 2))
+    p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, p.ctx.policy.priority,
+                                  space.Quotas(job=space.job_usage(store) * 3 // 2)))
     with pytest.raises(CaptureError, match=r"job 5's images would take .* over quota_job [\d.]+ KiB"):
         p.prepare(2)
-    assert p.cgroup.state() == "THAWED" and p.failed_stage == "space"
+    assert p.ctx.cgroup.state() == "THAWED" and p.failed_stage == "space"
     assert not store.epoch_dir(2).exists() and staging.areas() == []
     assert [e["epoch"] for e in store.committed()] == [1]
     assert read_back(store, 1, tmp_path / "back") == images(1, kib=256)
@@ -90,7 +92,7 @@ def test_staging_cap_refuses_with_the_key_named(tmp_path, tree):
     store = JobStore(tmp_path / "images", "c", 5)
     staging = Staging(tmp_path / "staging", cap=100 << 10)
     p = pipeline(store, staging, tree, images(1))
-    p.policy = p.policy.__class__(staging, p.policy.codec, p.policy.priority, p.policy.quotas)
+    p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, p.ctx.policy.priority, p.ctx.policy.quotas))
     with pytest.raises(CaptureError, match=r"staging area .* over staging_max"):
         p.prepare(1)
     assert staging.areas() == [] and not list(store.job_dir.glob("epoch-*/.reserve-*"))

@@ -3,6 +3,8 @@ capturing process at every step, and concurrent commits from several processes. 
 earlier commit still verifies and reads back byte for byte. Root only: these mount size-limited tmpfs."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 import signal
 import threading
@@ -46,7 +48,7 @@ def test_enospc_at_every_write_of_a_capture_keeps_the_previous_commit(fs, tmp_pa
     first = images(1)
     p = pipeline(store, staging, tree, first)
     capture(p, 1)
-    p.engine.files = images(2)
+    p.ctx.criu.files = images(2)
     monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))   # grew after the check
     failed_at: set[str] = set()
     for room in range(0, 2 << 20, PAGE):
@@ -64,7 +66,7 @@ def test_enospc_at_every_write_of_a_capture_keeps_the_previous_commit(fs, tmp_pa
             failed_at.add(_what(str(e)))
             p.abort(epoch)                         # what the coordinator sends after any failure
             assert committed_epochs(store) == [1]
-            assert p.cgroup.state() == "THAWED"
+            assert p.ctx.cgroup.state() == "THAWED"
             filler.unlink()
             store.empty_trash()
             assert not store.epoch_dir(epoch).exists()
@@ -97,12 +99,12 @@ def test_enospc_in_staging_refuses_the_dump_and_keeps_the_previous_commit(fs, tm
     p = pipeline(store, staging, tree, images(1))
     capture(p, 1)
     monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))
-    p.engine.files = images(2, kib=256)
+    p.ctx.criu.files = images(2, kib=256)
     filler = leave_free(staging_fs, 128 << 10)
     with pytest.raises(SlurmckptError, match="stage dump failed: .*No space left"):
         capture(p, 2)
     filler.unlink()
-    assert committed_epochs(store) == [1] and p.cgroup.state() == "THAWED"
+    assert committed_epochs(store) == [1] and p.ctx.cgroup.state() == "THAWED"
     assert read_back(store, 1, tmp_path / "back") == images(1)
     assert settled(staging) == []
 
@@ -131,7 +133,7 @@ def _run_child(store: JobStore, staging: Staging, tree: Tree, epoch: int, kill_a
             setattr(os, name, counted)
         try:
             p = pipeline(store, staging, tree, images(epoch))
-            p.policy = p.policy.__class__(staging, p.policy.codec, None, p.policy.quotas)  # persist in-thread
+            p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, None, p.ctx.policy.quotas))  # persist in-thread
             capture(p, epoch)
             os.write(w, str(calls[0]).encode())
         finally:
@@ -184,7 +186,7 @@ def _committer(root: Path, staging_root: Path, step: str, rounds: int, tree: Tre
     p = pipeline(store, staging, tree, images(int(step)), step=step)
     for _ in range(rounds):
         epoch = store.allocate_epoch(1, lease_s=600, owner=f"step {step}")
-        p.engine.files = images(epoch)
+        p.ctx.criu.files = images(epoch)
         capture(p, epoch)
 
 
@@ -264,7 +266,7 @@ def test_store_refused_free_space_is_named(fs, tmp_path):
             p.prepare(2)
     finally:
         filler.unlink()
-    assert p.cgroup.state() == "THAWED" and committed_epochs(store) == [1]
+    assert p.ctx.cgroup.state() == "THAWED" and committed_epochs(store) == [1]
     assert free(store_fs) > 0
 
 

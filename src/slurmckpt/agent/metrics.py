@@ -37,7 +37,7 @@ OTHER = "other"             # a label value outside the metric's set
 MAX_LABEL_VALUES = 32       # values of a label the site names (past it: "other")
 MAX_GAUGE_ENTRIES = 65536   # agents of a node that a gauge keeps (they are live processes)
 MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger state file is not ours
-# The pipeline's stages and the coordinator's phases (pipeline.py, coordinator/server.py; a unit test keeps
+# The pipeline's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
 # them in step), and the triggers of captures (triggers.TRIGGERS)
 STAGES = ("check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle", "drain-output",
           "record", "dump", "snapshot-output", "persist", "size", "prepare", "capture", "resume", "allocate",

@@ -35,8 +35,9 @@ from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
 from slurmckpt.agent.interruptions import answer as interruption_answer
 from slurmckpt.node.launch import Credentials, init_home, relay_dir, spawn_tree
 from slurmckpt.node.peer import Peer
-from slurmckpt.rank.pipeline import RankPipeline
-from slurmckpt.rank.restore import restore_rank
+from slurmckpt.identity import RankName
+from slurmckpt.rank.context import Handovers, Limits, RankContext
+from slurmckpt.rank.runner import RankRunner
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store import summary
@@ -99,19 +100,20 @@ class Agent:
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
         self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
         lock = packet_filter.method(config.network_lock)      # iptables, or nftables where it is missing
-        self.pipeline = RankPipeline(self.store, ident.step, ident.rank, self.cgroup,
-                                     CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s,
-                                                network_lock=lock),
-                                     PipelineGpu(config.gpu_lock_timeout_ms,
-                                                 context={"job": ident.job, "step": ident.step, "rank": ident.rank}),
-                                     None, peer.pid, stall_after=config.stall(),  # type: ignore[arg-type]
-                                     peer_alive=peer.alive, ghost_limit_max=config.ghost_limit_max,
-                                     policy=self.store_policy, packets=packet_filter.for_method(lock))
+        # the drivers of every tree this task runs (rank/context.py: the agent builds each tree's context)
+        self.criu = CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s, network_lock=lock)
+        self.gpu = PipelineGpu(config.gpu_lock_timeout_ms,
+                               context={"job": ident.job, "step": ident.step, "rank": ident.rank})
+        self.packets = packet_filter.for_method(lock)
+        self.limits = Limits(config.stall(), config.ghost_limit_max)
+        self.handovers = Handovers()              # what the wrapper hands over for the tree (rank/context.py)
+        self.step = ident.step                   # or the step a relayed srun takes over (_adopt_step)
+        self.step_token = ""
+        self.runner = RankRunner()
         self._collect_garbage()
         self.reporter = FailureReporter(self.store, ident.job, rank_name(ident.step, ident.rank),
                                         socket.gethostname(), annotate=events.note if events else _no_note,
                                         on_recorded=events.capture_failed if events else None)
-        self.pipeline.job_addresses = self._other_node_addresses
 
     def _other_node_addresses(self) -> set[str]:
         """The job's other nodes' addresses (asked once, when a capture first finds TCP leaving the node)."""
@@ -134,8 +136,13 @@ class Agent:
         """Read when needed: at agent start the task has not yet dropped to the job's user."""
         creds = Credentials.of_process(self.peer.require(), self.ident.uid)
         self.peer.require()            # what was read is the wrapper's, not a process that reused its pid
-        self.pipeline.creds = creds
         return creds
+
+    def _context(self, creds: Credentials, root_pid: int | None, standin_fds: tuple[int, ...] = ()) -> RankContext:
+        """The context of the tree this task now runs or restores, built whole (rank/context.py)."""
+        return RankContext(self.store, RankName(self.step, self.ident.rank), self.cgroup, self.criu, self.gpu,
+                           creds, self.store_policy, self.packets, self.wrapper_pid, self.handovers, self.limits,
+                           root_pid, standin_fds, self.step_token, self._other_node_addresses, self.peer.alive)
 
     @property
     def _task_name(self) -> str:
@@ -178,8 +185,8 @@ class Agent:
             pass
 
     def _failed_stage(self, message: dict) -> str:
-        """The pipeline stage that failed, for the epoch's phases (the coordinator's abort message names it)."""
-        return self.pipeline.failed_stage if message.get("op") in PHASE_OPS else ""
+        """The stage that failed, for the epoch's phases (the coordinator's abort message names it)."""
+        return self.runner.failed_stage if message.get("op") in PHASE_OPS else ""
 
     def shutdown(self) -> None:
         """Wrapper gone. Whatever of the tree is left would escape Slurm's tracking (its subreaper died):
@@ -214,7 +221,7 @@ class Agent:
             return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
                     **({"warning": why_not} if why_not else {}), **self._policy_plan(),
                     "tree_procs": str(self.cgroup.path / "cgroup.procs"), **self._relay_plan()}
-        me = rank_name(self.pipeline.step, self.ident.rank)
+        me = rank_name(self.step, self.ident.rank)
         if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
             epochs = []
         candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
@@ -226,7 +233,7 @@ class Agent:
             notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
-                "step": self.pipeline.step, **self._relay_plan(),
+                "step": self.step, **self._relay_plan(),
                 **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
 
     def _relay_plan(self) -> dict:
@@ -249,7 +256,7 @@ class Agent:
         only pick among this job's own steps, and never the batch step."""
         if not isinstance(token, str) or not validate.TOKEN_HEX16.fullmatch(token) or self.ident.step == "batch":
             return
-        self.pipeline.step_token = token
+        self.step_token = token
         self.token_unmatched = bool(epochs)     # its step id names nothing: no restore by it (op_plan)
         for e in epochs:
             for name in e["ranks"]:
@@ -261,10 +268,10 @@ class Agent:
                 except StorageError:
                     continue
                 if found:
-                    if step != self.pipeline.step:
+                    if step != self.step:
                         log.info("step %s takes the name %s: its srun was run again for a restored launcher",
                                  self.ident.step, step)
-                    self.pipeline.step = step
+                    self.step = step
                     self.reporter.rank = rank_name(step, rank)
                     self.token_unmatched = False
                     return
@@ -337,7 +344,7 @@ class Agent:
         return None
 
     def op_launch(self, m: dict, fds: list[int]) -> dict:
-        if self.pipeline.root_pid:
+        if self.runner.root_pid:
             raise PermissionDenied("a tree was already started for this task")
         argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
         if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
@@ -357,7 +364,7 @@ class Agent:
         self._place_with_slurm()
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
                          init_home(self.config.run_dir, self._task_name, creds), own_mntns)
-        self.pipeline.root_pid = pid
+        self.runner.started(self._context(creds, pid))
         log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
                  "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
         return {"pid": pid}
@@ -377,7 +384,6 @@ class Agent:
             self.cgroup.remove()
             self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120)
         self.cgroup = placed
-        self.pipeline.cgroup = self.cgroup
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.cgroup.slurm_procs) or "-",
                  self.cgroup.path)
 
@@ -387,9 +393,9 @@ class Agent:
         if len(fds) != 1:
             raise ProtocolError("pmi_socket needs the task's PMI fd")
         ino = pmi.require_unix_stream(fds[0])
-        if self.pipeline.pmi_fd >= 0:
-            os.close(self.pipeline.pmi_fd)
-        self.pipeline.pmi_fd, self.pipeline.pmi_ino = os.dup(fds[0]), ino
+        if self.handovers.pmi_fd >= 0:
+            os.close(self.handovers.pmi_fd)
+        self.handovers.pmi_fd, self.handovers.pmi_ino = os.dup(fds[0]), ino
         return {"ino": ino}
 
     def op_srun_standin(self, m: dict, fds: list[int]) -> dict:
@@ -398,12 +404,12 @@ class Agent:
         if len(fds) != 1:
             raise ProtocolError("srun_standin needs the stand-in's socket")
         ino = pmi.require_unix_stream(fds[0])
-        self.pipeline.standin_inos.add(ino)
+        self.handovers.standin_inos.add(ino)
         return {"ino": ino}
 
     def op_standins(self, m: dict, fds: list[int]) -> dict:
         """How many srun stand-in sockets the restore of `epoch` needs handed in."""
-        manifest = self.store.read_rank_manifest(_epoch(m), self.pipeline.step, self.ident.rank)
+        manifest = self.store.read_rank_manifest(_epoch(m), self.step, self.ident.rank)
         return {"count": len(manifest.get("srun_standins", []))}
 
     def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
@@ -431,12 +437,12 @@ class Agent:
 
     def op_tree_fate(self, m: dict, fds: list[int]) -> dict:
         """Asked by the wrapper when its tree has ended: whether this agent killed it, and why."""
-        return {"killed_for": self.pipeline.killed_for}
+        return {"killed_for": self.runner.killed_for}
 
     def op_size(self, m: dict, fds: list[int]) -> dict:
         self._epoch_began(m)
-        with self.reporter.recorded(_epoch(m), "size", self.pipeline):
-            reply = self.pipeline.size(_epoch(m))
+        with self.reporter.recorded(_epoch(m), "size", self.runner):
+            reply = self.runner.size(_epoch(m))
         self._size_limits()
         return reply
 
@@ -444,14 +450,14 @@ class Agent:
         """criu's timeout and the watchdog's frozen limit follow this epoch's bytes: root's own backstops,
         from root's own measurement (the coordinator's phase timeouts, from every rank's, abort earlier). The
         job's other trees on this node are taken to be as large: they dump to the same disk at once."""
-        fp = self.pipeline.footprint
+        fp = self.runner.footprint
         if fp is None:
             return
         trees = 1 + len({name for name in ipc.job_trees(self.cgroup.other_trees(), self.ident.job).values()})
         estimate = budget.Estimate.of([budget.RankSize(str(i), "this node", fp.host_bytes, fp.gpu_bytes,
                                                        len(fp.gpu.held)) for i in range(trees)])
         capture_s = max(self.config.capture_timeout_s, budget.SAFETY * (estimate.dump + estimate.seal))
-        self.pipeline.engine.timeout_s = capture_s
+        self.criu.timeout_s = capture_s
         watchdog.set_limit(self.watchdog_fd, capture_s + 120)
 
     def _epoch_began(self, m: dict) -> None:
@@ -469,8 +475,8 @@ class Agent:
         self.prepared = (_epoch(m), m.get("final") is True, time.monotonic())
         if self.events:
             self.events.preparing(_epoch(m))
-        with self.reporter.recorded(_epoch(m), "prepare", self.pipeline):
-            return self.pipeline.prepare(_epoch(m))
+        with self.reporter.recorded(_epoch(m), "prepare", self.runner):
+            return self.runner.prepare(_epoch(m))
 
     def op_capture(self, m: dict, fds: list[int]) -> dict:
         epoch, said = _epoch(m), validate.flag(m.get("final", True), "final")
@@ -482,8 +488,8 @@ class Agent:
         if not final:       # counted from its PREPARE, resumed or not (an aborted capture was one too)
             self.last_periodic = prepared_at
         self.reporter.epoch_is_final(_epoch(m), final)
-        with self.reporter.recorded(_epoch(m), "capture", self.pipeline):
-            reply = self.pipeline.capture(_epoch(m), final=final)
+        with self.reporter.recorded(_epoch(m), "capture", self.runner):
+            reply = self.runner.capture(_epoch(m), final=final)
         if self.events:
             self.events.captured(_epoch(m), self.reporter.epoch[2], final, int(reply.get("bytes", 0)))
         return reply
@@ -491,8 +497,8 @@ class Agent:
     def op_resume(self, m: dict, fds: list[int]) -> dict:
         if self.events:
             self.events.resumed(_epoch(m))
-        with self.reporter.recorded(_epoch(m), "resume", self.pipeline):
-            reply = self.pipeline.resume(_epoch(m))
+        with self.reporter.recorded(_epoch(m), "resume", self.runner):
+            reply = self.runner.resume(_epoch(m))
         if self.events:
             self.events.persisted(_epoch(m))
         return reply
@@ -500,11 +506,11 @@ class Agent:
     def op_abort(self, m: dict, fds: list[int]) -> dict:
         if self.events:
             self.events.aborted(_epoch(m))
-        self.pipeline.abort(_epoch(m))
+        self.runner.abort(_epoch(m))
         return {}
 
     def op_finish(self, m: dict, fds: list[int]) -> dict:
-        self.pipeline.finish(_epoch(m))
+        self.runner.finish(_epoch(m))
         return {}
 
     def op_commit(self, m: dict, fds: list[int]) -> dict:
@@ -536,19 +542,20 @@ class Agent:
         why_not = self._not_restorable()
         if why_not is not None or not any(e["epoch"] == _epoch(m) for e in self.store.committed()):
             raise StorageError(why_not or f"epoch {_epoch(m)} is not a committed checkpoint of this job")
-        if self.pipeline.root_pid:
+        if self.runner.root_pid:
             raise PermissionDenied("a tree is already running for this task")
         standins = m.get("standins", 0)
         if not (type(standins) is int and 0 <= standins <= len(fds) - 3 and len(fds) - standins in (3, 4)):
             raise ProtocolError("restore needs the 3 stdio fds (and the batch script's, for a batch step), then "
                                 "one socket per srun stand-in")
-        fds, self.pipeline.standin_fds = fds[:len(fds) - standins], fds[len(fds) - standins:]
-        init_home(self.config.run_dir, self._task_name, self._task_credentials())
+        fds, handed = fds[:len(fds) - standins], tuple(fds[len(fds) - standins:])
+        creds = self._task_credentials()
+        init_home(self.config.run_dir, self._task_name, creds)
         self._place_with_slurm()
-        self.pipeline.gpu.visible_devices, self.pipeline.gpu.device_order = self._allocated_gpus()
+        self.gpu.visible_devices, self.gpu.device_order = self._allocated_gpus()
         start = time.monotonic()
         try:
-            pid, manifest = restore_rank(self.pipeline, _epoch(m), fds)
+            pid, manifest = self.runner.restore(self._context(creds, None, handed), _epoch(m), fds)
         except Exception as e:
             self.reporter.restore_failed(_epoch(m), e)     # the reason if the task starts afresh
             if self.events:

@@ -120,5 +120,5 @@ def run_agent(args: ShimArgs) -> None:
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
              policy.describe())
     log.info("agent up for wrapper pid %d on %s; network lock: %s", agent.wrapper_pid, socket.gethostname(),
-             agent.pipeline.packets.name)
+             agent.packets.name)
     agent.serve()

@@ -249,7 +249,7 @@ def outside_tcp(pids: list[int], inside: set[str] = frozenset()) -> list[TcpConn
     and not a socket of this network namespace held by the tree itself or by `inside` (socket inodes of the
     job's other trees on this node; MPI daemons talk over the node's own address). Both ends of the others
     are frozen at the barrier and dumped as they are; these have an end that goes on without the job (a
-    client on a login node, a database), so they are dumped and restored closed (pipeline.py)."""
+    client on a login node, a database), so they are dumped and restored closed (rank/capture.py, rank/restore.py)."""
     import ipaddress
     inodes = socket_inodes(pids)
     if not inodes or not pids:

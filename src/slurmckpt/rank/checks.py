@@ -16,61 +16,61 @@ from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 
 if TYPE_CHECKING:
-    from slurmckpt.rank.pipeline import RankPipeline
+    from slurmckpt.rank.context import EpochState, RankContext
 
 log = logging.getLogger("slurmckpt.pipeline")
 
 
-def check_restorable(p: RankPipeline, epoch: int) -> None:
+def check_restorable(ctx: RankContext, st: EpochState) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
-    pids = p.cgroup.pids()
-    if p.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
-        _refuse_replayed_batch_talking_to_other_nodes(p, pids)
+    pids = ctx.cgroup.pids()
+    if st.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
+        _refuse_replayed_batch_talking_to_other_nodes(ctx, pids)
         return
     rings = proctree.io_uring_holders(pids)
     if rings:
         raise CaptureError("; ".join(rings) + ": criu cannot checkpoint io_uring. slurmckpt sets USE_LIBUV=0 "
                            "for PyTorch unless the job set USE_LIBUV itself; a program that makes its own ring "
-                           "cannot be checkpointed (docs/limitations.md)", step=p.step, rank=p.rank)
+                           "cannot be checkpointed (docs/limitations.md)", step=ctx.step, rank=ctx.rank)
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
-    stdio = {t.link for t in (proctree.fd_target(p.root_pid, fd) for fd in (0, 1, 2)) if t}
-    if p.pmi_fd >= 0:       # dumped as external and replaced by the new step's at the restore (pmi.py)
-        stdio.add(f"socket:[{p.pmi_ino}]")
-    stdio |= {f"socket:[{ino}]" for ino in p.standin_inos}    # likewise the srun stand-ins' (srun_relay.py)
-    trees = ipc.job_trees(p.cgroup.other_trees(), p.cgroup.tree.job)   # the job's own, never another job's
+    stdio = {t.link for t in (proctree.fd_target(ctx.root_pid or 0, fd) for fd in (0, 1, 2)) if t}
+    if ctx.handovers.pmi_fd >= 0:   # dumped as external and replaced by the new step's at the restore (pmi.py)
+        stdio.add(f"socket:[{ctx.handovers.pmi_ino}]")
+    stdio |= {f"socket:[{ino}]" for ino in ctx.handovers.standin_inos}    # likewise the srun stand-ins' (srun_relay.py)
+    trees = ipc.job_trees(ctx.cgroup.other_trees(), ctx.cgroup.tree.job)   # the job's own, never another job's
     # TCP whose other end the job holds on this node (the tree itself or another rank) is inside the job;
     # to another node of the job it is too (both ends frozen at the barrier, restored on the same nodes:
     # crossnode.py); to anything else (a client, a database) it is dumped and restored closed (_record).
     outside = proctree.outside_tcp(pids, inside=proctree.socket_inodes(list(trees)))
-    other_nodes = p.job_addresses() if outside else set()
+    other_nodes = ctx.job_addresses() if outside else set()
     # Sorted here, while every rank's tree still runs: in a final capture a rank's dump ends its tree, so by
     # the time another rank records its connections the peer's sockets may be gone (tcp_leaving_the_node)
-    p.tcp_outside = {c.inode: c.remote_ip in other_nodes for c in outside}
+    st.tcp_outside = {c.inode: c.remote_ip in other_nodes for c in outside}
     closed = [str(c) for c in outside if c.remote_ip not in other_nodes]
     if closed:
         log.info("capturing with connection(s) to outside the job, restored closed: %s", ", ".join(closed))
     shared = ipc.unshareable(pids, {pid: name.label for pid, name in trees.items()}, stdio)
     if shared:
         raise CaptureError("state shared outside this rank's process tree cannot be restored: "
-                           + "; ".join(shared), step=p.step, rank=p.rank)
+                           + "; ".join(shared), step=ctx.step, rank=ctx.rank)
     # Deleted files the tree still uses: refused here, before the freeze, when above the cap; sized again
     # once frozen (_record), since the tree runs on until then.
-    ghost.limit_for(proctree.deleted_files(pids), p.ghost_limit_max, step=p.step, rank=p.rank)
+    ghost.limit_for(proctree.deleted_files(pids), ctx.limits.ghost_limit_max, step=ctx.step, rank=ctx.rank)
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
     peers = {pid: (name.step, name.rank) for pid, name in trees.items()}
-    p.tcp_peers = netlock.internal_connections(pids, peers)
-    _refuse_replayed_peers(p, trees)
-    p.shared_files = ipc.shared_files(pids, set(peers))
+    st.tcp_peers = netlock.internal_connections(pids, peers)
+    _refuse_replayed_peers(ctx, st, trees)
+    st.shared_files = ipc.shared_files(pids, set(peers))
 
 
-def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
+def _refuse_replayed_peers(ctx: RankContext, st: EpochState, trees: dict[int, TreeName]) -> None:
     """TCP to a batch step that runs srun: such a batch step is replayed on requeue (its script runs again
     from the top), not restored, so its end of the connection would start afresh while this one is restored.
     That is OpenMPI's mpirun starting its daemons (orted) through srun (docs/mpi.md)."""
-    to_batch = [f"{c[0]} -> {c[1]}" for c in p.tcp_peers if c[2] == "batch"]
+    to_batch = [f"{c[0]} -> {c[1]}" for c in st.tcp_peers if c[2] == "batch"]
     if not to_batch:
         return
     batch = [pid for pid, name in trees.items() if name.step == "batch"]
@@ -81,17 +81,17 @@ def _refuse_replayed_peers(p: RankPipeline, trees: dict[int, TreeName]) -> None:
                            "a real srun does this: slurmckpt's srun stand-in, first in the batch step's PATH, "
                            "avoids it); on one node let mpirun start the ranks itself (`--mca plm ^slurm "
                            "--mca ras ^slurm`) (docs/mpi.md)",
-                           step=p.step, rank=p.rank)
+                           step=ctx.step, rank=ctx.rank)
 
 
-def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[int]) -> None:
+def _refuse_replayed_batch_talking_to_other_nodes(ctx: RankContext, pids: list[int]) -> None:
     """The batch step runs srun, so it is replayed on requeue (its script runs again from the top) while
     the steps' ranks are restored: a process of it (other than srun itself) with TCP to another node of the
     job talks to a rank there, which would be restored while this end starts afresh. That is OpenMPI's
     mpirun starting orted on the other nodes through srun (docs/mpi.md)."""
     mine = [pid for pid in pids if proctree.exe_name(pid) not in ("srun", "sattach")]
     outside = proctree.outside_tcp(mine)
-    nodes = p.job_addresses() if outside else set()
+    nodes = ctx.job_addresses() if outside else set()
     to_nodes = [str(c) for c in outside if c.remote_ip in nodes]
     if to_nodes:
         raise CaptureError(f"TCP connection(s) {', '.join(to_nodes)} from the batch step, which is running srun, "
@@ -99,16 +99,16 @@ def _refuse_replayed_batch_talking_to_other_nodes(p: RankPipeline, pids: list[in
                            "requeue, not restored, so its end would start again while the other is restored "
                            "(OpenMPI's mpirun starting orted through a real srun does this: slurmckpt's srun "
                            "stand-in, first in the batch step's PATH, avoids it) (docs/mpi.md)",
-                           step=p.step, rank=p.rank)
+                           step=ctx.step, rank=ctx.rank)
 
 
-def tcp_leaving_the_node(p: RankPipeline, pids: list[int]) -> dict:
-    """TCP whose other end is not on this node, as the check sorted it (p.tcp_outside) and still established
+def tcp_leaving_the_node(st: EpochState, pids: list[int]) -> dict:
+    """TCP whose other end is not on this node, as the check sorted it (st.tcp_outside) and still established
     now (the tree is frozen): to another node of the job (restored as dumped, held until both ends are
     back: crossnode.py), or to outside the job (its other end goes on without the job, so it is restored
     closed). A connection the check did not see (opened between the check and the freeze) is restored as
     dumped: closing one of the job's own connections by mistake would lose its data."""
     now = {c.inode: c for c in proctree.outside_tcp(pids)}
-    to_nodes = [now[i] for i, job_node in p.tcp_outside.items() if job_node and i in now]
+    to_nodes = [now[i] for i, job_node in st.tcp_outside.items() if job_node and i in now]
     return {"tcp_nodes": crossnode.job_connections(to_nodes, {c.remote_ip for c in to_nodes}),
-            "tcp_close": sorted(i for i, job_node in p.tcp_outside.items() if not job_node and i in now)}
+            "tcp_close": sorted(i for i, job_node in st.tcp_outside.items() if not job_node and i in now)}

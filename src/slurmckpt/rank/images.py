@@ -10,15 +10,14 @@
             at bounded priority)                 meanwhile
     restore                                      store -> staging (verified while unpacked) -> criu
 
-Each function takes the rank's pipeline (pipeline.RankPipeline) as `p`.
+Each function takes the rank's context and the epoch's state (context.py).
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from slurmckpt.rank import output_snapshot
 from slurmckpt.rank.sharing import shm_files
@@ -33,8 +32,12 @@ from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
 from slurmckpt.store.staging import Staging
-from slurmckpt.store.jobstore import JobStore, rank_name
+from slurmckpt.store.jobstore import JobStore
+
 from slurmckpt.sizes import size_text
+
+if TYPE_CHECKING:
+    from slurmckpt.rank.context import EpochState, RankContext, RestoreState
 
 
 @dataclass(frozen=True)
@@ -59,107 +62,106 @@ class StorePolicy:
         return cls(Staging(store.root.with_name(store.root.name + "-staging")), PLAIN, None)
 
 
-def area(p: Any, epoch: int, purpose: str = "capture") -> Path:
-    return p.policy.staging.area(p.store.cluster, p.store.job, purpose, epoch, p.step, p.rank)
+def area(ctx: RankContext, epoch: int, purpose: str = "capture") -> Path:
+    return ctx.policy.staging.area(ctx.store.cluster, ctx.store.job, purpose, epoch, ctx.step, ctx.rank)
 
 
-def copied_files(p: Any) -> tuple[tuple[str, int], ...]:
+def copied_files(ctx: RankContext, st: EpochState) -> tuple[tuple[str, int], ...]:
     """What the capture copies besides the tree's memory, by the bytes each holds: the task's output files,
     the /dev/shm files the tree holds open or mapped, and the deleted files it holds, which criu copies
     into its images (ghost.py; at their size, which the ghost limit caps). A replayed batch step: its
     output only."""
-    files = output_snapshot.measure(p.wrapper_pid) if p.wrapper_pid else []
-    if not p.replay:
-        pids = p.cgroup.pids()
-        files += [(f.name, f.allocated) for f in shm_files.held(pids, p.creds.uid)]
+    files = output_snapshot.measure(ctx.wrapper_pid) if ctx.wrapper_pid else []
+    if not st.replay:
+        pids = ctx.cgroup.pids()
+        files += [(f.name, f.allocated) for f in shm_files.held(pids, ctx.creds.uid)]
         files += [(f"{f.path} (deleted)", f.size) for f in proctree.deleted_files(pids)]
     return tuple(files)
 
 
-def reserve(p: Any, epoch: int) -> None:
+def reserve(ctx: RankContext, st: EpochState) -> None:
     """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on).
     The bytes counted for copied files become the capture's budget for them (space.CopyBudget)."""
-    reclaim.collect_job(p.store)
-    copies = copied_files(p)
-    if p.replay:
+    epoch = st.epoch
+    reclaim.collect_job(ctx.store)
+    copies = copied_files(ctx, st)
+    if st.replay:
         need = space.Need(sum(b for _, b in copies), sum(b for _, b in copies), copies)
     else:
-        need = space.expected(proctree.memory_bytes(p.cgroup.pids()),
-                              space.previous_manifest(p.store, p.step, p.rank), copies)
-    p.copy_budget = space.CopyBudget(sum(b for _, b in copies))
-    p.timings["expected_mib"] = round(need.raw / 2**20, 1)
-    space.reserve_store(p.store, epoch, p.step, p.rank, need, p.policy.quotas, p.creds.uid)
+        need = space.expected(proctree.memory_bytes(ctx.cgroup.pids()),
+                              space.previous_manifest(ctx.store, ctx.step, ctx.rank), copies)
+    st.copy_budget = space.CopyBudget(sum(b for _, b in copies))
+    st.timings["expected_mib"] = round(need.raw / 2**20, 1)
+    space.reserve_store(ctx.store, epoch, ctx.step, ctx.rank, need, ctx.policy.quotas, ctx.creds.uid)
     try:
-        space.reserve_staging(p.policy.staging, area(p, epoch), need)
+        space.reserve_staging(ctx.policy.staging, area(ctx, epoch), need)
         # the capture of a large epoch outlasts the limits its lease was allocated with: the budget's rates
-        images = need.raw + (p.footprint.gpu_bytes if p.footprint else 0)
-        lease.extend(p.store, epoch, rank_name(p.step, p.rank), lease.clock() + p.policy.lease_s
+        images = need.raw + (st.footprint.gpu_bytes if st.footprint else 0)
+        lease.extend(ctx.store, epoch, str(ctx.name), lease.clock() + ctx.policy.lease_s
                      + budget.SAFETY * (images / budget.CRIU_DUMP_BPS + images / budget.SEAL_BPS))
     except BaseException:
-        space.release_store(p.store, epoch, p.step, p.rank)
-        p.policy.staging.remove(area(p, epoch))
+        space.release_store(ctx.store, epoch, ctx.step, ctx.rank)
+        ctx.policy.staging.remove(area(ctx, epoch))
         raise
 
 
-def release(p: Any, epoch: int) -> None:
-    space.release_store(p.store, epoch, p.step, p.rank)
-    p.policy.staging.remove(area(p, epoch))
+def release(ctx: RankContext, st: EpochState) -> None:
+    space.release_store(ctx.store, st.epoch, ctx.step, ctx.rank)
+    ctx.policy.staging.remove(area(ctx, st.epoch))
 
 
-def staged(p: Any, epoch: int) -> Path:
+def staged(ctx: RankContext, epoch: int) -> Path:
     """The rank's capture area (made by `reserve`; made here when a capture skipped it)."""
-    where = area(p, epoch)
+    where = area(ctx, epoch)
     if not where.is_dir():
-        p.policy.staging.make(where)
+        ctx.policy.staging.make(where)
     return where
 
 
-def persist(p: Any, epoch: int, background: bool) -> None:
+def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
     """Staging -> store. Failure leaves the epoch uncommitted (this rank's store directory removed); the
     staging area goes either way."""
-    start = time.monotonic()
-    where = area(p, epoch)
-    meta = {**p.record, "timings": dict(p.timings)}
+    start, epoch = time.monotonic(), st.epoch
+    where = area(ctx, epoch)
+    meta = {**st.record, "timings": dict(st.timings)}
     try:
-        with lease.kept(p.store, epoch, rank_name(p.step, p.rank), p.policy.lease_s):    # however long it takes
-            manifest = bounded(p.policy.priority if background else None,
-                               lambda: persist_rank(p.store, epoch, p.step, p.rank, where, meta, p.policy.codec))
+        with lease.kept(ctx.store, epoch, str(ctx.name), ctx.policy.lease_s):    # however long it takes
+            manifest = bounded(ctx.policy.priority if background else None,
+                               lambda: persist_rank(ctx.store, epoch, ctx.step, ctx.rank, where, meta,
+                                                    ctx.policy.codec))
     except SlurmckptError:
-        p.failed_stage = "persist"
+        st.failed_stage = "persist"
         raise
     except Exception as e:
-        p.failed_stage = "persist"
-        raise CaptureError(f"persist failed: {e}", epoch=epoch, step=p.step, rank=p.rank) from e
+        st.failed_stage = "persist"
+        raise CaptureError(f"persist failed: {e}", epoch=epoch, step=ctx.step, rank=ctx.rank) from e
     finally:
-        p.policy.staging.remove(where)
-    p.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
-    p.record["raw_bytes"] = sum(f.get("raw_size", f["size"]) for f in manifest["files"].values())
-    p.timings["persist"] = round(time.monotonic() - start, 4)
+        ctx.policy.staging.remove(where)
+    st.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
+    st.record["raw_bytes"] = sum(f.get("raw_size", f["size"]) for f in manifest["files"].values())
+    st.timings["persist"] = round(time.monotonic() - start, 4)
 
 
-def discard(p: Any, epoch: int) -> None:
+def discard(ctx: RankContext, epoch: int) -> None:
     """An aborted epoch: the rank's staging area and whatever of it reached the store (never a committed
     epoch's)."""
-    p.policy.staging.remove(area(p, epoch))
-    p.store.discard_epoch_rank(epoch, p.step, p.rank)
+    ctx.policy.staging.remove(area(ctx, epoch))
+    ctx.store.discard_epoch_rank(epoch, ctx.step, ctx.rank)
 
 
-@contextmanager
-def unpacked(p: Any, epoch: int) -> Iterator[tuple[Path, dict]]:
-    """The rank's committed images verified and unpacked into a restore area; the area goes afterwards."""
-    where = area(p, epoch, "restore")
-    p.policy.staging.make(where)
-    try:
-        manifest = p.store.read_rank_manifest(epoch, p.step, p.rank)
-        need = sum(int(f.get("raw_size", f["size"])) for f in manifest["files"].values()
-                   if f.get("codec", "none") != "none")
-        free = free_bytes(where)
-        if need > free:
-            raise RestoreError(f"the staging area ({p.policy.staging.root}) has {size_text(free)} free; unpacking "
-                               f"epoch {epoch} needs {size_text(need)}", step=p.step, rank=p.rank)
-        start = time.monotonic()
-        manifest = materialize(p.store, epoch, p.step, p.rank, where)
-        p.timings["unpack"] = round(time.monotonic() - start, 4)
-        yield where, manifest
-    finally:
-        p.policy.staging.remove(where)
+def unpack(ctx: RankContext, st: RestoreState) -> None:
+    """RESTORE: the rank's committed images verified and unpacked into a restore area (st.images, which the
+    runner removes whatever happens) and its manifest (st.manifest)."""
+    epoch = st.epoch
+    where = st.images = area(ctx, epoch, "restore")
+    ctx.policy.staging.make(where)
+    manifest = ctx.store.read_rank_manifest(epoch, ctx.step, ctx.rank)
+    need = sum(int(f.get("raw_size", f["size"])) for f in manifest["files"].values()
+               if f.get("codec", "none") != "none")
+    free = free_bytes(where)
+    if need > free:
+        raise RestoreError(f"the staging area ({ctx.policy.staging.root}) has {size_text(free)} free; unpacking "
+                           f"epoch {epoch} needs {size_text(need)}", step=ctx.step, rank=ctx.rank)
+    start = time.monotonic()
+    st.manifest = materialize(ctx.store, epoch, ctx.step, ctx.rank, where)
+    st.timings["unpack"] = round(time.monotonic() - start, 4)

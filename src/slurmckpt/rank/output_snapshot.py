@@ -17,13 +17,16 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from slurmckpt.node import procfs
 from slurmckpt.store import sparse
 from slurmckpt.node import asuser
 from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError, RestoreError
+
+if TYPE_CHECKING:
+    from slurmckpt.rank.context import EpochState, RankContext
 
 FDS = (1, 2)
 
@@ -43,37 +46,37 @@ def measure(wrapper_pid: int) -> list[tuple[str, int]]:
     return list(out.items())
 
 
-def take(p: Any, where: Path) -> list[dict]:
-    """CAPTURE (pipeline.RankPipeline `p`, every rank frozen): the output files' data up to their size at
+def take(ctx: RankContext, st: EpochState, where: Path) -> list[dict]:
+    """CAPTURE (every rank frozen): the output files' data up to their size at
     the freeze into `where`; the rank record's `outputs`."""
-    if p.replay:
-        _wait_settled(p.wrapper_pid)
+    if st.replay:
+        _wait_settled(ctx.wrapper_pid)
     outputs, seen = [], {}
     for fd in FDS:
-        t = proctree.fd_target(p.wrapper_pid, fd)
+        t = proctree.fd_target(ctx.wrapper_pid, fd)
         if t is None or not t.regular:
             continue
         if t.path_only:
             raise CaptureError(f"the task's fd {fd} is an O_PATH descriptor ({t.link}): its output cannot be "
-                               "kept across a restore", step=p.step, rank=p.rank)
+                               "kept across a restore", step=ctx.step, rank=ctx.rank)
         if t.link not in seen:
-            seen[t.link] = (f"output-{fd}.snap", _copy(p, fd, t, where / f"output-{fd}.snap"))
+            seen[t.link] = (f"output-{fd}.snap", _copy(ctx, st, fd, t, where / f"output-{fd}.snap"))
         snapshot, ranges = seen[t.link]
         outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": snapshot, "ranges": ranges})
-    if p.peer_alive and not p.peer_alive():
-        raise CaptureError("the task's wrapper exited during the capture", step=p.step, rank=p.rank)
+    if ctx.peer_alive and not ctx.peer_alive():
+        raise CaptureError("the task's wrapper exited during the capture", step=ctx.step, rank=ctx.rank)
     return outputs
 
 
-def _copy(p: Any, fd: int, t: proctree.FdTarget, dst: Path) -> list[list[int]]:
+def _copy(ctx: RankContext, st: EpochState, fd: int, t: proctree.FdTarget, dst: Path) -> list[list[int]]:
     # Reopened through the wrapper's fd link, as the user: the kernel checks the user's read permission on
     # the file itself (an O_PATH or write-only fd to a file the user cannot read gives nothing).
-    src = asuser.open_expected(p.creds, str(procfs.path(p.wrapper_pid, "fd", fd)), os.O_RDONLY, t.dev, t.ino,
+    src = asuser.open_expected(ctx.creds, str(procfs.path(ctx.wrapper_pid, "fd", fd)), os.O_RDONLY, t.dev, t.ino,
                                f"the task's fd {fd} ({t.link}),")
     try:
-        return sparse.copy_data(src, dst, t.size, lambda n: p.copy_budget.charge(n, t.link, t.size), t.link)
+        return sparse.copy_data(src, dst, t.size, lambda n: st.copy_budget.charge(n, t.link, t.size), t.link)
     except OSError as e:
-        raise CaptureError(f"output file {t.link}: {e.strerror or e}", step=p.step, rank=p.rank) from e
+        raise CaptureError(f"output file {t.link}: {e.strerror or e}", step=ctx.step, rank=ctx.rank) from e
     finally:
         os.close(src)
 

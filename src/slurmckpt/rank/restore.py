@@ -1,66 +1,112 @@
-"""Restore of one rank: the capture pipeline read backwards (docs/architecture.md, "Restore on requeue").
+"""One rank's restore as a stage table run by the engine (engine.py), the mirror of capture.py
+(docs/architecture.md, "Restore on requeue"):
 
-    check the target GPUs -> unpack and verify the images into staging (rank/images.py) -> files mapped
-    shared with other ranks unchanged (ipc.py) -> output snapshot -> files the tree writes cut back ->
-    criu restore into the task cgroup (TCP to other ranks held until both ends are back: netlock.py, to
-    other nodes: crossnode.py; connections to outside the job restored closed) -> GPU restore + unlock.
+    gpu-check (the target GPUs, before anything is unpacked or touched) -> unpack (verify the images into
+    staging: images.py) -> shared-files (files mapped shared with other ranks unchanged: sharing/ipc.py)
+    -> output (the snapshot written back) -> truncate (files the tree writes cut back) -> shm (/dev/shm
+    files written back: sharing/shm_files.py) -> handovers (stdio, batch script, PMI and srun stand-in
+    sockets in the old ones' places) -> tcp-hold (TCP to other nodes held: sharing/crossnode.py) -> criu
+    (criu restore into the task cgroup, TCP to other ranks of the node held: sharing/netlock.py;
+    connections to outside the job restored closed) -> tcp-release -> gpu-restore (+ remap, unlock).
 
-A failure after criu brought the tree back kills it again, so that the wrapper's fallback (an older epoch, a
-fresh start) finds the task cgroup empty.
+A replayed batch step stops after `output`. A failure undoes what was done in reverse: above all, once criu
+brought the tree back, the tree is killed and waited for, so that the wrapper's fallback (an older epoch, a
+fresh start) finds the task cgroup empty. The staging area goes either way (runner.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import stat
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from slurmckpt.rank.sharing import crossnode
-from slurmckpt.rank.sharing import ipc
-from slurmckpt.rank.sharing import netlock
-from slurmckpt.rank import output_snapshot
-from slurmckpt.slurm import pmi
-from slurmckpt.rank import images as rank_images
-from slurmckpt.rank.sharing import shm_files
-from slurmckpt.node import tcp_ports
-from slurmckpt.node import asuser
-from slurmckpt.node import proctree
 from slurmckpt.criu.driver import InheritedFd
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
+from slurmckpt.node import asuser, proctree, tcp_ports
 from slurmckpt.node.launch import Credentials
+from slurmckpt.rank import images, output_snapshot
+from slurmckpt.rank.context import EpochState, RankContext, RestoreState
+from slurmckpt.rank.engine import Stage, run_table, settle, undo_steps
+from slurmckpt.rank.sharing import crossnode, ipc, netlock, shm_files
+from slurmckpt.slurm import pmi
 
-if TYPE_CHECKING:
-    from slurmckpt.rank.pipeline import RankPipeline
-
-log = logging.getLogger("slurmckpt.rank.pipeline")
-
-
-def restore_rank(p: RankPipeline, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:
-    """Restore this rank from `epoch` with the new task's stdio fds. Returns (root pid or None for a
-    replayed batch step, rank manifest). The target GPUs are checked first (before anything is unpacked or
-    touched); the images are unpacked into staging, verified as they are, and the staging area goes once
-    criu has read them."""
-    p.gpu.check_restore(p.store.read_rank_manifest(epoch, p.step, p.rank).get("gpu"))
-    with rank_images.unpacked(p, epoch) as (rdir, manifest):
-        return _restore_from(p, epoch, rdir, manifest, stdio)
+log = logging.getLogger("slurmckpt.pipeline")
 
 
-def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio: list[int]) -> tuple[int | None, dict]:
-    key = netlock.restore_key(p.store.job, p.cgroup.tree.restart, epoch)
-    shared, truncate = files_to_check(manifest)
-    ipc.check_shared_files(shared, key, p.creds, same_node=manifest.get("node") == socket.gethostname())
-    output_snapshot.rewrite(manifest, rdir, stdio)
-    if manifest["kind"] == "replay":
-        return None, manifest
-    _truncate_written_files(truncate, p.creds)
+def run(ctx: RankContext, st: RestoreState) -> None:
+    """RESTORE's table; on failure its undos, and the first failure raised (naming what undoing met)."""
+    def rolled_back(stage: str, error: BaseException) -> None:
+        failures = settle(undo_steps(st.done), ctx, st)
+        st.done = []
+        if failures:
+            raise RestoreError(f"{error}; then {'; '.join(map(str, failures))}", step=ctx.step,
+                               rank=ctx.rank) from error
+    run_table(RESTORE, ctx, st, rolled_back)
+
+
+def restored(ctx: RankContext, pid: int) -> RankContext:
+    """The context of the tree a restore brought back."""
+    return dataclasses.replace(ctx, root_pid=pid, standin_fds=())
+
+
+def _r(st: EpochState) -> RestoreState:
+    assert isinstance(st, RestoreState)
+    return st
+
+
+def _gpu_check(ctx: RankContext, st: EpochState) -> None:
+    ctx.gpu.check_restore(ctx.store.read_rank_manifest(st.epoch, ctx.step, ctx.rank).get("gpu"))
+
+
+def _unpack(ctx: RankContext, st: EpochState) -> None:
+    images.unpack(ctx, _r(st))
+    st.replay = _r(st).manifest["kind"] == "replay"
+
+
+def _shared_files(ctx: RankContext, st: EpochState) -> None:
+    r = _r(st)
+    r.key = netlock.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
+    ipc.check_shared_files(files_to_check(r.manifest)[0], r.key, ctx.creds,
+                           same_node=r.manifest.get("node") == socket.gethostname())
+
+
+def _output(ctx: RankContext, st: EpochState) -> None:
+    r = _r(st)
+    assert r.images is not None
+    output_snapshot.rewrite(r.manifest, r.images, r.stdio)
+
+
+def _truncate(ctx: RankContext, st: EpochState) -> None:
+    if not st.replay:
+        _truncate_written_files(files_to_check(_r(st).manifest)[1], ctx.creds)
+
+
+def _shm(ctx: RankContext, st: EpochState) -> None:
+    r = _r(st)
+    if st.replay:
+        return
+    assert r.images is not None
     try:
-        shm_files.put_back(p.creds, manifest.get("shm_files", []), rdir, key)
+        shm_files.put_back(ctx.creds, r.manifest.get("shm_files", []), r.images, r.key)
     except PermissionDenied as err:
-        raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=p.step, rank=p.rank) from err
-    inherit, seen = [], set()
+        raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=ctx.step, rank=ctx.rank) from err
+
+
+def _shm_links_gone(ctx: RankContext, st: EpochState) -> None:
+    try:
+        shm_files.remove_links(ctx.creds, _r(st).manifest.get("shm_files", []))
+    except SlurmckptError as e:
+        log.warning("%s", e)
+
+
+def _handovers(ctx: RankContext, st: EpochState) -> None:
+    """The new start's fds in the old ones' places (criu --inherit-fd)."""
+    r = _r(st)
+    if st.replay:
+        return
+    manifest, stdio, inherit, seen = r.manifest, r.stdio, r.inherit, set()
     for entry in manifest["stdio"]:
         if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))
                                         or entry["key"].startswith("file[")):
@@ -73,72 +119,110 @@ def _restore_from(p: RankPipeline, epoch: int, rdir: Path, manifest: dict, stdio
         for entry in manifest["batch_script"]:   # one file, one key: every fd on it shares this position
             os.lseek(stdio[3], entry["pos"], os.SEEK_SET)
             inherit.append(InheritedFd(entry["key"], stdio[3]))
+    pmi_fd = ctx.handovers.pmi_fd
     for entry in manifest.get("pmi", []):
-        if p.pmi_fd < 0:
+        if pmi_fd < 0:
             raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
                                "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
-        inherit.append(InheritedFd(entry["key"], p.pmi_fd))     # the new step's, in the old one's place
+        inherit.append(InheritedFd(entry["key"], pmi_fd))     # the new step's, in the old one's place
     standins = manifest.get("srun_standins", [])
-    if len(standins) != len(p.standin_fds):
+    if len(standins) != len(ctx.standin_fds):
         raise RestoreError(f"the checkpoint holds {len(standins)} srun stand-in socket(s), this start handed in "
-                           f"{len(p.standin_fds)}", step=p.step, rank=p.rank)
-    inherit += [InheritedFd(e["key"], fd) for e, fd in zip(standins, p.standin_fds)]  # the new wrapper's
+                           f"{len(ctx.standin_fds)}", step=ctx.step, rank=ctx.rank)
+    inherit += [InheritedFd(e["key"], fd) for e, fd in zip(standins, ctx.standin_fds)]  # the new wrapper's
     if manifest.get("pmi"):
-        pmi.reinit(p.pmi_fd)        # slurmstepd takes a task's first PMI line as its init
-    held = netlock.confirmed(manifest.get("tcp_ranks", []), p.step, p.rank,
-                             lambda step, rank: p.store.read_rank_manifest(epoch, step, rank))
+        pmi.reinit(pmi_fd)        # slurmstepd takes a task's first PMI line as its init
+
+
+def _tcp_hold(ctx: RankContext, st: EpochState) -> None:
+    r = _r(st)
+    if st.replay:
+        return
+    manifest = r.manifest
+    r.held = netlock.confirmed(manifest.get("tcp_ranks", []), ctx.step, ctx.rank,
+                               lambda step, rank: ctx.store.read_rank_manifest(st.epoch, step, rank))
     between_nodes = manifest.get("tcp_nodes", [])
     if between_nodes:
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
-    hold = crossnode.Hold(between_nodes, p.store.job_dir / ".tcp-sync", f"{p.cgroup.tree.restart}.{epoch}",
-                          f"slurmckpt job {p.store.job}", p.packets)
+    hold = r.hold = crossnode.Hold(between_nodes, ctx.store.job_dir / ".tcp-sync",
+                                   f"{ctx.cgroup.tree.restart}.{st.epoch}", f"slurmckpt job {ctx.store.job}",
+                                   ctx.packets)
     tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
-        with netlock.hold_during_restore(held, key, f"slurmckpt job {p.store.job}", p.packets):
-            pid = p.engine.restore(rdir, inherit, freezer=p.cgroup.path, pidfile=rdir / "restore.pid",
-                                   join=p.cgroup.add, tcp_close=manifest.get("tcp_close", []),
-                                   mntns=manifest.get("mntns", False))
-    except BaseException as e:
+    except BaseException:
         hold.release()
-        _quietly(shm_files.remove_links, p.creds, manifest.get("shm_files", []))
-        if isinstance(e, CriuInterrupted):    # criu did not take back what it had restored: none of it runs
-            _end_restored_tree(p)
         raise
-    hold.after_restore()
+
+
+def _tcp_unhold(ctx: RankContext, st: EpochState) -> None:
+    hold = _r(st).hold
+    if hold is not None and hold.thread is None:      # once handed to its waiting thread, it lifts itself
+        hold.release()
+
+
+def _criu(ctx: RankContext, st: EpochState) -> None:
+    r = _r(st)
+    if st.replay:
+        return
+    assert r.images is not None and r.key is not None
     try:
-        p.gpu.restore(manifest.get("gpu"), p.cgroup.pids())   # after criu: the tree is back, thawed
+        with netlock.hold_during_restore(r.held, r.key, f"slurmckpt job {ctx.store.job}", ctx.packets):
+            r.pid = ctx.criu.restore(r.images, r.inherit, freezer=ctx.cgroup.path, pidfile=r.images / "restore.pid",
+                                     join=ctx.cgroup.add, tcp_close=r.manifest.get("tcp_close", []),
+                                     mntns=r.manifest.get("mntns", False))
+    except CriuInterrupted:    # criu did not take back what it had restored: none of it may run
+        _end_restored_tree(ctx, st)
+        raise
+
+
+def _tcp_release(ctx: RankContext, st: EpochState) -> None:
+    hold = _r(st).hold
+    if hold is not None:
+        hold.after_restore()
+
+
+def _gpu_restore(ctx: RankContext, st: EpochState) -> None:
+    """After criu: the tree is back, thawed. Without its GPU state it must not run on (the undo of `criu`
+    kills it)."""
+    if st.replay:
+        return
+    try:
+        ctx.gpu.restore(_r(st).manifest.get("gpu"), ctx.cgroup.pids())
+    except SlurmckptError:
+        raise
     except Exception as e:
-        # The restored tree runs (re-parented to the wrapper) but without its GPU state: it must not run
-        # on, and the fallback (an older epoch, or a fresh start) needs the task cgroup empty again.
-        _end_restored_tree(p)
-        if isinstance(e, SlurmckptError):
-            raise
-        raise RestoreError(f"GPU restore failed: {e}", step=p.step, rank=p.rank) from e
-    p.root_pid = pid
-    return pid, manifest
+        raise RestoreError(f"GPU restore failed: {e}", step=ctx.step, rank=ctx.rank) from e
 
 
-def _quietly(action, *args) -> None:
-    try:
-        action(*args)
-    except SlurmckptError as e:
-        log.warning("%s", e)
-
-
-def _end_restored_tree(p: RankPipeline, timeout_s: float = 10.0) -> None:
+def _end_restored_tree(ctx: RankContext, st: EpochState, timeout_s: float = 10.0) -> None:
     """Kill every process of the task cgroup and wait until it is empty (what a restore left running)."""
-    p.root_pid = None
+    _r(st).pid = None
     try:
-        p.cgroup.kill_all()
+        ctx.cgroup.kill_all()
     except OSError as e:
         log.warning("killing the restored tree after a failed restore: %s", e)
     deadline = time.monotonic() + timeout_s
-    while p.cgroup.pids() and time.monotonic() < deadline:
+    while ctx.cgroup.pids() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if p.cgroup.pids():
-        raise RestoreError(f"the restored tree did not die after a failed restore: {p.cgroup.pids()}",
-                           step=p.step, rank=p.rank)
+    if ctx.cgroup.pids():
+        raise RestoreError(f"the restored tree did not die after a failed restore: {ctx.cgroup.pids()}",
+                           step=ctx.step, rank=ctx.rank)
+
+
+RESTORE = (
+    Stage("gpu-check", _gpu_check),
+    Stage("unpack", _unpack),                      # its staging area goes either way (runner.py)
+    Stage("shared-files", _shared_files),
+    Stage("output", _output),
+    Stage("truncate", _truncate),                  # a replayed batch step stops after `output`
+    Stage("shm", _shm, undo=_shm_links_gone),
+    Stage("handovers", _handovers),
+    Stage("tcp-hold", _tcp_hold, undo=_tcp_unhold),
+    Stage("criu", _criu, undo=_end_restored_tree),
+    Stage("tcp-release", _tcp_release),
+    Stage("gpu-restore", _gpu_restore),
+)
 
 
 def files_to_check(manifest: dict) -> tuple[list[dict], list[dict]]:

@@ -39,7 +39,7 @@ Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (slu
 
 
 class Pipeline(Protocol):
-    failed_stage: str          # the stage that raised last (pipeline.RankPipeline)
+    failed_stage: str          # the stage that raised last (rank/runner.py RankRunner)
 
 
 def reason_of(error: BaseException) -> str:

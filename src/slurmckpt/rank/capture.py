@@ -1,0 +1,208 @@
+"""One rank's capture as three stage tables, run by the engine (engine.py) over the rank's context and the
+epoch's state (context.py). The coordinator drives the phases across ranks:
+
+    SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (fit.py; runner.py)
+    PREPARE   refuse unrestorable state (checks.py) -> no PMI exchange under way (cheap early look)
+              -> reserve room in the store and staging (images.py) -> lock its GPUs -> GPU checkpoint
+              -> freeze the tree (cgroup freezer) -> no PMI exchange under way (else thaw and retry the
+              round, slurm/pmi.py) -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
+              ... barrier: all READY ...
+    CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
+              -> (final only) persist: compress staging into the store, rank.json
+    RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> persist at bounded priority
+    then      COMMIT (coordinator's agent, atomic manifest rename) | final: COMMIT -> FINISH (kill)
+    or        ABORT at any point -> the undos of what was done, in reverse: the previous commit stays.
+
+GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
+process (measured on the H200). The restore is a table of its own (restore.py).
+"""
+from __future__ import annotations
+
+import re
+import socket
+
+from slurmckpt.cuda.procscan import inherited_device_majors
+from slurmckpt.errors import CaptureError
+from slurmckpt.node import proctree, tcp_ports
+from slurmckpt.rank import checks, ghost, images, output_pipes, output_snapshot
+from slurmckpt.rank.context import EpochState, RankContext
+from slurmckpt.rank.engine import Stage
+from slurmckpt.rank.sharing import ipc, netlock, shm_files
+from slurmckpt.slurm import pmi
+
+
+def _freeze(ctx: RankContext, st: EpochState) -> None:
+    if not st.replay:     # srun must keep relaying what the (frozen) steps already wrote to the output
+        st.timings["freeze_wait"] = ctx.cgroup.freeze()
+
+
+def _thaw(ctx: RankContext, st: EpochState) -> None:
+    ctx.cgroup.thaw()
+
+
+def _gpu_lock(ctx: RankContext, st: EpochState) -> None:
+    ctx.gpu.lock(ctx.cgroup.pids())     # refuses unsupported GPU set-ups before anything is frozen
+
+
+def _gpu_unlock(ctx: RankContext, st: EpochState) -> None:
+    ctx.gpu.unlock()
+
+
+def _gpu_checkpoint(ctx: RankContext, st: EpochState) -> None:
+    st.gpu_record = ctx.gpu.checkpoint()
+
+
+def _gpu_resume(ctx: RankContext, st: EpochState) -> None:
+    ctx.gpu.resume()
+
+
+def _pmi_between_exchanges(ctx: RankContext, st: EpochState) -> None:
+    """No PMI exchange under way, or the round is tried again (pmi.require_no_exchange). A replayed batch
+    step is not frozen and not imaged: nothing to check."""
+    h = ctx.handovers
+    if h.pmi_fd >= 0 and not st.replay:
+        pmi.require_no_exchange(h.pmi_fd, h.pmi_ino, ctx.cgroup.pids(), ctx.step, ctx.rank)
+
+
+def _drain_output(ctx: RankContext, st: EpochState) -> None:
+    """After the freeze: what the tree wrote to its stdio pipes has been read by slurmstepd, so the batch
+    rank's output snapshot (CAPTURE, after the barrier) can hold it (output_pipes.py)."""
+    if not st.replay:
+        output_pipes.wait_drained(ctx.creds, [pid for pid in (ctx.wrapper_pid, ctx.root_pid) if pid])
+
+
+def _record(ctx: RankContext, st: EpochState) -> None:
+    pids = ctx.cgroup.pids()
+    root = ctx.root_pid or 0
+    ghosts = [] if st.replay else proctree.deleted_files(pids)
+    st.ghost_limit = ghost.limit_for(ghosts, ctx.limits.ghost_limit_max, step=ctx.step, rank=ctx.rank)
+    shm = [] if st.replay else shm_files.held(pids, ctx.creds.uid)
+    stdio = [t for t in (proctree.fd_target(root, fd) for fd in (0, 1, 2)) if t]
+    outputs = {t.link for t in stdio if t.regular}
+    replay = st.replay
+    view = proctree.MountView() if replay else proctree.mount_view(root)
+    script = [] if replay or ctx.step != "batch" else _batch_script_fds(pids, ctx.store.job, view)
+    st.record = {
+        "kind": "replay" if replay else "image",
+        "stdio": [{"fd": t.fd, "link": t.link, "key": view.key(t), "regular": t.regular, "size": t.size}
+                  for t in stdio],
+        # a GPU tree's own mount namespace: what it holds through the node's mounts is handed in again
+        "mntns": view.inside is not None,
+        "external_files": sorted({k for k in [view.key(t) for t in stdio] + [e["key"] for e in script]
+                                  if k.startswith("file[")}),
+        "truncate": [] if replay else [{"path": k, "size": t.size, "ino": t.ino}
+                                       for k, t in proctree.written_files(pids, outputs).items()],
+        # The batch shell reads its script from the node's spool (<SlurmdSpoolDir>/jobNNNNN/slurm_script),
+        # which is elsewhere on another node: restored from the new start's script fd (same content).
+        "batch_script": script,
+        "processes": len(pids), "node": socket.gethostname(), "uid": ctx.creds.uid,
+        "gpu": st.gpu_record,
+        # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
+        "tcp_ranks": [] if replay else netlock.still_established(pids, st.tcp_peers),
+        "shared_files": [] if replay else ipc.fingerprint_files(pids, st.shared_files),
+        "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
+        "shm_files": shm_files.save(ctx.creds, shm, images.staged(ctx, st.epoch), st.copy_budget.charge),
+        "pmi": [] if replay else _pmi_socket(ctx, pids),
+        "srun_standins": [] if replay else _standin_sockets(ctx, pids),
+        "tcp_ports": {} if replay else tcp_ports.record(pids),     # their own TIME_WAIT gone before a restore
+        **({"step_token": ctx.step_token} if ctx.step_token else {}),
+        **({} if replay else checks.tcp_leaving_the_node(st, pids)),
+    }
+    images.staged(ctx, st.epoch)
+
+
+SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
+
+
+def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[dict]:
+    """The tree's fds on this job's spooled batch script: criu key and file position (bash reads its
+    script through such an fd as it goes; the restored one must continue where it was)."""
+    found: dict[str, int] = {}
+    for pid in pids:
+        for t in proctree.open_files(pid):
+            m = SCRIPT_RE.search(t.link)
+            if m and int(m.group(1)) == job and view.key(t) not in found:
+                found[view.key(t)] = proctree.fd_position(pid, t.fd)
+    return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
+
+
+def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[dict]:
+    """The task's PMI socket to slurmstepd, if the tree holds it: criu key (idle: checked in PREPARE, and
+    the tree has stayed frozen since)."""
+    key = f"socket:[{ctx.handovers.pmi_ino}]"
+    if ctx.handovers.pmi_fd < 0 or not any(t.link == key for pid in pids for t in proctree.open_files(pid)):
+        return []
+    return [{"key": key, "ino": ctx.handovers.pmi_ino}]
+
+
+def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict]:
+    """The srun stand-ins' sockets to the wrapper that the tree still holds, in a fixed order (the restore
+    hands in one new socket for each)."""
+    held = {t.link for pid in pids for t in proctree.open_files(pid)}
+    return [{"key": f"socket:[{ino}]", "ino": ino} for ino in sorted(ctx.handovers.standin_inos)
+            if f"socket:[{ino}]" in held]
+
+
+def _dump(ctx: RankContext, st: EpochState) -> None:
+    """criu dump into the staging area. A final capture lets criu end the tree itself: it closes TCP sockets
+    in repair mode, so no FIN and no TIME_WAIT holds the ports the restore must bind again (a plain kill
+    after the dump would). An interrupted dump is the runner's to answer (runner.py: the tree dies)."""
+    if st.record["kind"] != "image":       # a replayed batch step is not dumped (see _record)
+        return
+    rdir = images.area(ctx, st.epoch)
+    rec = st.record
+    st.timings["criu_dump"] = ctx.criu.dump(
+        ctx.root_pid or 0, rdir, leave_running=not st.final, freezer=ctx.cgroup.path, ghost_limit=st.ghost_limit,
+        external=[f"unix[{e['ino']}]" for e in rec["pmi"] + rec["srun_standins"]] + rec["external_files"],
+        link_remap=any(e["removed"] for e in rec["shm_files"]), mntns=rec["mntns"],
+        inherited_devices=inherited_device_majors(ctx.cgroup.pids()))
+    shm_files.note_remaps(rec["shm_files"], rdir)
+    shm_files.remove_links(ctx.creds, rec["shm_files"])     # put back by the restore, on any node
+    if not st.final and ctx.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen
+        raise CaptureError("tree was thawed by the dump", epoch=st.epoch)
+
+
+def _discard_images(ctx: RankContext, st: EpochState) -> None:
+    images.discard(ctx, st.epoch)
+
+
+def _snapshot_output(ctx: RankContext, st: EpochState) -> None:
+    st.record["outputs"] = output_snapshot.take(ctx, st, images.area(ctx, st.epoch))
+
+
+def _persist_final(ctx: RankContext, st: EpochState) -> None:
+    images.persist(ctx, st, background=False)      # the tree is gone: full speed
+
+
+def _persist_resumed(ctx: RankContext, st: EpochState) -> None:
+    images.persist(ctx, st, background=True)       # beside the running tree, at bounded priority
+
+
+PREPARE = (
+    Stage("check", checks.check_restorable),
+    # the same PMI check on the running tree: a rank that sits in a long PMI barrier is sent back before its
+    # GPU checkpoint, which each retried round would otherwise repeat (seconds per GiB); the check after the
+    # freeze is the one that counts
+    Stage("pmi-precheck", _pmi_between_exchanges),
+    Stage("space", images.reserve, undo=images.release),
+    Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
+    Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_resume),
+    Stage("freeze", _freeze, undo=_thaw),
+    Stage("pmi-idle", _pmi_between_exchanges),
+    Stage("drain-output", _drain_output),
+)
+CAPTURE = (
+    Stage("record", _record, undo=_discard_images),
+    Stage("dump", _dump),
+    Stage("snapshot-output", _snapshot_output),
+    Stage("persist", _persist_final),     # periodic captures persist in RESUME, after the thaw
+)
+# After a periodic capture of every rank: the tree runs on, then its staged images go to the store at
+# bounded priority (COMMIT needs every rank's). The tree's stages run whatever the others do (a tree left
+# frozen or locked is worse than an error); the persist only once the tree runs again.
+RESUME_TREE = (
+    Stage("thaw", _thaw),
+    Stage("gpu-restore", _gpu_resume),
+    Stage("gpu-unlock", _gpu_unlock),
+)
+RESUME = RESUME_TREE + (Stage("persist", _persist_resumed),)

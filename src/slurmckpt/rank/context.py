@@ -1,0 +1,110 @@
+"""What one rank's stages work on: `RankContext`, built whole by the agent once the task's tree exists (or is
+about to be restored) and frozen from then on, and `EpochState`, what one epoch (or one restore) found and
+did. A stage reads the context and writes only the epoch's state (engine.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from slurmckpt.identity import RankName
+from slurmckpt.store.space import CopyBudget
+
+if TYPE_CHECKING:
+    from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
+    from slurmckpt.cuda.interface import GpuStage
+    from slurmckpt.node.launch import Credentials
+    from slurmckpt.node.packet_filter import PacketFilter
+    from slurmckpt.node.task_cgroup import TaskCgroup
+    from slurmckpt.rank.engine import Stage
+    from slurmckpt.rank.fit import Footprint
+    from slurmckpt.rank.images import StorePolicy
+    from slurmckpt.rank.sharing.crossnode import Hold
+    from slurmckpt.rank.sharing.netlock import RestoreKey
+    from slurmckpt.store.jobstore import JobStore
+
+
+@dataclass
+class Handovers:
+    """Sockets the wrapper handed over for its tree, known by inode: the task's PMI socket to slurmstepd
+    (slurm/pmi.py) and the srun stand-ins' sockets to the batch wrapper (task/srun_relay.py). Both are dumped
+    as external and replaced at a restore. Stand-ins connect while the tree runs, so the set grows."""
+    pmi_fd: int = -1           # this start's PMI socket (srun --mpi=pmi2), else -1
+    pmi_ino: int = 0
+    standin_inos: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Limits:
+    stall_after: tuple[str, float] | None = None       # Config.debug_stall_after (tests only)
+    ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
+
+
+def _no_addresses() -> set[str]:
+    return set()
+
+
+@dataclass(frozen=True)
+class RankContext:
+    store: JobStore
+    name: RankName                     # the step may be one a relayed srun took over (agent, plan)
+    cgroup: TaskCgroup                 # the tree's, where Slurm placed it (node/task_cgroup.py)
+    criu: CheckpointEngine
+    gpu: GpuStage
+    creds: Credentials                 # the task's, read from its wrapper
+    policy: StorePolicy                # staging, compression, persist priority, quotas (images.py)
+    packets: PacketFilter              # holds TCP between ranks while one end is restored
+    wrapper_pid: int
+    handovers: Handovers = field(default_factory=Handovers)
+    limits: Limits = Limits()
+    root_pid: int | None = None        # the tree's root; None while a restore brings it back
+    standin_fds: tuple[int, ...] = ()  # a restore: new stand-in sockets whose other ends the new wrapper holds
+    step_token: str = ""               # a relayed srun's step: its name across restores (agent, plan)
+    # IP addresses of the job's other nodes (asked of Slurm once, when a capture first finds TCP leaving)
+    job_addresses: Callable[[], set[str]] = _no_addresses
+    peer_alive: Callable[[], bool] | None = None       # the wrapper is still the process wrapper_pid names
+
+    @property
+    def step(self) -> str:
+        return self.name.step
+
+    @property
+    def rank(self) -> int:
+        return self.name.rank
+
+
+@dataclass
+class EpochState:
+    """One epoch of one rank, from SIZE (or PREPARE) to COMMIT or ABORT."""
+    epoch: int
+    final: bool = False
+    replay: bool = False       # batch step with srun running: replayed on restore, so never frozen or imaged
+    done: list[Stage] = field(default_factory=list)      # the stages done, for the rollback
+    record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    timings: dict[str, float] = field(default_factory=dict)
+    failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
+    footprint: Footprint | None = None                    # SIZE's measure (fit.py)
+    gpu_record: dict | None = None
+    tcp_peers: list = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
+    shared_files: list = field(default_factory=list)     # files mapped shared with other ranks, PREPARE
+    tcp_outside: dict = field(default_factory=dict)      # socket inode -> to another node of the job?, PREPARE
+    # bytes this epoch may copy from the user's files (PREPARE's count, images.reserve; store/space.py)
+    copy_budget: CopyBudget = field(default_factory=lambda: CopyBudget(0))
+    ghost_limit: int = 0                                  # criu --ghost-limit for this epoch's dump
+
+    @property
+    def dumped(self) -> bool:
+        return any(s.name == "dump" for s in self.done)
+
+
+@dataclass
+class RestoreState(EpochState):
+    """One restore of a committed epoch (restore.py): what each stage found for the next."""
+    stdio: list[int] = field(default_factory=list)       # the new start's stdio fds (and batch script's)
+    images: Path | None = None                            # the unpacked images
+    manifest: dict = field(default_factory=dict)          # the rank's rank.json, as verified
+    key: RestoreKey | None = None                         # this restore of the job on this node
+    inherit: list[InheritedFd] = field(default_factory=list)
+    hold: Hold | None = None                              # TCP to other nodes held until both ends are back
+    held: list = field(default_factory=list)              # TCP between ranks of this node, held likewise
+    pid: int | None = None                                # the restored root
