@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
 from slurmckpt.node import proctree  # noqa: E402
+from slurmckpt.rank import fit  # noqa: E402
 from slurmckpt.config import Config  # noqa: E402
 from slurmckpt.criu.driver import COMMON, CriuDriver  # noqa: E402
 from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
@@ -109,8 +110,8 @@ def assert_running(root: int, expect_bytes: int) -> None:
             states[pid] = f.read().rsplit(")", 1)[1].split()[0]
     if len(pids) < 2 or any(s in "ZTtXx" for s in states.values()):
         raise SystemExit(f"restored tree not running: {states}")
-    if proctree.memory_bytes(pids) < expect_bytes:
-        raise SystemExit(f"restored workload holds {proctree.memory_bytes(pids)} < {expect_bytes} bytes")
+    if fit.tree_memory(pids) < expect_bytes:
+        raise SystemExit(f"restored workload holds {fit.tree_memory(pids)} < {expect_bytes} bytes")
 
 
 def kill_tree(root: int) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from slurmckpt.rank import fit
 from slurmckpt.rank import output_snapshot
 from slurmckpt.store import space
 from slurmckpt.store import sparse
-from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
@@ -123,7 +123,7 @@ def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Pat
                                                                     monkeypatch) -> None:
     """A /dev/shm file the tree holds open but not mapped is no part of its memory (RssShmem counts mapped
     pages only): the quota check did not see it, and the capture copied it as root all the same."""
-    monkeypatch.setattr(proctree, "memory_bytes", lambda pids: 64 << 10)
+    monkeypatch.setattr(fit, "tree_memory", lambda pids: 64 << 10)
     shm_file.write_bytes(os.urandom(2 << 20))
     tree = tree_with(tmp_path / "out", shm_file)
     try:
@@ -163,7 +163,7 @@ def test_what_grows_after_prepare_counted_it_is_refused_before_it_is_copied(tmp_
 
 def test_a_deleted_file_the_tree_holds_is_counted_too(tmp_path: Path, shm_file: Path, monkeypatch) -> None:
     """Unlinked while held, the same /dev/shm file is copied by criu as a ghost file: counted all the same."""
-    monkeypatch.setattr(proctree, "memory_bytes", lambda pids: 64 << 10)
+    monkeypatch.setattr(fit, "tree_memory", lambda pids: 64 << 10)
     shm_file.write_bytes(os.urandom(2 << 20))
     tree = tree_with(tmp_path / "out", shm_file)
     shm_file.unlink()

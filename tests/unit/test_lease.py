@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from slurmckpt.rank import fit
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
 from slurmckpt.store import lease
 from slurmckpt.store import persist
-from slurmckpt.node import proctree
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, images, pipeline, read_back
@@ -56,7 +56,7 @@ def test_prepare_extends_the_lease_to_the_epochs_bytes(tmp_path: Path, tree, mon
     longer (the coordinator's timeouts scale with the bytes): its PREPARE extends the lease by as much."""
     now = [10_000.0]
     monkeypatch.setattr(lease, "clock", lambda: now[0])
-    monkeypatch.setattr(proctree, "memory_bytes", lambda pids: 100 << 30)
+    monkeypatch.setattr(fit, "tree_memory", lambda pids: 100 << 30)
     monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 50)
     store, staging = JobStore(tmp_path / "images", "c", 9), Staging(tmp_path / "staging")
     p = pipeline(store, staging, tree, images(4))

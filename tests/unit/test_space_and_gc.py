@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from slurmckpt.rank import fit
 from slurmckpt import cli
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
-from slurmckpt.node import proctree
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError
 from slurmckpt.store.instance import JobInstance, claim
@@ -60,7 +60,7 @@ def test_quota_job_refuses_before_anything_is_frozen_and_names_the_key(tmp_path,
 
 
 def test_quota_user_counts_every_job_of_the_user_and_no_other(tmp_path, tree, monkeypatch):
-    monkeypatch.setattr(proctree, "memory_bytes", lambda pids: 300 << 10)      # the new job's tree
+    monkeypatch.setattr(fit, "tree_memory", lambda pids: 300 << 10)      # the new job's tree
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
     me = os.getuid()                      # the pipeline's credentials: the job's user

@@ -49,23 +49,6 @@ def uid_of(pid: int) -> int:
     return procfs.uid(pid)
 
 
-def memory_bytes(pids: list[int]) -> int:
-    """What CRIU would write of the processes' memory, at most: anonymous and shared-memory pages resident
-    or swapped (/proc/<pid>/status RssAnon + RssShmem + VmSwap; pages shared by several processes count
-    once per process, an upper bound). A process gone meanwhile counts 0."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    key, _, value = line.partition(":")
-                    if key in ("RssAnon", "RssShmem", "VmSwap"):
-                        total += int(value.split()[0]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
-
-
 def exe_name(pid: int) -> str:
     return os.path.basename(procfs.exe(pid))
 

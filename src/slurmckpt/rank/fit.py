@@ -14,12 +14,12 @@ timeouts from the bytes. The sizes reach the coordinator in the `sized` reply (`
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from slurmckpt.node import procfs
 from slurmckpt.node import host_memory
+from slurmckpt.store.durable import free_bytes      # the one free-space read (space.py reserves by it too)
 from slurmckpt.cuda.interface import GpuStage, GpuUse
 from slurmckpt.node.host_memory import Headroom
 from slurmckpt.sizes import size_text
@@ -78,7 +78,7 @@ def measure(pids: list[int], gpu: GpuStage, store_dir: Path | None) -> Footprint
     use = gpu.footprint(pids)
     headroom = host_memory.cgroup_headroom(next(iter(use.held))) if use.held else None
     return Footprint(tree_memory(pids), use, host_memory.node_available(), headroom,
-                     store_free(store_dir) if store_dir is not None else None)
+                     free_bytes(store_dir) if store_dir is not None else None)
 
 
 def tree_memory(pids: list[int]) -> int:
@@ -92,11 +92,3 @@ def tree_memory(pids: list[int]) -> int:
             continue
         total += sum(int(status[f][0]) * 1024 for f in MEMORY_FIELDS if status.get(f, [""])[0].isdigit())
     return total
-
-
-def store_free(path: Path) -> int:
-    """Bytes free for the images where `path` lives (f_bavail: root's reserved blocks are not counted on, so
-    the store never fills to its last block). The image store's own reservation, with quotas and concurrent
-    ranks, supersedes this where it exists (docs/gpu.md)."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slurmckpt.rank import output_snapshot
+from slurmckpt.rank import fit, output_snapshot
 from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
@@ -88,7 +88,7 @@ def reserve(ctx: RankContext, st: EpochState) -> None:
     if st.replay:
         need = space.Need(sum(b for _, b in copies), sum(b for _, b in copies), copies)
     else:
-        need = space.expected(proctree.memory_bytes(ctx.cgroup.pids()),
+        need = space.expected(fit.tree_memory(ctx.cgroup.pids()),     # SIZE's estimate (fit.py)
                               space.previous_manifest(ctx.store, ctx.step, ctx.rank), copies)
     st.copy_budget = space.CopyBudget(sum(b for _, b in copies))
     st.timings["expected_mib"] = round(need.raw / 2**20, 1)

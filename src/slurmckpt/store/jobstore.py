@@ -43,7 +43,7 @@ JOB_MANIFEST = "manifest.json"
 PREVIOUS = JOB_MANIFEST + ".prev"
 COUNTER = "allocated-epoch"     # the highest epoch number ever allocated for the job
 LEASE = lease.LEASE             # in an epoch directory: who allocated it, until when it may still commit
-RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
+RANK_RESERVE = ".reserve-"           # + step.rank: bytes a rank expects to store (space.py)
 TRASH = ".trash-"
 
 
@@ -317,7 +317,7 @@ class JobStore:
                             key=lambda e: e["epoch"])
             manifest["epochs"], dropped = _keep_newest(epochs, keep)
             self.write_manifest(manifest)
-            for name in (p.name for p in self.epoch_dir(epoch).glob(".*") if p.name.startswith((LEASE, RESERVE))):
+            for name in (p.name for p in self.epoch_dir(epoch).glob(".*") if p.name.startswith((LEASE, RANK_RESERVE))):
                 _unlink(self.epoch_dir(epoch) / name)
             for gone in dropped:       # only after the new manifest is durable; deleted off the critical path
                 self.to_trash(self.epoch_dir(gone["epoch"]))
@@ -342,7 +342,7 @@ class JobStore:
                 return
             if self.rank_dir(epoch, step, rank).exists():
                 self.to_trash(self.rank_dir(epoch, step, rank))
-            _unlink(self.epoch_dir(epoch) / f"{RESERVE}{rank_name(step, rank)}")
+            _unlink(self.epoch_dir(epoch) / f"{RANK_RESERVE}{rank_name(step, rank)}")
             try:
                 if not any(not p.name.startswith(".") for p in self.epoch_dir(epoch).iterdir()):
                     self.to_trash(self.epoch_dir(epoch))

@@ -21,7 +21,7 @@ from pathlib import Path
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, StorageError
 from slurmckpt.store.staging import Staging
-from slurmckpt.store.jobstore import RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
+from slurmckpt.store.jobstore import RANK_RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
 from slurmckpt.sizes import size_text
 
 
@@ -105,8 +105,8 @@ def job_usage(store: JobStore) -> int:
             total += tree_bytes(entry)
             continue
         for item in entry.iterdir():
-            if item.name.startswith(RESERVE):
-                written = tree_bytes(entry / item.name[len(RESERVE):])
+            if item.name.startswith(RANK_RESERVE):
+                written = tree_bytes(entry / item.name[len(RANK_RESERVE):])
                 total += max(0, _reserved(item) - written)
             elif not item.name.startswith("."):
                 total += tree_bytes(item)
@@ -158,7 +158,7 @@ def reserve_store(store: JobStore, epoch: int, step: str, rank: int, need: Need,
                                    f"(in the store now {size_text(used)}, this rank {size_text(need.stored)}), over "
                                    f"quota_user {size_text(quotas.user)}{need.named()}", rank=rname)
         store.epoch_dir(epoch).mkdir(mode=0o700, exist_ok=True)
-        (store.epoch_dir(epoch) / f"{RESERVE}{rname}").write_text(json.dumps({"stored": need.stored}))
+        (store.epoch_dir(epoch) / f"{RANK_RESERVE}{rname}").write_text(json.dumps({"stored": need.stored}))
 
 
 def reserve_staging(staging: Staging, area: Path, need: Need) -> None:
@@ -178,6 +178,6 @@ def reserve_staging(staging: Staging, area: Path, need: Need) -> None:
 
 def release_store(store: JobStore, epoch: int, step: str, rank: int) -> None:
     try:
-        os.unlink(store.epoch_dir(epoch) / f"{RESERVE}{rank_name(step, rank)}")
+        os.unlink(store.epoch_dir(epoch) / f"{RANK_RESERVE}{rank_name(step, rank)}")
     except OSError:
         pass

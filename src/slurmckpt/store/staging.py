@@ -22,7 +22,7 @@ from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import rank_name, tree_bytes
 
 OWNER = ".owner"
-RESERVE = ".reserve"
+AREA_RESERVE = ".reserve"            # in a staging area: the bytes its capture reserved (store/space.py)
 TRASH = ".trash-"
 MAKING_S = 60        # an area is made, then its .owner written: a younger area without one is being made
 
@@ -74,7 +74,7 @@ class Staging:
                     raise
         (area / OWNER).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
         if reserve:
-            (area / RESERVE).write_text(str(int(reserve)))
+            (area / AREA_RESERVE).write_text(str(int(reserve)))
         return area
 
     def remove(self, area: Path, wait: bool = False) -> None:
@@ -106,7 +106,7 @@ class Staging:
         total = 0
         for area in self.areas():
             try:
-                reserved = int((area / RESERVE).read_text())
+                reserved = int((area / AREA_RESERVE).read_text())
             except (OSError, ValueError):
                 reserved = 0
             total += max(reserved, tree_bytes(area))
