@@ -41,7 +41,7 @@ from slurmckpt.node import proctree  # noqa: E402
 from slurmckpt.rank import fit  # noqa: E402
 from slurmckpt.config import Config  # noqa: E402
 from slurmckpt.criu.driver import COMMON, CriuDriver  # noqa: E402
-from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
+from slurmckpt.cuda.rank_stage import PipelineGpu  # noqa: E402
 from slurmckpt.identity import TreeName  # noqa: E402
 from slurmckpt.node.task_cgroup import TaskCgroup  # noqa: E402
 from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402

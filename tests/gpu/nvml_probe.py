@@ -28,7 +28,7 @@ from slurmckpt.coordinator.budget import Estimate, RankSize  # noqa: E402
 from slurmckpt.cuda import frameworks  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.inventory import doctor_checks  # noqa: E402
-from slurmckpt.cuda.stage import PipelineGpu  # noqa: E402
+from slurmckpt.cuda.rank_stage import PipelineGpu  # noqa: E402
 from slurmckpt.rank.fit import measure  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import pytest
 
 from slurmckpt.coordinator import budget
 from slurmckpt.errors import SlurmckptError
-from slurmckpt.task.wrapper import abort_message
+from slurmckpt.task.epochs import abort_message
 from test_coordinator import Committer, FakeRank, Job, wait_for   # the same fakes as the coordinator's tests
 
 GIB = 1 << 30

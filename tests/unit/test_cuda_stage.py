@@ -15,8 +15,8 @@ from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.errors import LockContended
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_device_majors, ns_pid,
                                      unsupported_reasons)
-from slurmckpt.cuda.stage import (GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage,
-                                  PipelineGpu)
+from slurmckpt.cuda.rank_stage import PipelineGpu
+from slurmckpt.cuda.stage import GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage
 
 CUDA_MAPS = ["/dev/nvidiactl", "/dev/nvidia0", "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"]
 

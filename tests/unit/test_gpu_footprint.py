@@ -15,7 +15,8 @@ from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.fake_nvml import FakeNvml, FakeNvmlGpu
 from slurmckpt.cuda.inventory import NvmlInventory, NvmlUnavailable
 from slurmckpt.cuda.remap import GpuRemapError
-from slurmckpt.cuda.stage import GpuUnsupportedError, PipelineGpu
+from slurmckpt.cuda.rank_stage import PipelineGpu
+from slurmckpt.cuda.stage import GpuUnsupportedError
 from slurmckpt.rank.fit import Footprint, measure, tree_memory
 from slurmckpt.cuda.interface import GpuUse, NullGpu
 from slurmckpt.node.host_memory import Headroom

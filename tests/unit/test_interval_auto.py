@@ -177,10 +177,10 @@ def test_the_coordinator_process_chooses_announces_and_re_chooses(monkeypatch):
     wrapper = Wrapper()
     chosen: queue.Queue = queue.Queue()
     asked: list[int] = []
-    cb = wrapper.callbacks()
-    cb.interval = lambda choice, line, changed: chosen.put((choice, line, changed))
-    cb.interruptions = lambda: asked.append(1) or {"source": "accounting", "mtbi_s": 2.0, "interruptions": 5,
-                                                   "node_s": 10.0, "partition": "debug", "nodes": 1}
+    cb = dataclasses.replace(
+        wrapper.callbacks(), interval=lambda choice, line, changed: chosen.put((choice, line, changed)),
+        interruptions=lambda: asked.append(1) or {"source": "accounting", "mtbi_s": 2.0, "interruptions": 5,
+                                                  "node_s": 10.0, "partition": "debug", "nodes": 1})
     token = new_token()
     auto = {"min_s": 2, "max_s": 3, "first_s": 1, "mtbi_s": 86400.0, "min_from": "the site default",
             "max_from": "", "stalls": []}

@@ -263,11 +263,11 @@ def test_plan_refuses_when_slurm_did_not_say_who_the_job_is(tmp_path: Path) -> N
 def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monkeypatch) -> None:
     import socket
 
-    from slurmckpt.agent import service as agent_mod
+    from slurmckpt.node import procfs
     a = _agent(tmp_path, _me(restarts=1), gpus={socket.gethostname(): [0, 2]})
     for claimed, used in (("1", "0,2"), ("", "0,2"), ("2", "2"), ("2,0", "2,0"), ("0,0", "0,2"),
                           ("GPU-abc", "0,2"), ("3,0", "0,2")):
-        monkeypatch.setattr(agent_mod.procfs, "environ", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
+        monkeypatch.setattr(procfs, "environ", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
         assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
     a.slurm_job = None
     assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto

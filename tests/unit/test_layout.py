@@ -1,6 +1,7 @@
 """The package's layout is its architecture (docs/architecture.md, "Layout"), checked on the source itself:
 what runs as the job's user (task/, the coordinator it hosts) never imports what runs as root, not even
-lazily inside a function; coordinator/ stands on nothing above it; the top level stays small."""
+lazily inside a function; coordinator/ stands on nothing above it; the top level stays small; no module
+grows past 400 lines."""
 from __future__ import annotations
 
 import ast
@@ -83,3 +84,8 @@ def test_the_top_level_holds_at_most_a_dozen_modules():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 12, top
 
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(SRC)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

@@ -6,11 +6,9 @@ started or restored itself and on this job's images: no request names a pid, a p
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -19,41 +17,39 @@ from slurmckpt.config import Config
 from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.agent.events import AgentEvents
-from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict, reason_of
-from slurmckpt.store.instance import JobInstance, claim, mismatch, moved_aside_notes
-from slurmckpt.cuda.stage import PipelineGpu
+from slurmckpt.store.fresh_start import FailureReporter, reason_of
+from slurmckpt.store.instance import JobInstance, claim
+from slurmckpt.cuda.rank_stage import PipelineGpu
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.slurm import pmi
-from slurmckpt.node import procfs
-from slurmckpt.store import lease
 from slurmckpt.store import durable
 from slurmckpt.node import watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
-from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
-from slurmckpt.agent.interruptions import answer as interruption_answer
-from slurmckpt.node.launch import Credentials, init_home, relay_dir, spawn_tree
+from slurmckpt.agent.interruptions import PartitionHistory
+from slurmckpt.node.launch import Credentials, init_home, spawn_tree
 from slurmckpt.node.peer import Peer
 from slurmckpt.identity import RankName
 from slurmckpt.rank.context import Handovers, Limits, RankContext
 from slurmckpt.rank.runner import RankRunner
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank.images import StorePolicy
-from slurmckpt.store import summary
 from slurmckpt.store import reclaim
-from slurmckpt.slurm.control import CliSlurm, other_node_addresses, this_node
+from slurmckpt.slurm.control import other_node_addresses
 from slurmckpt.slurm.jobrecord import JobRecord
-from slurmckpt.store.jobstore import JobStore, atomic_write_json, rank_name
+from slurmckpt.store.jobstore import JobStore, rank_name
 from slurmckpt.node.task_cgroup import TaskCgroup
 from slurmckpt import validate
+from slurmckpt.agent.job import message_epoch as _epoch
+from slurmckpt.agent.plan import TaskPlan
 
 log = logging.getLogger("slurmckpt.agent")
 
 PHASE_OPS = ("size", "prepare", "capture", "resume")
 
 
-class Agent:
+class Agent(TaskPlan):
     restored: int | None = None          # the epoch this task restored (None: not restored)
     events: AgentEvents | None = None    # slurmd's log, metrics, the job's comment and summary (events.py)
     policy = JobPolicy()                 # the site policy for the job's partition and QOS (policy.py)
@@ -144,9 +140,6 @@ class Agent:
                            creds, self.store_policy, self.packets, self.wrapper_pid, self.handovers, self.limits,
                            root_pid, standin_fds, self.step_token, self._other_node_addresses, self.peer.alive)
 
-    @property
-    def _task_name(self) -> str:
-        return self.ident.tree.task
 
     # ---- loop ----------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -207,120 +200,6 @@ class Agent:
         return {"job": i.job, "step": i.step, "rank": i.rank, "cluster": i.cluster,
                 "restart_count": i.restart_count, "node": socket.gethostname()}
 
-    def op_plan(self, m: dict, fds: list[int]) -> dict:
-        """What this task should do: the committed epochs that hold it, newest first. A step whose srun the
-        batch wrapper ran for a restored MPI launcher (`token`, srun_relay.py) takes the name of the step
-        that captured the daemons, whatever step id Slurm gave it now: reply `step`."""
-        try:
-            why_not = self._not_restorable()
-            epochs = [] if why_not is not None else self.store.committed()
-            self._adopt_step(m.get("token"), epochs)
-        except StorageError as e:
-            why_not, epochs = str(e), []
-        if why_not is not None:
-            return {"candidates": [], "next_epoch": self.store.next_epoch(), "completed": {},
-                    **({"warning": why_not} if why_not else {}), **self._policy_plan(),
-                    "tree_procs": str(self.cgroup.path / "cgroup.procs"), **self._relay_plan()}
-        me = rank_name(self.step, self.ident.rank)
-        if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
-            epochs = []
-        candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
-        completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
-        notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
-        if self.store_outage:                            # waited for the store's file system (agent/start.py)
-            notes.append(self.store_outage)
-        if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
-            notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
-        return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
-                "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
-                "step": self.step, **self._relay_plan(),
-                **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
-
-    def _relay_plan(self) -> dict:
-        return {"srun_relay": self.srun_relay} if self.srun_relay else {}
-
-    def _relay_path(self) -> str | None:
-        """The batch step: where its wrapper serves the srun relay, the same path after every requeue (a
-        restored launcher's environment names it), in a directory only the job's user can enter
-        (launch.relay_dir; docs/security.md, "The srun relay and the step token")."""
-        try:
-            where = relay_dir(self.config.run_dir, self.ident.uid, self.ident.gid)
-        except (OSError, SlurmckptError) as e:
-            log.warning("no srun relay directory (%s): an MPI launcher's srun runs unrelayed", e)
-            return None
-        return os.path.join(where, str(self.ident.job))
-
-    def _adopt_step(self, token: object, epochs: list[dict]) -> None:
-        """The step of the newest committed epoch whose record at this rank carries `token` becomes this
-        task's name in the store and the job's cut. The token is the user's (the task's environment): it can
-        only pick among this job's own steps, and never the batch step."""
-        if not isinstance(token, str) or not validate.TOKEN_HEX16.fullmatch(token) or self.ident.step == "batch":
-            return
-        self.step_token = token
-        self.token_unmatched = bool(epochs)     # its step id names nothing: no restore by it (op_plan)
-        for e in epochs:
-            for name in e["ranks"]:
-                step, rank = validate.rank_name(name)
-                if step == "batch" or rank != self.ident.rank:
-                    continue
-                try:
-                    found = self.store.read_rank_manifest(e["epoch"], step, rank).get("step_token") == token
-                except StorageError:
-                    continue
-                if found:
-                    if step != self.step:
-                        log.info("step %s takes the name %s: its srun was run again for a restored launcher",
-                                 self.ident.step, step)
-                    self.step = step
-                    self.reporter.rank = rank_name(step, rank)
-                    self.token_unmatched = False
-                    return
-
-    def _policy_plan(self) -> dict:
-        """The interval the wrapper schedules (the policy's default and minimum applied), and `disabled` when
-        the policy forbids checkpoints for the job's partition or QOS: the wrapper then runs the task plainly.
-        The wrapper handles the capture signals once it asks for its plan: the run record says so now."""
-        plan = {"interval_s": self.interval_s, "policy": self.policy.describe(), "auto": self._auto_plan()}
-        refused = self.policy.capture_refusal(final=True, since_last_s=None)
-        if self.events:
-            if refused:
-                self.events.refused(*refused)
-            self.events.started(self.ident.restart_count, self.interval_s, plan["policy"],
-                                refused[1] if refused else None)
-        return {**plan, "disabled": refused[1]} if refused else plan
-
-    def _auto_plan(self) -> dict:
-        """What a coordinator this task hosts needs for --checkpoint-interval=auto (coordinator/interval.py):
-        the policy's bounds, the first interval, the site's M for the job's nodes until accounting answers
-        (op_interruptions), and the stalls an earlier run of the job measured."""
-        low, high = self.policy.auto_bounds()
-        return {"min_s": low, "max_s": high, "first_s": self.config.auto_first_interval,
-                "mtbi_s": self.config.interruption_mtbi / self._job_nodes(), "min_from": self.policy.min_from,
-                "max_from": self.policy.max_from, "stalls": summary.recorded_stalls(self.store)}
-
-    def _job_nodes(self) -> int:
-        return max(1, len(self.slurm_job.nodes)) if self.slurm_job else 1
-
-    def op_interruptions(self, m: dict, fds: list[int]) -> dict:
-        """The job's mean time between interruptions for its coordinator's automatic interval, from this node's
-        cache of the partition's history in accounting (interruptions.py); never waits for accounting."""
-        if self.history is None:
-            self.history = PartitionHistory(Path(self.config.run_dir) / "interruptions", self.ident.cluster,
-                                            self.slurm_job.partition if self.slurm_job else "",
-                                            self.config.interruption_window, self.config.interruption_states,
-                                            CliSlurm(timeout_s=QUERY_TIMEOUT_S).partition_runs)
-        return interruption_answer(*self.history.current(), self.config.interruption_mtbi, self._job_nodes(),
-                                   self.config.interruption_window)
-
-    def op_interval_chosen(self, m: dict, fds: list[int]) -> dict:
-        """The automatic interval the coordinator of this task's wrapper chose, with its inputs: kept in the
-        job's store (checked and bounded: summary.interval_record) for `slurmckpt status` and the next run.
-        The user's own numbers about the user's own job; the minimum is enforced at PREPARE whatever they say."""
-        summary.record_interval(self.store, m.get("choice"))
-        if self.events:
-            self.events.publish_soon()
-        return {}
-
     def _require_policy(self, epoch: int, final: bool) -> None:
         """A capture the site policy forbids is refused before anything is frozen."""
         since = None if self.last_periodic is None else time.monotonic() - self.last_periodic
@@ -329,19 +208,6 @@ class Agent:
             if self.events:
                 self.events.refused(*refused)
             raise PermissionDenied(f"{refused[1]}; nothing was frozen", epoch=epoch)
-
-    def _not_restorable(self) -> str | None:
-        """None when this task may restore the store's images; else why not ("" for a first run with
-        nothing to say). Images are bound to the job instance that wrote them (instance.py)."""
-        if self.instance is None:
-            return (f"checkpoints of job {self.ident.job} are not restored: slurmckpt could not learn the "
-                    "job's instance (uid, gid, submit time) from Slurm")
-        if self.ident.restart_count == 0:       # a job that was never requeued has nothing to restore
-            return "; ".join([self.store_note] if self.store_note else moved_aside_notes(self.store)[-1:])
-        why = mismatch(self.store.read_manifest().get("instance"), self.instance)
-        if why:
-            return f"checkpoints of job {self.ident.job} are not restored: {why}"
-        return None
 
     def op_launch(self, m: dict, fds: list[int]) -> dict:
         if self.runner.root_pid:
@@ -406,34 +272,6 @@ class Agent:
         ino = pmi.require_unix_stream(fds[0])
         self.handovers.standin_inos.add(ino)
         return {"ino": ino}
-
-    def op_standins(self, m: dict, fds: list[int]) -> dict:
-        """How many srun stand-in sockets the restore of `epoch` needs handed in."""
-        manifest = self.store.read_rank_manifest(_epoch(m), self.step, self.ident.rank)
-        return {"count": len(manifest.get("srun_standins", []))}
-
-    def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
-        """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also
-        set as the job's AdminComment (fresh_start.py). None for a first run or a restored one."""
-        if self.ident.step != "batch" or not self.ident.restart_count or self.restored is not None:
-            return {"notice": None}
-        return {"notice": self._fresh_start_notice()}
-
-    def _fresh_start_notice(self) -> str:
-        try:
-            why_not = self._not_restorable()
-        except StorageError as e:
-            why_not = str(e)
-        notice = self.reporter.fresh_start(self.ident.restart_count, why_not or self.store_note)
-        if self.events:
-            self.events.fresh_start(notice)
-        return notice
-
-    def op_capture_failed(self, m: dict, fds: list[int]) -> dict:
-        """The job's coordinator aborted an epoch (its verdict, relayed by the wrapper hosting it): recorded
-        unless a rank's agent recorded that epoch itself. It only informs: nothing acts on it."""
-        self.reporter.capture_failed(**coordinator_verdict(m))
-        return {}
 
     def op_tree_fate(self, m: dict, fds: list[int]) -> dict:
         """Asked by the wrapper when its tree has ended: whether this agent killed it, and why."""
@@ -513,30 +351,6 @@ class Agent:
         self.runner.finish(_epoch(m))
         return {}
 
-    def op_commit(self, m: dict, fds: list[int]) -> dict:
-        ranks = validate.commit_ranks(m.get("ranks"))
-        reason = validate.label(m.get("reason", "unknown"), "reason")
-        # A foreign store copied in meanwhile is moved aside; without a known instance the commit stays
-        # unbound, which no restore accepts (and the next bound agent moves aside).
-        note = claim(self.store, self.instance, keep_epoch=_epoch(m)) if getattr(self, "instance", None) else None
-        if note:
-            log.warning("%s", note)
-        self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs, run=self.ident.restart_count)
-        threading.Thread(target=self.store.empty_trash, daemon=True).start()
-        log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
-        if self.events:
-            self.events.committed(_epoch(m), reason, ranks, final=self.reporter.epoch[1] is True)
-        return {}
-
-    def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
-        """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
-        and coordinators (storage.allocate_epoch), refused to an older run than the store's. Its lease covers
-        every phase the epoch may still take at the configured limits (the ranks extend it: lease.py)."""
-        at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
-        epoch = self.store.allocate_epoch(at_least, lease.base_s(self.config),
-                                          f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
-        return {"epoch": validate.epoch(epoch)}
-
     def op_restore(self, m: dict, fds: list[int]) -> dict:
         durable.await_store(self.store.root, self.store_wait_s)   # a shared file system's server restarting
         why_not = self._not_restorable()
@@ -566,68 +380,6 @@ class Agent:
         if self.events:
             self.events.restored(_epoch(m), time.monotonic() - start)
         return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
-
-    def _allocated_gpus(self) -> tuple[str, str]:
-        """The GPUs this task restores onto: Slurm's allocation of the job on this node (indices in gres.conf
-        File= order, i.e. /dev/nvidiaN order = PCI bus order), never the wrapper's environment. A step that
-        narrows them with CUDA_VISIBLE_DEVICES to allocated indices keeps its narrowing; any other value is
-        ignored (a user naming a GPU of another job changes nothing)."""
-        node, allocated = self._slurm_gpus_here()
-        claimed = procfs.environ(self.wrapper_pid).get("CUDA_VISIBLE_DEVICES", "")
-        items = [s.strip() for s in claimed.split(",") if s.strip()]
-        narrowed = bool(items) and all(s.isdigit() and int(s) in allocated for s in items) \
-            and len(set(items)) == len(items)
-        chosen = [int(s) for s in items] if narrowed else allocated
-        log.info("GPUs for restore from Slurm's allocation on %s: %s; used: %s (wrapper's CUDA_VISIBLE_DEVICES "
-                 "%r %s)", node, allocated, chosen, claimed[:64], "narrows it" if narrowed else "not used")
-        return ",".join(str(i) for i in chosen), "PCI_BUS_ID"
-
-    def _slurm_gpus_here(self) -> tuple[str, list[int]]:
-        """(this node's name, the GPU indices Slurm allocated to the job on it); none when Slurm could not
-        be asked."""
-        gpus = self.slurm_job.gpus if self.slurm_job else {}
-        node = this_node(sorted(gpus), socket.gethostname()) or socket.gethostname()
-        return node, gpus.get(node, [])
-
-    def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
-        """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
-        epoch, why = _epoch(m), validate.text(m.get("reason", ""), "reason")
-        rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {why}"[:500])
-        log.warning("epoch %d rejected for the whole job (%r)", epoch, why[:500])
-        if self.events:
-            self.events.withdrawn(epoch, f"rank {self._task_name} could not restore it: {why}")
-        return {"rejected": rejected}
-
-    def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
-        address = {"host": validate.ip_address(m.get("host")), "port": validate.port(m.get("port")),
-                   "token": validate.token(m.get("token")),
-                   "restart_count": self.ident.restart_count, "published_by": rank_name(self.ident.step,
-                                                                                         self.ident.rank)}
-        atomic_write_json(self._coordinator_file(m.get("scope", "job")), address)
-        return {}
-
-    def op_lookup_coordinator(self, m: dict, fds: list[int]) -> dict:
-        """The job's coordinator address, from a root-owned file only this job's agents read."""
-        deadline = time.monotonic() + validate.wait_s(m.get("wait_s", 0))
-        path = self._coordinator_file(m.get("scope", "job"))
-        while True:
-            try:
-                address = json.loads(path.read_text())
-                if address["restart_count"] == self.ident.restart_count:
-                    return {"found": True, **address}
-            except (OSError, ValueError, KeyError):
-                pass
-            if time.monotonic() >= deadline:
-                return {"found": False}
-            time.sleep(0.2)
-
-    def _coordinator_file(self, scope: object) -> Path:
-        scope = validate.scope(scope)
-        return self.store.job_dir / f"coordinator-{scope}.json"
-
-
-def _epoch(m: dict) -> int:
-    return validate.epoch(m.get("epoch"))
 
 
 def _no_note(job: int, text: str) -> str:

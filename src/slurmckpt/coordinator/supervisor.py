@@ -14,20 +14,23 @@ from typing import Callable
 RESTARTS_PER_10_MIN = 5           # a coordinator that keeps dying is a bug to report, not to loop on
 
 
-def _unset(*args: object) -> None:
-    raise RuntimeError("HostCallbacks: callback not set")
+def _no_interval(choice: dict, line: str, changed: bool) -> None:
+    return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class HostCallbacks:
+    """What the hosting task does for its coordinator, built whole by task/membership.py: the wrapper's
+    part (started, result, interval: its HostEvents) and the agent calls (commit, allocate, publish,
+    interruptions)."""
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
     result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
-    commit: Callable[[int, dict, str], None] = _unset     # via the agent; raises on failure
-    allocate: Callable[[int], int] = _unset               # an epoch number >= this, via the agent
-    publish: Callable[[int], None] = _unset               # port -> address file for the ranks
-    say: Callable[[str], None] = _unset
-    interruptions: Callable[[], dict] = _unset            # the partition's interruption rate, via the agent
-    interval: Callable[[dict, str, bool], None] = lambda choice, line, changed: None   # auto chose (interval.py)
+    commit: Callable[[int, dict, str], None]          # via the agent; raises on failure
+    allocate: Callable[[int], int]                    # an epoch number >= this, via the agent
+    publish: Callable[[int], None]                    # port -> address file for the ranks
+    say: Callable[[str], None]
+    interruptions: Callable[[], dict] = dict          # the partition's interruption rate, via the agent
+    interval: Callable[[dict, str, bool], None] = _no_interval   # auto chose (interval.py)
 
 
 class CoordinatorSupervisor:

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from slurmckpt.task.defaults import uses_gpus
@@ -22,6 +23,14 @@ AgentCall = Callable[..., dict]
 Handler = Callable[[str, int, dict], dict]
 
 
+@dataclass(frozen=True)
+class HostEvents:
+    """The wrapper's part of hosting the job's coordinator (the rest are agent calls: HostCallbacks)."""
+    started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
+    result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
+    interval: Callable[[dict, str, bool], None]       # --checkpoint-interval=auto chose (coordinator/interval.py)
+
+
 class Membership:
     def __init__(self, env: TaskEnv, config: Config, call: AgentCall, handler: Handler,
                  say: Callable[[str], None]) -> None:
@@ -34,9 +43,9 @@ class Membership:
         self.closing = False
 
     # ---- joining --------------------------------------------------------------------------------------
-    def join(self, plan: dict, host: HostCallbacks | None) -> None:
-        """`host`: what the wrapper does for a coordinator it hosts (its commit/publish/say are filled in
-        here). The batch step always hosts; a step without a job coordinator is hosted by its rank 0."""
+    def join(self, plan: dict, host: HostEvents | None) -> None:
+        """`host`: what the wrapper does for a coordinator it hosts (the agent calls are added here). The
+        batch step always hosts; a step without a job coordinator is hosted by its rank 0."""
         host_scope = "job" if self.env.step == "batch" else None
         found = self.call("lookup_coordinator", scope="job", wait_s=0 if host_scope else 3)
         if not found["found"] and self.env.step != "batch":
@@ -59,7 +68,7 @@ class Membership:
         if self.client is not None:
             threading.Thread(target=self._session, name="coordinator-client", daemon=True).start()
 
-    def _host(self, plan: dict, scope: str, host: HostCallbacks) -> None:
+    def _host(self, plan: dict, scope: str, host: HostEvents) -> None:
         token = new_token()
         single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
         address = "127.0.0.1" if single_node else reachable_address(self.env.node)
@@ -69,13 +78,13 @@ class Membership:
                     "capture_timeout_s": self.config.capture_timeout_s, "lock_rounds": self.config.gpu_lock_rounds,
                     "persist_timeout_s": self.config.persist_timeout_s,
                     **({"auto": plan["auto"]} if isinstance(plan.get("auto"), dict) else {})}
-        host.commit = lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason)
-        host.allocate = lambda at_least: int(self.call("allocate_epoch", at_least=at_least)["epoch"])
-        host.publish = lambda port: self.call("publish_coordinator", scope=scope, host=address, port=port,
-                                              token=token)
-        host.say = self.say
-        host.interruptions = lambda: {k: v for k, v in self.call("interruptions").items() if k != "ok"}
-        self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, host)
+        callbacks = HostCallbacks(
+            started=host.started, result=host.result, interval=host.interval, say=self.say,
+            commit=lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason),
+            allocate=lambda at_least: int(self.call("allocate_epoch", at_least=at_least)["epoch"]),
+            publish=lambda port: self.call("publish_coordinator", scope=scope, host=address, port=port, token=token),
+            interruptions=lambda: {k: v for k, v in self.call("interruptions").items() if k != "ok"})
+        self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, callbacks)
         self.supervisor.start()
 
     def _connect(self, found: dict, quiet: bool = False) -> RankClient | None:

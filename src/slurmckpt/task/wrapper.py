@@ -12,7 +12,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -23,13 +22,13 @@ from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
 from slurmckpt.config import load_user_config
-from slurmckpt.coordinator.supervisor import HostCallbacks
-from slurmckpt.duration import AUTO
-from slurmckpt.task.membership import Membership
+from slurmckpt.task.membership import HostEvents, Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
 from slurmckpt.task.srun_relay import STEP_TOKEN, SrunRelay
 from slurmckpt.task.schedule import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
+from slurmckpt.task.epochs import EpochHandling
+from slurmckpt.task.start import TaskStart
 
 log = logging.getLogger("slurmckpt.wrapper")
 
@@ -44,7 +43,7 @@ def say(env: TaskEnv, message: str) -> None:
     os.write(2, f"slurmckpt[{stamp} job {env.job_id} {env.rank_name}]: {message}\n".encode())
 
 
-class Wrapper:
+class Wrapper(TaskStart, EpochHandling):
     def __init__(self, env: TaskEnv, argv: list[str]) -> None:
         self.env, self.argv = env, argv
         self.config = load_user_config()
@@ -91,6 +90,9 @@ class Wrapper:
                     self._agent_lost(op)
                 raise SlurmckptError(f"the task's root agent is gone ({e})", op=op) from e
 
+    def _say(self, text: str) -> None:
+        say(self.env, text)
+
     def _agent_lost(self, op: str) -> None:
         """The root agent died (killed, crashed). Without it nothing can be captured or restored here; its
         watchdog (watchdog.py) thaws the tree if it was frozen, the freeze control being root's alone."""
@@ -121,8 +123,8 @@ class Wrapper:
                                               lambda text: say(self.env, text))
         self._apply_interval(plan)
         self.tree_procs = plan.get("tree_procs")
-        self.member.join(plan, HostCallbacks(started=self._on_rank_started, result=self._epoch_result,
-                                             interval=self._interval_chosen))
+        self.member.join(plan, HostEvents(started=self._on_rank_started, result=self._epoch_result,
+                                          interval=self._interval_chosen))
         if self.member.supervisor:
             self.schedule = Schedule.for_job(self.env, self.config)
         self._start(plan)
@@ -146,42 +148,6 @@ class Wrapper:
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
         os.execvpe(self.argv[0], self.argv, env)
 
-    def _apply_interval(self, plan: dict) -> None:
-        """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
-        interval = plan.get("interval_s")
-        if isinstance(interval, int) and interval != self.env.interval_s:
-            rule = plan.get("policy") or {}
-            source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
-                rule.get("default_interval_from")
-            shown = "auto" if interval == AUTO else f"{interval}s"
-            say(self.env, f"checkpoint interval {shown}, set by the site policy ({source or 'slurmckpt.yaml'})")
-            self.env = dataclasses.replace(self.env, interval_s=interval)
-            self.member.env = self.env
-
-    def _interval_chosen(self, choice: dict, line: str, changed: bool) -> None:
-        """The coordinator this task hosts chose an automatic interval (coordinator/interval.py): said in the
-        job's stderr when it changed, recorded by the agent for `slurmckpt status` (and a requeued run) always,
-        off the coordinator's link, newest last: one recorder thread takes the latest choice each time."""
-        if changed:
-            say(self.env, line)
-        with self.choice_lock:
-            self.choice_pending, running = choice, self.choice_recorder
-            self.choice_recorder = True
-        if not running:
-            threading.Thread(target=self._record_choices, name="interval-record", daemon=True).start()
-
-    def _record_choices(self) -> None:
-        while True:
-            with self.choice_lock:
-                choice, self.choice_pending = self.choice_pending, None
-                if choice is None:
-                    self.choice_recorder = False
-                    return
-            try:
-                self.call("interval_chosen", choice=choice)
-            except SlurmckptError as e:
-                log.warning("the interval chosen was not recorded: %s", e)
-
     def _reap_children(self, timeout_s: float) -> None:
         """Leave no zombie behind: one that outlived its parent in the tree was re-parented here, and as a
         zombie it keeps its session id (the tree root's pid) busy."""
@@ -195,106 +161,6 @@ class Wrapper:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.02)
-
-    def _start(self, plan: dict) -> None:
-        stdio = [0, 1, 2]
-        if self.pmi_fd is not None:      # the agent dumps it as external and restores this one in its place
-            self.call("pmi_socket", [self.pmi_fd])
-        for candidate in plan["candidates"]:
-            kind, epoch = candidate["kind"], candidate["epoch"]
-            if kind == "completed":
-                say(self.env, f"already finished before the requeue (exit {candidate['exit_code']}); not rerun")
-                self._started("skip")
-                self.completed_code = int(candidate["exit_code"])
-                return
-            self._started("restore")
-            try:
-                t0 = time.monotonic()
-                reply = self._restore(stdio, epoch)
-            except SlurmckptError as e:
-                if self._shares_cut():
-                    self._withdraw(epoch, e)
-                    return
-                say(self.env, f"restore of checkpoint epoch {epoch} FAILED: {e}; falling back")
-                continue
-            if reply["kind"] == "replay":
-                say(self.env, f"output restored from epoch {epoch}; re-running the batch script to re-launch "
-                              "its steps (its output is suppressed until a step resumes)")
-                self.gate.clear()
-                self._launch(relay=True)
-            else:
-                self.root_pid = int(reply["pid"])
-                say(self.env, f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
-                              f"(restart {self.env.restart_count})")
-            return
-        if self.env.step == "batch":
-            self._say_fresh_start()
-        elif plan["candidates"]:
-            say(self.env, "no checkpoint could be restored: starting the task from the beginning")
-        self._started("run")
-        self._launch(relay=False)
-
-    def _say_fresh_start(self) -> None:
-        """A requeued job that restored nothing says why, before its first output (Slurm truncated the
-        output file at the requeue); the agent composes the line and sets the job's AdminComment to it."""
-        try:
-            self.fresh_notice = self.call("fresh_start").get("notice")
-        except SlurmckptError as e:
-            self.fresh_notice = f"starting from the beginning: the reason could not be learnt ({e})"
-        if self.fresh_notice:
-            say(self.env, self.fresh_notice)
-
-    def _restore(self, stdio: list[int], epoch: int) -> dict:
-        """The batch step also hands over its script (the spool path differs on another node)."""
-        script = -1
-        if self.env.step == "batch" and self.argv:
-            try:
-                script = os.open(self.argv[0], os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                script = -1
-        pairs = self._standin_sockets(epoch)
-        try:
-            reply = self.call("restore", stdio + ([script] if script >= 0 else []) + [b.fileno() for _, b in pairs],
-                              epoch=epoch, **({"standins": len(pairs)} if pairs else {}))
-        except BaseException:
-            for a, _ in pairs:
-                a.close()
-            raise
-        finally:
-            if script >= 0:
-                os.close(script)
-            for _, b in pairs:
-                b.close()
-        for a, _ in pairs:       # the restored stand-ins ask for their srun again
-            assert self.srun_relay is not None
-            self.srun_relay.adopt(a)
-        return reply
-
-    def _standin_sockets(self, epoch: int) -> list[tuple[socket.socket, socket.socket]]:
-        """One new socket pair per srun stand-in in the checkpoint: one end replaces the stand-in's old
-        socket (criu --inherit-fd), the other is served here (srun_relay.py)."""
-        if self.env.step != "batch" or self.srun_relay is None:   # the agent refuses a checkpoint that
-            return []                                               # holds some: none handed in
-        count = int(self.call("standins", epoch=epoch).get("count", 0))
-        return [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(count)]
-
-    def _shares_cut(self) -> bool:
-        """Other ranks restore the same epoch: falling back alone would leave the job at no common cut."""
-        return self.member.connected and (self.env.step != "batch" or self.env.tasks > 1)
-
-    def _withdraw(self, epoch: int, error: SlurmckptError) -> None:
-        """Coordinated fallback: withdraw the epoch for every rank, stop the coordinator from committing the
-        mixed state, and requeue the job: on the next start every rank restores the same older epoch."""
-        say(self.env, f"restore of checkpoint epoch {epoch} FAILED: {error}; withdrawing epoch {epoch} for "
-                      "every rank of the job and requeueing it, so that all ranks restart together from the "
-                      "previous checkpoint")
-        try:
-            self.call("reject_epoch", epoch=epoch, reason=str(error))
-        except SlurmckptError as e:
-            say(self.env, f"withdrawing epoch {epoch} failed ({e}); the job is requeued anyway")
-        self.member.event("withdrawn", epoch=epoch)
-        self.awaiting_requeue = True
-        self._requeue()
 
     def _started(self, action: str) -> None:
         if self.env.step != "batch":
@@ -404,77 +270,6 @@ class Wrapper:
             except ProcessLookupError:
                 pass
 
-    def trigger(self, reason: str, final: bool) -> None:
-        self.member.trigger(reason, final)
-
-    def _epoch_result(self, result: dict, reason: str, final: bool) -> None:
-        if result["status"] == "committed":
-            say(self.env, f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
-                          f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
-                          f"consistent cut after {result.get('cut_s', 0):.3f}s in {result.get('lock_rounds', 1)} "
-                          "round(s)")
-            if self.schedule:
-                self.schedule.captured(result["commit_s"])
-            if final and reason in ("walltime", "manual-requeue"):
-                threading.Thread(target=self._requeue, daemon=True).start()
-        elif result["status"] == "aborted" and result.get("error_kind") == "ended" and not final:
-            log.info("%s: a rank's task had just ended", abort_message(result, reason))   # the next one goes on
-        elif result["status"] == "aborted":
-            say(self.env, abort_message(result, reason))
-            threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()
-            if final and reason == "sigterm":
-                # Nothing was captured: the program gets the SIGTERM Slurm sent, as it would without slurmckpt
-                # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
-                say(self.env, "the final capture failed: passing Slurm's SIGTERM on to the program")
-                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
-
-    def _report_failure(self, result: dict, reason: str, final: bool) -> None:
-        """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
-        failing rank's agent did (fresh_start.py): timeouts and vanished ranks are seen only here."""
-        try:
-            self.call("capture_failed", epoch=result["epoch"], final=final, trigger=reason,
-                      stage=str(result.get("stage") or "unknown"), rank=result.get("rank"),
-                      node=result.get("node"), error=str(result.get("error", ""))[:4096])
-        except SlurmckptError as e:
-            log.warning("the failed epoch %s was not recorded: %s", result.get("epoch"), e)
-
-    def _requeue(self) -> None:
-        from slurmckpt.slurm.control import default_control
-        try:
-            default_control().requeue(self.env.job_id)
-            say(self.env, "job requeued; it resumes from this checkpoint when it starts again")
-        except SlurmckptError as e:
-            say(self.env, f"requeue failed: {e}")
-
-    def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
-        if kind == "finish":
-            self.final_committed.set()
-        elif kind == "capture" and message.get("final", True):
-            self.final_capture.set()
-        elif kind == "abort":
-            self.final_capture.clear()
-        if kind == "capture" and isinstance(message.get("timeout_s"), (int, float)):
-            self.capture_timeout_s = max(self.config.capture_timeout_s, float(message["timeout_s"]))
-        args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
-        if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py)
-            args = {k: message[k] for k in ("final", "trigger") if k in message}
-        reply = {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
-        for note in reply.pop("notes", []):   # for the user, not the coordinator; once per run
-            if note not in self.noted:
-                self.noted.add(note)
-                say(self.env, f"note: {note}")
-        return reply
-
-    def _on_rank_started(self, rank: str, action: str) -> None:
-        if action in ("restore", "run"):
-            self.gate.set()
-
-    def _await_final_commit(self) -> None:
-        """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
-        deadline = time.monotonic() + self.capture_timeout_s + 60
-        while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     def _wait_for_requeue(self, why: str = "captured for requeue; waiting for Slurm to requeue the job") -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would
         complete): wait until Slurm is ending the job (requeue, or the end of a preemption's GraceTime)."""
@@ -551,16 +346,6 @@ def _running(pid: int) -> bool:
         return procfs.stat(pid).state != "Z"
     except (OSError, ValueError, IndexError):
         return False
-
-
-def abort_message(result: dict, reason: str) -> str:
-    """The job's line for an aborted epoch: rank, node, stage and reason, and whether undoing it completed."""
-    where = ", ".join(f"{what} {result[what]}" for what in ("rank", "node", "stage") if result.get(what))
-    text = (f"checkpoint epoch {result['epoch']} ({reason}) ABORTED ({where or 'no rank took part'}): "
-            f"{result.get('error') or 'no reason given'}")
-    if result.get("abort"):
-        text += f"; undoing it did not complete: {result['abort']}"
-    return text + "; the previous checkpoint stays the one restored"
 
 
 def task_argv(env: TaskEnv, args: list[str]) -> list[str]:

@@ -1,0 +1,139 @@
+"""The agent's job-wide operations, asked by the wrapper that hosts the job's coordinator or for it: epoch
+numbers, commits, a withdrawn epoch, the coordinator's address, the partition's interruptions and the
+automatic interval it chose (service.py serves them)."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+from slurmckpt.config import Config
+from slurmckpt.agent.events import AgentEvents
+from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict
+from slurmckpt.store.instance import JobInstance, claim
+from slurmckpt.store import lease
+from slurmckpt.identity import TaskIdentity
+from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
+from slurmckpt.agent.interruptions import answer as interruption_answer
+from slurmckpt.store import summary
+from slurmckpt.slurm.control import CliSlurm
+from slurmckpt.slurm.jobrecord import JobRecord
+from slurmckpt.store.jobstore import JobStore, atomic_write_json, rank_name
+from slurmckpt import validate
+
+log = logging.getLogger("slurmckpt.agent")
+
+
+def message_epoch(m: dict) -> int:
+    return validate.epoch(m.get("epoch"))
+
+
+_epoch = message_epoch
+
+
+class JobOps:
+    # what the agent (service.py) sets up and these operations share
+    ident: TaskIdentity
+    config: Config
+    store: JobStore
+    instance: JobInstance | None
+    slurm_job: JobRecord | None
+    reporter: FailureReporter | None
+    events: AgentEvents | None
+    history: PartitionHistory | None
+
+    @property
+    def _task_name(self) -> str:
+        return self.ident.tree.task
+
+    def _job_nodes(self) -> int:
+        return max(1, len(self.slurm_job.nodes)) if self.slurm_job else 1
+
+    def op_interruptions(self, m: dict, fds: list[int]) -> dict:
+        """The job's mean time between interruptions for its coordinator's automatic interval, from this node's
+        cache of the partition's history in accounting (interruptions.py); never waits for accounting."""
+        if self.history is None:
+            self.history = PartitionHistory(Path(self.config.run_dir) / "interruptions", self.ident.cluster,
+                                            self.slurm_job.partition if self.slurm_job else "",
+                                            self.config.interruption_window, self.config.interruption_states,
+                                            CliSlurm(timeout_s=QUERY_TIMEOUT_S).partition_runs)
+        return interruption_answer(*self.history.current(), self.config.interruption_mtbi, self._job_nodes(),
+                                   self.config.interruption_window)
+
+    def op_interval_chosen(self, m: dict, fds: list[int]) -> dict:
+        """The automatic interval the coordinator of this task's wrapper chose, with its inputs: kept in the
+        job's store (checked and bounded: summary.interval_record) for `slurmckpt status` and the next run.
+        The user's own numbers about the user's own job; the minimum is enforced at PREPARE whatever they say."""
+        summary.record_interval(self.store, m.get("choice"))
+        if self.events:
+            self.events.publish_soon()
+        return {}
+
+    def op_capture_failed(self, m: dict, fds: list[int]) -> dict:
+        """The job's coordinator aborted an epoch (its verdict, relayed by the wrapper hosting it): recorded
+        unless a rank's agent recorded that epoch itself. It only informs: nothing acts on it."""
+        self.reporter.capture_failed(**coordinator_verdict(m))
+        return {}
+
+    def op_commit(self, m: dict, fds: list[int]) -> dict:
+        ranks = validate.commit_ranks(m.get("ranks"))
+        reason = validate.label(m.get("reason", "unknown"), "reason")
+        # A foreign store copied in meanwhile is moved aside; without a known instance the commit stays
+        # unbound, which no restore accepts (and the next bound agent moves aside).
+        note = claim(self.store, self.instance, keep_epoch=_epoch(m)) if getattr(self, "instance", None) else None
+        if note:
+            log.warning("%s", note)
+        self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs, run=self.ident.restart_count)
+        threading.Thread(target=self.store.empty_trash, daemon=True).start()
+        log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
+        if self.events:
+            self.events.committed(_epoch(m), reason, ranks, final=self.reporter.epoch[1] is True)
+        return {}
+
+    def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
+        """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
+        and coordinators (storage.allocate_epoch), refused to an older run than the store's. Its lease covers
+        every phase the epoch may still take at the configured limits (the ranks extend it: lease.py)."""
+        at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
+        epoch = self.store.allocate_epoch(at_least, lease.base_s(self.config),
+                                          f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
+        return {"epoch": validate.epoch(epoch)}
+
+    def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
+        """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
+        epoch, why = _epoch(m), validate.text(m.get("reason", ""), "reason")
+        rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {why}"[:500])
+        log.warning("epoch %d rejected for the whole job (%r)", epoch, why[:500])
+        if self.events:
+            self.events.withdrawn(epoch, f"rank {self._task_name} could not restore it: {why}")
+        return {"rejected": rejected}
+
+    def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
+        address = {"host": validate.ip_address(m.get("host")), "port": validate.port(m.get("port")),
+                   "token": validate.token(m.get("token")),
+                   "restart_count": self.ident.restart_count, "published_by": rank_name(self.ident.step,
+                                                                                         self.ident.rank)}
+        atomic_write_json(self._coordinator_file(m.get("scope", "job")), address)
+        return {}
+
+    def op_lookup_coordinator(self, m: dict, fds: list[int]) -> dict:
+        """The job's coordinator address, from a root-owned file only this job's agents read."""
+        deadline = time.monotonic() + validate.wait_s(m.get("wait_s", 0))
+        path = self._coordinator_file(m.get("scope", "job"))
+        while True:
+            try:
+                address = json.loads(path.read_text())
+                if address["restart_count"] == self.ident.restart_count:
+                    return {"found": True, **address}
+            except (OSError, ValueError, KeyError):
+                pass
+            if time.monotonic() >= deadline:
+                return {"found": False}
+            time.sleep(0.2)
+
+    def _coordinator_file(self, scope: object) -> Path:
+        scope = validate.scope(scope)
+        return self.store.job_dir / f"coordinator-{scope}.json"

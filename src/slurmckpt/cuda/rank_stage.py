@@ -1,0 +1,123 @@
+"""The rank's GPU stage as the rank's tables use it (cuda/interface.GpuStage): the CUDA stage of the tree's
+CUDA processes (stage.py) or the null one of a tree without CUDA state, sizing through NVML before anything
+is locked, and the restore's remap onto the GPUs visible now."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from slurmckpt.cuda import frameworks
+from slurmckpt.cuda.driver import GpuDriver, GpuInfo, load_driver
+from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_inventory
+from slurmckpt.cuda.procscan import find_cuda_pids, process_environ
+from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
+from slurmckpt.errors import GpuError
+from slurmckpt.cuda.interface import GpuUse
+from slurmckpt.cuda.stage import GpuStage, GpuUnsupportedError, NullGpuStage
+
+log = logging.getLogger("slurmckpt.cuda")
+
+
+class PipelineGpu:
+    """slurmckpt.cuda.interface.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
+    footprint(pids) sizes the tree's GPU state through NVML (cuda/inventory.py) before anything is locked;
+    lock(pids) picks the CUDA stage or the null one; restore(record, pids) remaps onto the GPUs visible now:
+    `visible_devices` is the new task's GPU list in CUDA_VISIBLE_DEVICES form (the agent takes it from Slurm's
+    allocation, with `device_order` PCI_BUS_ID; the restored processes still carry the old value); None: the
+    value recorded at capture. check_restore(record) refuses GPUs that cannot take the record before criu
+    restores anything."""
+
+    def __init__(self, lock_timeout_ms: int = 2000, *, driver_factory: Callable[[], GpuDriver] = load_driver,
+                 inventory_factory: Callable[[], GpuInventory] = load_inventory,
+                 nccl_env_required: bool = True, context: dict[str, Any] | None = None):
+        self.lock_timeout_ms, self.driver_factory = lock_timeout_ms, driver_factory
+        self.inventory_factory = inventory_factory
+        self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
+        self.stage: GpuStage | NullGpuStage = NullGpuStage()
+        self.use: GpuUse | None = None            # the last footprint (this epoch's, if it was sized)
+        self.visible_devices: str | None = None
+        self.device_order: str | None = None      # set with visible_devices (the agent: Slurm's index order)
+
+    def footprint(self, pids: list[int]) -> GpuUse:
+        """Bytes each process of the tree holds on each GPU, and notes on allocators that hold far more than
+        they use. NVML's view of MIG and MPS is refused here (the /proc view again at lock). A tree without
+        /dev/nvidia* never loads NVML."""
+        self.use = None
+        if not find_cuda_pids(pids):
+            self.use = GpuUse()
+            return self.use
+        inventory = self.inventory_factory().snapshot()
+        reasons = inventory.refusals(pids)
+        if reasons:
+            raise GpuUnsupportedError(reasons, **self.context)
+        held = inventory.held_by(pids)
+        unknown = sorted({u.pid for u in inventory.processes if u.pid in set(pids) and u.used_bytes is None})
+        if unknown:
+            log.warning("NVML does not tell the device memory of pid(s) %s: counted as 0", unknown,
+                        extra=self.context)
+        totals = {g.uuid: g.memory_total for g in inventory.gpus}
+        notes = frameworks.notes([frameworks.Held(pid, uuid, n, totals.get(uuid, 0))
+                                  for pid, per_gpu in held.items() for uuid, n in per_gpu.items()])
+        self.use = GpuUse(held, tuple(notes))
+        return self.use
+
+    def lock(self, pids: list[int]) -> None:
+        self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
+                                       nccl_env_required=self.nccl_env_required, context=self.context)
+        self.stage.lock_all(self.lock_timeout_ms)
+
+    def unlock(self) -> None:
+        self.stage.rollback()
+
+    def checkpoint(self) -> dict | None:
+        self.stage.checkpoint_all()
+        if not self.stage.active:
+            return None
+        record = self.stage.record()
+        if self.use is not None:     # what each GPU held at the capture: the restore needs that much free
+            per_gpu: dict[str, int] = {}
+            for pid in self.stage.pids:
+                for uuid, n in self.use.held.get(pid, {}).items():
+                    per_gpu[uuid] = per_gpu.get(uuid, 0) + n
+            record["device_bytes"] = per_gpu
+        return record
+
+    def resume(self) -> None:
+        try:
+            self.stage.restore_all(None)
+            self.stage.unlock_all()
+        except GpuError:
+            self.stage.rollback()
+            raise
+
+    def check_restore(self, record: dict | None) -> None:
+        """Before criu restores anything: the GPUs this task has now take the checkpoint's GPU state (same
+        chip and count, at least its memory: remap.build_pairs), none is in MIG mode or prohibits compute, and
+        each has free at least the bytes the checkpoint held on its counterpart (NVML). Without NVML only the
+        driver's view is checked (the GPU state is in the images already: refusing for a missing Python
+        package would throw the checkpoint away)."""
+        if not record or not record.get("processes"):
+            return
+        captured = [GpuInfo.from_dict(g) for g in record.get("gpus", [])]
+        cvd = self.visible_devices if self.visible_devices is not None else record.get("cuda_visible_devices")
+        now = visible_gpus(self.driver_factory().devices(), cvd, self.device_order)
+        build_pairs(captured, now)
+        try:
+            inventory = self.inventory_factory().snapshot()
+        except NvmlUnavailable as e:
+            log.warning("restore checks the GPUs through the CUDA driver only: %s", e, extra=self.context)
+            return
+        check_free(captured, now, inventory, record.get("device_bytes", {}), self.context)
+
+    def restore(self, record: dict | None, pids: list[int]) -> None:
+        if not record or not record.get("processes"):
+            return
+        driver = self.driver_factory()
+        stage = GpuStage.adopt_restored(driver, record, pids, self.context)
+        env = process_environ(stage.pids[0]) if stage.pids else {}
+        cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
+        now = visible_gpus(driver.devices(), cvd, self.device_order or env.get("CUDA_DEVICE_ORDER"))
+        pairs = build_pairs(stage.gpus, now)
+        self.stage = stage
+        stage.restore_all(pairs)
+        stage.unlock_all()

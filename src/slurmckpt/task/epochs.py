@@ -1,0 +1,133 @@
+"""The wrapper's side of the job's epochs (task/wrapper.py runs it): the coordinator's commands for this
+rank, what an epoch's end means for the task (a committed final capture, an abort told to the user, the
+requeue), and, for a wrapper hosting the coordinator, the interval it chose."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+from slurmckpt.duration import AUTO
+from slurmckpt.errors import SlurmckptError
+
+log = logging.getLogger("slurmckpt.wrapper")
+
+
+class EpochHandling:
+    def _apply_interval(self, plan: dict) -> None:
+        """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
+        interval = plan.get("interval_s")
+        if isinstance(interval, int) and interval != self.env.interval_s:
+            rule = plan.get("policy") or {}
+            source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
+                rule.get("default_interval_from")
+            shown = "auto" if interval == AUTO else f"{interval}s"
+            self._say(f"checkpoint interval {shown}, set by the site policy ({source or 'slurmckpt.yaml'})")
+            self.env = dataclasses.replace(self.env, interval_s=interval)
+            self.member.env = self.env
+
+    def _interval_chosen(self, choice: dict, line: str, changed: bool) -> None:
+        """The coordinator this task hosts chose an automatic interval (coordinator/interval.py): said in the
+        job's stderr when it changed, recorded by the agent for `slurmckpt status` (and a requeued run) always,
+        off the coordinator's link, newest last: one recorder thread takes the latest choice each time."""
+        if changed:
+            self._say(line)
+        with self.choice_lock:
+            self.choice_pending, running = choice, self.choice_recorder
+            self.choice_recorder = True
+        if not running:
+            threading.Thread(target=self._record_choices, name="interval-record", daemon=True).start()
+
+    def _record_choices(self) -> None:
+        while True:
+            with self.choice_lock:
+                choice, self.choice_pending = self.choice_pending, None
+                if choice is None:
+                    self.choice_recorder = False
+                    return
+            try:
+                self.call("interval_chosen", choice=choice)
+            except SlurmckptError as e:
+                log.warning("the interval chosen was not recorded: %s", e)
+
+    def trigger(self, reason: str, final: bool) -> None:
+        self.member.trigger(reason, final)
+
+    def _epoch_result(self, result: dict, reason: str, final: bool) -> None:
+        if result["status"] == "committed":
+            self._say(f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
+                          f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
+                          f"consistent cut after {result.get('cut_s', 0):.3f}s in {result.get('lock_rounds', 1)} "
+                          "round(s)")
+            if self.schedule:
+                self.schedule.captured(result["commit_s"])
+            if final and reason in ("walltime", "manual-requeue"):
+                threading.Thread(target=self._requeue, daemon=True).start()
+        elif result["status"] == "aborted" and result.get("error_kind") == "ended" and not final:
+            log.info("%s: a rank's task had just ended", abort_message(result, reason))   # the next one goes on
+        elif result["status"] == "aborted":
+            self._say(abort_message(result, reason))
+            threading.Thread(target=self._report_failure, args=(result, reason, final), daemon=True).start()
+            if final and reason == "sigterm":
+                # Nothing was captured: the program gets the SIGTERM Slurm sent, as it would without slurmckpt
+                # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
+                self._say("the final capture failed: passing Slurm's SIGTERM on to the program")
+                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+
+    def _report_failure(self, result: dict, reason: str, final: bool) -> None:
+        """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
+        failing rank's agent did (fresh_start.py): timeouts and vanished ranks are seen only here."""
+        try:
+            self.call("capture_failed", epoch=result["epoch"], final=final, trigger=reason,
+                      stage=str(result.get("stage") or "unknown"), rank=result.get("rank"),
+                      node=result.get("node"), error=str(result.get("error", ""))[:4096])
+        except SlurmckptError as e:
+            log.warning("the failed epoch %s was not recorded: %s", result.get("epoch"), e)
+
+    def _requeue(self) -> None:
+        from slurmckpt.slurm.control import default_control
+        try:
+            default_control().requeue(self.env.job_id)
+            self._say("job requeued; it resumes from this checkpoint when it starts again")
+        except SlurmckptError as e:
+            self._say(f"requeue failed: {e}")
+
+    def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
+        if kind == "finish":
+            self.final_committed.set()
+        elif kind == "capture" and message.get("final", True):
+            self.final_capture.set()
+        elif kind == "abort":
+            self.final_capture.clear()
+        if kind == "capture" and isinstance(message.get("timeout_s"), (int, float)):
+            self.capture_timeout_s = max(self.config.capture_timeout_s, float(message["timeout_s"]))
+        args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
+        if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py)
+            args = {k: message[k] for k in ("final", "trigger") if k in message}
+        reply = {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
+        for note in reply.pop("notes", []):   # for the user, not the coordinator; once per run
+            if note not in self.noted:
+                self.noted.add(note)
+                self._say(f"note: {note}")
+        return reply
+
+    def _on_rank_started(self, rank: str, action: str) -> None:
+        if action in ("restore", "run"):
+            self.gate.set()
+
+    def _await_final_commit(self) -> None:
+        """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
+        deadline = time.monotonic() + self.capture_timeout_s + 60
+        while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def abort_message(result: dict, reason: str) -> str:
+    """The job's line for an aborted epoch: rank, node, stage and reason, and whether undoing it completed."""
+    where = ", ".join(f"{what} {result[what]}" for what in ("rank", "node", "stage") if result.get(what))
+    text = (f"checkpoint epoch {result['epoch']} ({reason}) ABORTED ({where or 'no rank took part'}): "
+            f"{result.get('error') or 'no reason given'}")
+    if result.get("abort"):
+        text += f"; undoing it did not complete: {result['abort']}"
+    return text + "; the previous checkpoint stays the one restored"
