@@ -23,7 +23,7 @@ def rank_lines(job, rank: int) -> list[str]:
 @pytest.mark.parametrize("mech,where", [("tcp", ["-N1"]), ("shm", ["-w", "node1"])])
 def test_ranks_talking_over_ipc_resume_exactly_after_requeue(mech: str, where: list[str]) -> None:
     """tcp: the first rank back holds the connection until the other is (netlock); shm: the segment is
-    mapped again in place, checked unchanged since the capture (pinned: /dev/shm is per node)."""
+    written back once per restore of the node (sharing/shm_files.py) and mapped again in place."""
     wd = workdir(USER, f"ipc-{mech}")
     job = submit(USER, wd, "#!/bin/bash\n"
                  f"srun -n2 python3 ipc_pair.py --mech {mech} --steps {STEPS} --sleep 0.2\n",

@@ -99,7 +99,9 @@ def _record(ctx: RankContext, st: EpochState) -> None:
         "gpu": st.gpu_record,
         # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
         "tcp_ranks": [] if replay else netlock.still_established(pids, st.tcp_peers),
-        "shared_files": [] if replay else ipc.fingerprint_files(pids, st.shared_files),
+        # a /dev/shm file saved below is written back at the restore: not fingerprinted (restore.py)
+        "shared_files": [] if replay else ipc.fingerprint_files(pids, [f for f in st.shared_files
+                                                                       if f not in {s.name for s in shm}]),
         "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
         "shm_files": shm_files.save(ctx.creds, shm, images.staged(ctx, st.epoch), st.copy_budget.charge),
         "pmi": [] if replay else _pmi_socket(ctx, pids),

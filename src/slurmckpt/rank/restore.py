@@ -66,6 +66,9 @@ def _unpack(ctx: RankContext, st: EpochState) -> None:
 
 
 def _shared_files(ctx: RankContext, st: EpochState) -> None:
+    """Files mapped shared with other ranks hold what they held at the cut, or the restore is refused; a
+    /dev/shm file the capture saved is not compared: the `shm` stage writes its saved bytes back (one policy
+    for /dev/shm, sharing/shm_files.py), so a crash or another node changes nothing there."""
     r = _r(st)
     r.key = netlock.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
     ipc.check_shared_files(files_to_check(r.manifest)[0], r.key, ctx.creds,
@@ -230,7 +233,7 @@ def files_to_check(manifest: dict) -> tuple[list[dict], list[dict]]:
     as they were at the capture: those /dev/shm files whose saved bytes it writes back are left out. Their
     content now does not matter, and on this node another rank's restore may be writing them back at this
     very moment (a size of 0 B mid-write is no change made outside the job)."""
-    rewritten = {e["name"] for e in manifest.get("shm_files", [])}
+    rewritten = shm_files.saved_names(manifest)
     return ([e for e in manifest.get("shared_files", []) if e["path"] not in rewritten],
             [e for e in manifest["truncate"] if e["path"] not in rewritten])
 

@@ -269,10 +269,11 @@ def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: s
 
 
 # ---- files mapped shared by two ranks: exact or refused at restore ----------------------------------------
-# A file two ranks map shared and one of them writes (a /dev/shm segment) is not in the images: criu maps it
-# again by path. After a final capture it still holds what it held at the freeze; after a crash that
-# followed a periodic capture it holds what the ranks wrote since (measured: the restored ranks then skip
-# hundreds of messages), and on another node it is missing. Its size and xxh3 are recorded at the capture
+# A file two ranks map shared and one of them writes is not in the images: criu maps it again by path. After
+# a final capture it still holds what it held at the freeze; after a crash that followed a periodic capture
+# it holds what the ranks wrote since (measured: the restored ranks then skip hundreds of messages), and on
+# another node it may be missing. A /dev/shm file of the job's user is saved and written back instead
+# (shm_files.py: one policy for /dev/shm), so this concerns the other files. Its size and xxh3 are recorded at the capture
 # (every rank is frozen then) and the first rank of the node to restore compares them; all ranks of that
 # restore share its verdict (netlock.first_on_node), since the ranks restored earlier already write to the
 # file. Root reads these files only through the tree's own mappings (/proc/PID/map_files); at the restore

@@ -101,6 +101,11 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
     return sorted((f for f in found.values() if f.name), key=lambda f: (-f.size, f.name))
 
 
+def saved_names(record: dict) -> set[str]:
+    """The /dev/shm names a rank record's capture saved (and its restore writes back)."""
+    return {e["name"] for e in record.get("shm_files", [])}
+
+
 def needs_link_remap(files: list[ShmFile]) -> bool:
     return any(f.removed for f in files)
 
