@@ -17,7 +17,8 @@
 #                          scripts/gc-schedule.sh) (setup.sh's install steps; no test cluster, no packages)
 #   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
 #   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
-#   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3, installed by setup)
+#   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3), mypy strict over src/ (the venv's,
+#                          pinned; both installed by setup)
 #   make docker-slurm      no root needed with Docker: the container test cluster of docker-slurm/ built and started,
 #                          the demo run in it (a job restored on the other node); make docker-slurm-down stops
 #                          it (docker-slurm/cluster.sh, docs/docker-slurm.md)
@@ -73,6 +74,7 @@ test-2411:
 
 lint:
 	$(PYFLAKES) src tests
+	$(PYTHON) -m mypy
 
 SHARE := /usr/local/share
 

@@ -9,6 +9,7 @@ import array
 import json
 import socket
 import struct
+from typing import Any
 
 from slurmckpt.errors import ProtocolError
 from slurmckpt.validate import loads
@@ -26,7 +27,7 @@ class Channel:
     def from_fd(cls, fd: int) -> "Channel":
         return cls(socket.socket(fileno=fd))
 
-    def send(self, message: dict, fds: list[int] | None = None) -> None:
+    def send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         try:
             body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
         except ValueError as e:          # NaN/Infinity: the receiver would refuse it
@@ -40,7 +41,7 @@ class Channel:
         else:
             self.sock.sendall(frame)
 
-    def recv(self) -> tuple[dict, list[int]]:
+    def recv(self) -> tuple[dict[str, Any], list[int]]:
         """One message and the fds that came with it. Raises EOFError when the peer closed."""
         fds: list[int] = []
         first, anc, _flags, _addr = self.sock.recvmsg(1, socket.CMSG_SPACE(MAX_FDS * 4))
@@ -79,7 +80,7 @@ class Channel:
             n -= len(chunk)
         return b"".join(chunks)
 
-    def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
+    def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict[str, Any]:
         """Request/response. An error reply becomes the exception class it names."""
         self.send({"op": op, **args}, fds)
         reply, extra = self.recv()

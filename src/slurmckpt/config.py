@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 
@@ -42,11 +43,11 @@ def config_paths(environ: dict[str, str] | None = None) -> list[Path]:
     return paths
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types: SafeLoader is Any
     """A key given twice is an error, not 'the last one wins'."""
 
-    def construct_mapping(self, node, deep=False):
-        seen = set()
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[object] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
@@ -59,9 +60,9 @@ def _default_criu() -> str:
     return "/usr/local/sbin/criu" if Path("/usr/local/sbin/criu").exists() else "criu"
 
 
-def _key(default: object = dataclasses.MISSING, doc: str = "", factory=dataclasses.MISSING, **meta: object):
+def _key(default: Any = dataclasses.MISSING, doc: str = "", factory: Any = dataclasses.MISSING, **meta: object) -> Any:
     """A config key: its default and the one description slurmckpt.yaml(5) and the docs show (cli/manpage.py)."""
-    return field(default=default, default_factory=factory, metadata={"doc": doc, **meta})  # type: ignore[arg-type]
+    return field(default=default, default_factory=factory, metadata={"doc": doc, **meta})
 
 
 def check_compression(name: str, level: int, threads: int) -> None:
@@ -224,9 +225,9 @@ class Config:
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: expected a mapping of keys to values")
             values.update(loaded)
-        for key in (environ or {}):
+        for key, value in (environ or {}).items():
             if key.startswith("SLURMCKPT_CFG_"):
-                values[key[len("SLURMCKPT_CFG_"):].lower()] = environ[key]  # type: ignore[index]
+                values[key[len("SLURMCKPT_CFG_"):].lower()] = value
         config = cls.from_mapping(values, source=str(path) if path else "config")
         return dataclasses.replace(config, source=str(path) if path and path.exists() else cls.source)
 
@@ -238,14 +239,14 @@ class Config:
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
             kwargs[key] = _field_value(fields[key], raw, source)
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs)  # type: ignore[arg-type]  # each value was coerced to its key's type (_field_value)
 
     def with_settings(self, settings: dict[str, object]) -> "Config":
         """This config with a job's policy settings (policy.JobPolicy.settings, already checked)."""
-        return dataclasses.replace(self, **settings) if settings else self
+        return dataclasses.replace(self, **cast(dict[str, Any], settings)) if settings else self
 
 
-def _field_value(f: dataclasses.Field, raw: object, source: str) -> object:
+def _field_value(f: dataclasses.Field[Any], raw: Any, source: str) -> object:
     if f.metadata.get("policy"):
         known = [n.name for n in dataclasses.fields(Config) if not n.metadata.get("internal")]
         return Policy.parse(raw, source, lambda key, value: _field_value(_FIELDS[key], value, "policy"), known)
@@ -284,7 +285,7 @@ def parse_size(key: str, raw: object, source: str = "config") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _coerce(key: str, raw: object, typ: object, source: str) -> object:
+def _coerce(key: str, raw: Any, typ: object, source: str) -> object:
     try:
         if typ in ("bool", bool):
             if isinstance(raw, bool):
@@ -295,19 +296,19 @@ def _coerce(key: str, raw: object, typ: object, source: str) -> object:
                 return False
             raise ValueError("want true or false")
         if typ in ("int", int):
-            value: object = int(raw)  # type: ignore[arg-type]
-            if value < 0:  # type: ignore[operator]
+            number = int(raw)
+            if number < 0:
                 raise ValueError("must be >= 0")
-            return value
+            return number
         if typ in ("float", float):
-            value = float(raw)  # type: ignore[arg-type]
-            if not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+            real = float(raw)
+            if not math.isfinite(real) or real <= 0:
                 raise ValueError("must be a finite number > 0")
-            return value
+            return real
         if str(typ).startswith("tuple"):
             if isinstance(raw, str):
                 return tuple(raw.split())
-            return tuple(str(x) for x in raw)  # type: ignore[union-attr]
+            return tuple(str(x) for x in raw)
         if not isinstance(raw, str):
             raise ValueError("must be a string")
         return raw

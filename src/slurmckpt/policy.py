@@ -76,7 +76,7 @@ class Rule:
                     settings[key] = coerce(key, value)
                 except ConfigError as e:
                     raise ConfigError(f"{where}.{key}: {str(e).split(': ', 2)[-1]}") from e
-        rule = cls(name, settings=settings, **values)  # type: ignore[arg-type]
+        rule = cls(name, settings=settings, **values)  # type: ignore[arg-type]  # values were coerced per key above
         for key in ("min_interval", "max_interval"):
             if getattr(rule, key) == 0:
                 raise ConfigError(f"{where}.{key}: 'off' is no {key[:3]}imum; leave the key out instead")

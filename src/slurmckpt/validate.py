@@ -12,6 +12,7 @@ import ipaddress
 import json
 import math
 import re
+from typing import Any
 
 from slurmckpt.errors import ProtocolError
 from slurmckpt.identity import RankName
@@ -90,7 +91,7 @@ def text(value: object, field: str, limit: int = MAX_TEXT) -> str:
     return value
 
 
-def _match(pattern: re.Pattern, value: object, field: str, what: str) -> str:
+def _match(pattern: re.Pattern[str], value: object, field: str, what: str) -> str:
     if not isinstance(value, str) or pattern.fullmatch(value) is None:
         raise _refuse(field, value, f"not {what}")
     return value
@@ -140,9 +141,9 @@ def wait_s(value: object, field: str = "wait_s") -> float:
 # ---- job names ---------------------------------------------------------------------------------------------------
 def step(value: object, field: str = "step") -> str:
     _match(_STEP, value, field, "a step id (batch or digits)")
-    if value != "batch" and int(value) > MAX_STEP:
+    if value != "batch" and int(str(value)) > MAX_STEP:
         raise _refuse(field, value, f"above {MAX_STEP}")
-    return value  # type: ignore[return-value]
+    return str(value)
 
 
 def rank_index(value: object, field: str = "rank") -> int:
@@ -170,7 +171,7 @@ def scope(value: object, field: str = "scope") -> str:
     return step(value, field)
 
 
-def record(name: str, value: object) -> dict:
+def record(name: str, value: object) -> dict[str, Any]:
     """One rank's entry of a commit: what the coordinator builds (kind, node, exit code), nothing else."""
     where = f"ranks[{name}]"
     if not isinstance(value, dict):
@@ -190,7 +191,7 @@ def record(name: str, value: object) -> dict:
     return out
 
 
-def commit_ranks(value: object, field: str = "ranks") -> dict[str, dict]:
+def commit_ranks(value: object, field: str = "ranks") -> dict[str, dict[str, Any]]:
     if not isinstance(value, dict):
         raise _refuse(field, value, "not {name: record}")
     if not 0 < len(value) <= MAX_RANKS_PER_COMMIT:

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from slurmckpt.store import summary
 from slurmckpt.config import Config
@@ -25,6 +26,7 @@ from slurmckpt.agent.metrics import NodeMetrics
 from slurmckpt.slurm.comment import JobComment, one_line
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.identity import RankName
+from slurmckpt.store.fresh_start import CaptureFailure
 
 log = logging.getLogger("slurmckpt.events")
 
@@ -104,7 +106,7 @@ class AgentEvents:
             self._soon.start()
 
     # ---- the task's life ------------------------------------------------------------------------------
-    def started(self, restart_count: int, interval_s: int, policy: dict | None, disabled: str | None) -> None:
+    def started(self, restart_count: int, interval_s: int, policy: dict[str, Any] | None, disabled: str | None) -> None:
         """The task's wrapper asked for its plan (it handles capture signals from now on)."""
         self.metrics.gauge("slurmckpt_agents", 1)
         self._run(restart_count=restart_count, started_at=time.time(), batch_node=self.task.node,
@@ -146,7 +148,7 @@ class AgentEvents:
     def persisted(self, epoch: int) -> None:
         self.metrics.gauge("slurmckpt_persists_pending", 0)
 
-    def committed(self, epoch: int, trigger: str, ranks: dict[str, dict], final: bool) -> None:
+    def committed(self, epoch: int, trigger: str, ranks: dict[str, dict[str, Any]], final: bool) -> None:
         nbytes = summary.epoch_bytes(self.store, {"epoch": epoch, "ranks": ranks})
         nodes = sorted({r["node"] for r in ranks.values() if r.get("node")})
         self._line("info", "commit", epoch=epoch, trigger=trigger, final=str(final).lower(), ranks=len(ranks),
@@ -155,7 +157,7 @@ class AgentEvents:
         self.comment.checkpoint(epoch, time.time(), nbytes, final=final)
         self.publish_summary()
 
-    def capture_failed(self, failure) -> None:
+    def capture_failed(self, failure: CaptureFailure) -> None:
         """fresh_start.CaptureFailure, once per epoch (the first agent that saw it records it)."""
         self.stopped_at.pop(failure.epoch, None)
         self._line("error", "capture-failed", epoch=failure.epoch, final=str(failure.final).lower(),

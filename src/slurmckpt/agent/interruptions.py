@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from slurmckpt.errors import SlurmckptError
 
@@ -149,7 +149,7 @@ class PartitionHistory:
             return None
 
 
-def answer(history: History | None, pending: bool, prior_s: float, nodes: int, window_s: int) -> dict:
+def answer(history: History | None, pending: bool, prior_s: float, nodes: int, window_s: int) -> dict[str, Any]:
     """What the coordinator gets (agent op `interruptions`): the job's M and where it comes from."""
     nodes = max(1, nodes)
     base = {"prior_s": prior_s, "nodes": nodes, "window_s": window_s}

@@ -9,9 +9,11 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.config import Config
 from slurmckpt.agent.events import AgentEvents
+from slurmckpt.errors import SlurmckptError
 from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict
 from slurmckpt.store.instance import JobInstance, claim
 from slurmckpt.store import lease
@@ -27,7 +29,7 @@ from slurmckpt import validate
 log = logging.getLogger("slurmckpt.agent")
 
 
-def message_epoch(m: dict) -> int:
+def message_epoch(m: dict[str, Any]) -> int:
     return validate.epoch(m.get("epoch"))
 
 
@@ -45,6 +47,12 @@ class JobOps:
     events: AgentEvents | None
     history: PartitionHistory | None
 
+    def _failures(self) -> FailureReporter:
+        """The capture failures' recorder, set up with the agent (agent/start.py)."""
+        if self.reporter is None:
+            raise SlurmckptError("the agent has no failure reporter (started without its outlets)")
+        return self.reporter
+
     @property
     def _task_name(self) -> str:
         return self.ident.tree.task
@@ -52,7 +60,7 @@ class JobOps:
     def _job_nodes(self) -> int:
         return max(1, len(self.slurm_job.nodes)) if self.slurm_job else 1
 
-    def op_interruptions(self, m: dict, fds: list[int]) -> dict:
+    def op_interruptions(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The job's mean time between interruptions for its coordinator's automatic interval, from this node's
         cache of the partition's history in accounting (interruptions.py); never waits for accounting."""
         if self.history is None:
@@ -63,7 +71,7 @@ class JobOps:
         return interruption_answer(*self.history.current(), self.config.interruption_mtbi, self._job_nodes(),
                                    self.config.interruption_window)
 
-    def op_interval_chosen(self, m: dict, fds: list[int]) -> dict:
+    def op_interval_chosen(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The automatic interval the coordinator of this task's wrapper chose, with its inputs: kept in the
         job's store (checked and bounded: summary.interval_record) for `slurmckpt status` and the next run.
         The user's own numbers about the user's own job; the minimum is enforced at PREPARE whatever they say."""
@@ -72,28 +80,29 @@ class JobOps:
             self.events.publish_soon()
         return {}
 
-    def op_capture_failed(self, m: dict, fds: list[int]) -> dict:
+    def op_capture_failed(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The job's coordinator aborted an epoch (its verdict, relayed by the wrapper hosting it): recorded
         unless a rank's agent recorded that epoch itself. It only informs: nothing acts on it."""
-        self.reporter.capture_failed(**coordinator_verdict(m))
+        self._failures().capture_failed(**coordinator_verdict(m))
         return {}
 
-    def op_commit(self, m: dict, fds: list[int]) -> dict:
+    def op_commit(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         ranks = validate.commit_ranks(m.get("ranks"))
         reason = validate.label(m.get("reason", "unknown"), "reason")
         # A foreign store copied in meanwhile is moved aside; without a known instance the commit stays
         # unbound, which no restore accepts (and the next bound agent moves aside).
-        note = claim(self.store, self.instance, keep_epoch=_epoch(m)) if getattr(self, "instance", None) else None
+        instance = getattr(self, "instance", None)
+        note = claim(self.store, instance, keep_epoch=_epoch(m)) if instance else None
         if note:
             log.warning("%s", note)
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs, run=self.ident.restart_count)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
         if self.events:
-            self.events.committed(_epoch(m), reason, ranks, final=self.reporter.epoch[1] is True)
+            self.events.committed(_epoch(m), reason, ranks, final=self._failures().epoch[1] is True)
         return {}
 
-    def op_allocate_epoch(self, m: dict, fds: list[int]) -> dict:
+    def op_allocate_epoch(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """A new epoch number for the coordinator this task's wrapper hosts: unique across the job's steps
         and coordinators (storage.allocate_epoch), refused to an older run than the store's. Its lease covers
         every phase the epoch may still take at the configured limits (the ranks extend it: lease.py)."""
@@ -102,7 +111,7 @@ class JobOps:
                                           f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
         return {"epoch": validate.epoch(epoch)}
 
-    def op_reject_epoch(self, m: dict, fds: list[int]) -> dict:
+    def op_reject_epoch(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """This rank could not restore the epoch: no rank of the job may restore it (one consistent cut)."""
         epoch, why = _epoch(m), validate.text(m.get("reason", ""), "reason")
         rejected = self.store.reject(epoch, f"rank {self._task_name} could not restore it: {why}"[:500])
@@ -111,7 +120,7 @@ class JobOps:
             self.events.withdrawn(epoch, f"rank {self._task_name} could not restore it: {why}")
         return {"rejected": rejected}
 
-    def op_publish_coordinator(self, m: dict, fds: list[int]) -> dict:
+    def op_publish_coordinator(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         address = {"host": validate.ip_address(m.get("host")), "port": validate.port(m.get("port")),
                    "token": validate.token(m.get("token")),
                    "restart_count": self.ident.restart_count, "published_by": rank_name(self.ident.step,
@@ -119,7 +128,7 @@ class JobOps:
         atomic_write_json(self._coordinator_file(m.get("scope", "job")), address)
         return {}
 
-    def op_lookup_coordinator(self, m: dict, fds: list[int]) -> dict:
+    def op_lookup_coordinator(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The job's coordinator address, from a root-owned file only this job's agents read."""
         deadline = time.monotonic() + validate.wait_s(m.get("wait_s", 0))
         path = self._coordinator_file(m.get("scope", "job"))

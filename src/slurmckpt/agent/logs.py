@@ -60,7 +60,7 @@ def handler_for(config: Config, job: int, step: str, rank: int) -> logging.Handl
                                                   "msg": f"syslog at {config.syslog_address} unreachable ({e}); "
                                                          "logging to this file"}))
             return handler
-        handler.ident = "slurmckpt-agent: "
+        handler.ident = "slurmckpt-agent: "  # type: ignore[attr-defined]  # SysLogHandler's prefix, typeshed omits it
         handler.setFormatter(OneLine(fields))
         return handler
     Path(config.log_dir).mkdir(mode=0o700, parents=True, exist_ok=True)

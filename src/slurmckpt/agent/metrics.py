@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -52,7 +52,7 @@ class Metric:
     label: str = ""      # the one label a counter is split by ("" = none)
     values: tuple[str, ...] = ()     # its values (any other counts as "other"); () = the site's, capped
 
-    def label_value(self, value: str, present: dict) -> str:
+    def label_value(self, value: str, present: dict[str, Any]) -> str:
         """`value` as this counter records it, given the values it has (`present`)."""
         if not self.label:
             return ""
@@ -94,7 +94,7 @@ def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) and not float(value).is_integer() else str(int(value))
 
 
-def render(state: dict, now: float, node: str, alive=None) -> str:
+def render(state: dict[str, Any], now: float, node: str, alive: Callable[[dict[str, Any]], bool] | None = None) -> str:
     """The text exposition format (version 0.0.4) of `state`, every metric with HELP and TYPE. Every sample
     carries `node` (the Slurm node): node_exporter merges the *.prom files of a directory, and nodes that share
     a host (and the directory) must not collide."""
@@ -125,15 +125,15 @@ def render(state: dict, now: float, node: str, alive=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _agent_alive(entry: dict) -> bool:
+def _agent_alive(entry: dict[str, Any]) -> bool:
     """The agent that set a gauge entry still runs: same pid, same start time (no reused pid counts)."""
     try:
-        return abs(psutil.Process(entry["pid"]).create_time() - entry["started"]) < 0.01
+        return bool(abs(psutil.Process(entry["pid"]).create_time() - entry["started"]) < 0.01)
     except (psutil.Error, KeyError, TypeError):
         return False
 
 
-def _own_entry(value: float) -> dict:
+def _own_entry(value: float) -> dict[str, Any]:
     me = psutil.Process()
     return {"value": value, "pid": me.pid, "started": me.create_time()}
 
@@ -146,21 +146,21 @@ class NodeMetrics:
     """One agent's handle on its node's metrics. Failures only log: metrics never fail a capture."""
 
     def __init__(self, textfile: str, state_dir: str, task: str, node: str | None = None,
-                 clock=time.time) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         node = node or node_name()
         self.textfile = Path(textfile.replace("%n", node)) if textfile else None
         self.state = Path(state_dir) / f"metrics-{node}.json"
         self.task, self.node, self.clock = task, node, clock
 
     def count(self, name: str, label: str = "", by: float = 1) -> None:
-        def change(state: dict) -> None:
+        def change(state: dict[str, Any]) -> None:
             counters = state.setdefault("counters", {}).setdefault(name, {})
             key = BY_NAME[name].label_value(label, counters)
             counters[key] = counters.get(key, 0) + by
         self._update(name, change)
 
     def observe(self, name: str, seconds: float) -> None:
-        def change(state: dict) -> None:
+        def change(state: dict[str, Any]) -> None:
             h = state.setdefault("histograms", {}).setdefault(
                 name, {"buckets": [0] * len(SECONDS_BUCKETS), "sum": 0.0, "count": 0})
             h["buckets"] = [c + (seconds <= b) for c, b in zip(h["buckets"], SECONDS_BUCKETS)]
@@ -170,7 +170,7 @@ class NodeMetrics:
 
     def gauge(self, name: str, value: float | None) -> None:
         """This agent's part of a gauge (None: it takes no part any more)."""
-        def change(state: dict) -> None:
+        def change(state: dict[str, Any]) -> None:
             entries = state.setdefault("gauges", {}).setdefault(name, {})
             if value is None:
                 entries.pop(self.task, None)
@@ -180,7 +180,7 @@ class NodeMetrics:
                 del entries[key]            # agents that died without saying so
         self._update(name, change)
 
-    def _update(self, name: str, change) -> None:
+    def _update(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:
         if name not in BY_NAME:
             raise ValueError(f"unknown metric {name}")
         try:
@@ -192,7 +192,7 @@ class NodeMetrics:
             log.warning("metrics not updated (%s): %s", name, e)
 
     @contextmanager
-    def _locked(self) -> Iterator[dict]:
+    def _locked(self) -> Iterator[dict[str, Any]]:
         self.state.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd = os.open(self.state, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -207,7 +207,7 @@ class NodeMetrics:
             os.close(fd)
 
 
-def _read_state(fd: int, path: Path) -> dict:
+def _read_state(fd: int, path: Path) -> dict[str, Any]:
     """The node's state from the locked file: whole, and only what `_checked` keeps; {} (and a warning)
     when it cannot be read back, so that the next update starts afresh instead of failing forever."""
     size = os.fstat(fd).st_size
@@ -229,16 +229,16 @@ def _number_or_none(value: object) -> float | None:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
 
 
-def _checked(state: object) -> dict:
+def _checked(state: object) -> dict[str, Any]:
     """Known metrics only, each shaped as this module writes it and within its bounds."""
     if not isinstance(state, dict):
         return {}
-    out: dict = {"counters": {}, "histograms": {}, "gauges": {}}
+    out: dict[str, Any] = {"counters": {}, "histograms": {}, "gauges": {}}
     for name, values in (state.get("counters") or {}).items() if isinstance(state.get("counters"), dict) else ():
         m = BY_NAME.get(name)
         if m is None or m.kind != "counter" or not isinstance(values, dict):
             continue
-        kept: dict = {}
+        kept: dict[str, Any] = {}
         for key, value in values.items():
             if isinstance(key, str) and _number_or_none(value) is not None:
                 key = m.label_value(key, kept) if m.label else ""
@@ -276,7 +276,7 @@ def publish(path: Path, text: str) -> None:
     os.rename(tmp, path)
 
 
-def read_state(state_dir: str, node: str | None = None) -> dict:
+def read_state(state_dir: str, node: str | None = None) -> dict[str, Any]:
     """For `slurmckpt metrics`: the node's state as last written (empty when no agent ran here)."""
     path = Path(state_dir) / f"metrics-{node or node_name()}.json"
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmckptError, StorageError
@@ -48,7 +49,7 @@ class TaskPlan(JobOps):
     srun_relay: str | None
     wrapper_pid: int
 
-    def op_plan(self, m: dict, fds: list[int]) -> dict:
+    def op_plan(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """What this task should do: the committed epochs that hold it, newest first. A step whose srun the
         batch wrapper ran for a restored MPI launcher (`token`, srun_relay.py) takes the name of the step
         that captured the daemons, whatever step id Slurm gave it now: reply `step`."""
@@ -71,13 +72,13 @@ class TaskPlan(JobOps):
         if self.store_outage:                            # waited for the store's file system (agent/start.py)
             notes.append(self.store_outage)
         if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
-            notes += filter(None, [self.reporter.failed_since(candidates[0]["epoch"])])
+            notes += filter(None, [self._failures().failed_since(candidates[0]["epoch"])])
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
                 "step": self.step, **self._relay_plan(),
                 **({"warning": "; ".join(notes)} if notes else {}), **self._policy_plan()}
 
-    def _relay_plan(self) -> dict:
+    def _relay_plan(self) -> dict[str, Any]:
         return {"srun_relay": self.srun_relay} if self.srun_relay else {}
 
     def _relay_path(self) -> str | None:
@@ -91,7 +92,7 @@ class TaskPlan(JobOps):
             return None
         return os.path.join(where, str(self.ident.job))
 
-    def _adopt_step(self, token: object, epochs: list[dict]) -> None:
+    def _adopt_step(self, token: object, epochs: list[dict[str, Any]]) -> None:
         """The step of the newest committed epoch whose record at this rank carries `token` becomes this
         task's name in the store and the job's cut. The token is the user's (the task's environment): it can
         only pick among this job's own steps, and never the batch step."""
@@ -113,15 +114,16 @@ class TaskPlan(JobOps):
                         log.info("step %s takes the name %s: its srun was run again for a restored launcher",
                                  self.ident.step, step)
                     self.step = step
-                    self.reporter.rank = rank_name(step, rank)
+                    self._failures().rank = rank_name(step, rank)
                     self.token_unmatched = False
                     return
 
-    def _policy_plan(self) -> dict:
+    def _policy_plan(self) -> dict[str, Any]:
         """The interval the wrapper schedules (the policy's default and minimum applied), and `disabled` when
         the policy forbids checkpoints for the job's partition or QOS: the wrapper then runs the task plainly.
         The wrapper handles the capture signals once it asks for its plan: the run record says so now."""
-        plan = {"interval_s": self.interval_s, "policy": self.policy.describe(), "auto": self._auto_plan()}
+        plan: dict[str, Any] = {"interval_s": self.interval_s, "policy": self.policy.describe(),
+                                "auto": self._auto_plan()}
         refused = self.policy.capture_refusal(final=True, since_last_s=None)
         if self.events:
             if refused:
@@ -130,7 +132,7 @@ class TaskPlan(JobOps):
                                 refused[1] if refused else None)
         return {**plan, "disabled": refused[1]} if refused else plan
 
-    def _auto_plan(self) -> dict:
+    def _auto_plan(self) -> dict[str, Any]:
         """What a coordinator this task hosts needs for --checkpoint-interval=auto (coordinator/interval.py):
         the policy's bounds, the first interval, the site's M for the job's nodes until accounting answers
         (op_interruptions), and the stalls an earlier run of the job measured."""
@@ -153,12 +155,12 @@ class TaskPlan(JobOps):
             return f"checkpoints of job {self.ident.job} are not restored: {why}"
         return None
 
-    def op_standins(self, m: dict, fds: list[int]) -> dict:
+    def op_standins(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """How many srun stand-in sockets the restore of `epoch` needs handed in."""
         manifest = self.store.read_rank_manifest(_epoch(m), self.step, self.ident.rank)
         return {"count": len(manifest.get("srun_standins", []))}
 
-    def op_fresh_start(self, m: dict, fds: list[int]) -> dict:
+    def op_fresh_start(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also
         set as the job's AdminComment (fresh_start.py). None for a first run or a restored one."""
         if self.ident.step != "batch" or not self.ident.restart_count or self.restored is not None:
@@ -170,7 +172,7 @@ class TaskPlan(JobOps):
             why_not = self._not_restorable()
         except StorageError as e:
             why_not = str(e)
-        notice = self.reporter.fresh_start(self.ident.restart_count, why_not or self.store_note)
+        notice = self._failures().fresh_start(self.ident.restart_count, why_not or self.store_note)
         if self.events:
             self.events.fresh_start(notice)
         return notice

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.channel import Channel
 from slurmckpt.config import Config
@@ -177,7 +178,7 @@ class Agent(TaskPlan):
         except OSError:
             pass
 
-    def _failed_stage(self, message: dict) -> str:
+    def _failed_stage(self, message: dict[str, Any]) -> str:
         """The stage that failed, for the epoch's phases (the coordinator's abort message names it)."""
         return self.runner.failed_stage if message.get("op") in PHASE_OPS else ""
 
@@ -190,12 +191,12 @@ class Agent(TaskPlan):
             pass
         self.cgroup.remove()
         if self.reporter:                  # its AdminComment may still be on its way to slurmctld
-            self.reporter.flush()
+            self._failures().flush()
         if self.events:
             self.events.stopped()
 
     # ---- operations ------------------------------------------------------------------------------------
-    def op_hello(self, m: dict, fds: list[int]) -> dict:
+    def op_hello(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         i = self.ident
         return {"job": i.job, "step": i.step, "rank": i.rank, "cluster": i.cluster,
                 "restart_count": i.restart_count, "node": socket.gethostname()}
@@ -209,7 +210,7 @@ class Agent(TaskPlan):
                 self.events.refused(*refused)
             raise PermissionDenied(f"{refused[1]}; nothing was frozen", epoch=epoch)
 
-    def op_launch(self, m: dict, fds: list[int]) -> dict:
+    def op_launch(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if self.runner.root_pid:
             raise PermissionDenied("a tree was already started for this task")
         argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
@@ -253,7 +254,7 @@ class Agent(TaskPlan):
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.cgroup.slurm_procs) or "-",
                  self.cgroup.path)
 
-    def op_pmi_socket(self, m: dict, fds: list[int]) -> dict:
+    def op_pmi_socket(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The task's PMI socket to slurmstepd (`srun --mpi=pmi2`, pmi.py): dumped as external, replaced at
         the restore by this start's. Only the fd's own type is trusted; it goes into the user's tree only."""
         if len(fds) != 1:
@@ -264,7 +265,7 @@ class Agent(TaskPlan):
         self.handovers.pmi_fd, self.handovers.pmi_ino = os.dup(fds[0]), ino
         return {"ino": ino}
 
-    def op_srun_standin(self, m: dict, fds: list[int]) -> dict:
+    def op_srun_standin(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """An srun stand-in's socket to the wrapper (srun_relay.py): dumped as external, replaced at the
         restore. Only the fd's type and inode are read; the agent keeps no reference to it."""
         if len(fds) != 1:
@@ -273,13 +274,13 @@ class Agent(TaskPlan):
         self.handovers.standin_inos.add(ino)
         return {"ino": ino}
 
-    def op_tree_fate(self, m: dict, fds: list[int]) -> dict:
+    def op_tree_fate(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """Asked by the wrapper when its tree has ended: whether this agent killed it, and why."""
         return {"killed_for": self.runner.killed_for}
 
-    def op_size(self, m: dict, fds: list[int]) -> dict:
+    def op_size(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self._epoch_began(m)
-        with self.reporter.recorded(_epoch(m), "size", self.runner):
+        with self._failures().recorded(_epoch(m), "size", self.runner):
             reply = self.runner.size(_epoch(m))
         self._size_limits()
         return reply
@@ -298,14 +299,14 @@ class Agent(TaskPlan):
         self.criu.timeout_s = capture_s
         watchdog.set_limit(self.watchdog_fd, capture_s + 120)
 
-    def _epoch_began(self, m: dict) -> None:
+    def _epoch_began(self, m: dict[str, Any]) -> None:
         """The first phase of an epoch (SIZE for GPU jobs, else PREPARE): recorded, and refused here, before
         anything is frozen, if the site policy forbids it."""
         final = validate.flag(m["final"], "final") if "final" in m else None
-        self.reporter.epoch_began(_epoch(m), final, validate.label(m.get("trigger", "unknown"), "trigger"))
+        self._failures().epoch_began(_epoch(m), final, validate.label(m.get("trigger", "unknown"), "trigger"))
         self._require_policy(_epoch(m), bool(final))
 
-    def op_prepare(self, m: dict, fds: list[int]) -> dict:
+    def op_prepare(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self._epoch_began(m)
         # `final` is fixed here, where the policy judged it: CAPTURE takes this one, never its own (a
         # "final" PREPARE, exempt from min_interval, followed by a periodic CAPTURE was a periodic capture
@@ -313,10 +314,10 @@ class Agent(TaskPlan):
         self.prepared = (_epoch(m), m.get("final") is True, time.monotonic())
         if self.events:
             self.events.preparing(_epoch(m))
-        with self.reporter.recorded(_epoch(m), "prepare", self.runner):
+        with self._failures().recorded(_epoch(m), "prepare", self.runner):
             return self.runner.prepare(_epoch(m))
 
-    def op_capture(self, m: dict, fds: list[int]) -> dict:
+    def op_capture(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         epoch, said = _epoch(m), validate.flag(m.get("final", True), "final")
         if self.prepared is None or self.prepared[0] != epoch:
             raise ProtocolError(f"CAPTURE of epoch {epoch} without its PREPARE", epoch=epoch)
@@ -325,33 +326,33 @@ class Agent(TaskPlan):
             raise ProtocolError(f"CAPTURE says final={said}, its PREPARE said final={final}", epoch=epoch)
         if not final:       # counted from its PREPARE, resumed or not (an aborted capture was one too)
             self.last_periodic = prepared_at
-        self.reporter.epoch_is_final(_epoch(m), final)
-        with self.reporter.recorded(_epoch(m), "capture", self.runner):
+        self._failures().epoch_is_final(_epoch(m), final)
+        with self._failures().recorded(_epoch(m), "capture", self.runner):
             reply = self.runner.capture(_epoch(m), final=final)
         if self.events:
-            self.events.captured(_epoch(m), self.reporter.epoch[2], final, int(reply.get("bytes", 0)))
+            self.events.captured(_epoch(m), self._failures().epoch[2], final, int(reply.get("bytes", 0)))
         return reply
 
-    def op_resume(self, m: dict, fds: list[int]) -> dict:
+    def op_resume(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if self.events:
             self.events.resumed(_epoch(m))
-        with self.reporter.recorded(_epoch(m), "resume", self.runner):
+        with self._failures().recorded(_epoch(m), "resume", self.runner):
             reply = self.runner.resume(_epoch(m))
         if self.events:
             self.events.persisted(_epoch(m))
         return reply
 
-    def op_abort(self, m: dict, fds: list[int]) -> dict:
+    def op_abort(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if self.events:
             self.events.aborted(_epoch(m))
         self.runner.abort(_epoch(m))
         return {}
 
-    def op_finish(self, m: dict, fds: list[int]) -> dict:
+    def op_finish(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self.runner.finish(_epoch(m))
         return {}
 
-    def op_restore(self, m: dict, fds: list[int]) -> dict:
+    def op_restore(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         durable.await_store(self.store.root, self.store_wait_s)   # a shared file system's server restarting
         why_not = self._not_restorable()
         if why_not is not None or not any(e["epoch"] == _epoch(m) for e in self.store.committed()):
@@ -371,7 +372,7 @@ class Agent(TaskPlan):
         try:
             pid, manifest = self.runner.restore(self._context(creds, None, handed), _epoch(m), fds)
         except Exception as e:
-            self.reporter.restore_failed(_epoch(m), e)     # the reason if the task starts afresh
+            self._failures().restore_failed(_epoch(m), e)     # the reason if the task starts afresh
             if self.events:
                 self.events.restore_failed(_epoch(m), reason_of(e))
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import Any
 
 import click
 
@@ -38,7 +39,8 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in COMMANDS:
             module, _, attr = COMMANDS[name].partition(":")
-            return getattr(importlib.import_module(module), attr)
+            command: click.Command = getattr(importlib.import_module(module), attr)
+            return command
         return super().get_command(ctx, name)
 
 
@@ -64,7 +66,7 @@ def cli() -> None:
 @click.option("--interval", default=None, help="Seconds, or auto.")
 @click.option("--interval-from", type=click.Choice(["option", "default"]), default="option")
 @click.option("--log-fd", type=int, default=None)
-def agent(**args) -> None:
+def agent(**args: Any) -> None:
     """Per-task privileged agent (started by the SPANK plugin only)."""
     if os.geteuid() != 0:
         raise CliError("the agent runs as root, started by slurmstepd")

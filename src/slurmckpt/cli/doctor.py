@@ -8,6 +8,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 import psutil
@@ -24,7 +25,7 @@ COLUMNS = [Column("result", "RESULT"), Column("check", "CHECK"), Column("detail"
 
 @dataclass
 class Report:
-    rows: list[dict] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, ok: bool | None, check: str, detail: str = "") -> None:
         """ok None: a warning (reported, never a failure)."""
@@ -165,11 +166,11 @@ def check_node(r: Report, cfg: Config) -> None:
     agents = running_agents()
     r.add(True, "agents running here", ", ".join(f"{a['task']} (pid {a['pid']})" for a in agents) or "none")
     from slurmckpt.cuda.inventory import doctor_checks
-    for ok, what, detail in doctor_checks():        # GPU nodes only (docs/gpu.md)
-        r.add(ok, what, detail)
+    for gpu_ok, what, detail in doctor_checks():    # GPU nodes only (docs/gpu.md)
+        r.add(gpu_ok, what, detail)
 
 
-def running_agents() -> list[dict]:
+def running_agents() -> list[dict[str, Any]]:
     """`slurmckpt agent` processes on this node (psutil): job.step.rank and pid (not their watchdogs, which
 are forked children with the same command line)."""
     found = []

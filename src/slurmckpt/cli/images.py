@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -100,7 +101,7 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
         click.echo(f"    timings: {timings(m.get('timings') or {})}")
 
 
-def timings(recorded: dict) -> str:
+def timings(recorded: dict[str, Any]) -> str:
     """A rank's stage timings as people read them, `criu_dump 0.06 s, ...`, then the `*_mib` entries (sizes
     the stages measured) through the one size formatter. `--json` keeps the numbers."""
     times, sizes = [], []

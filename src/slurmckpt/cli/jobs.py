@@ -4,6 +4,7 @@ the requeued job at its new node (docs/operations.md, "Command line")."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import click
 
@@ -71,7 +72,7 @@ def requeue(job: JobRef, force: bool, fmt: Format) -> None:
     _report(fmt, found, "requeue", "capture requested, then requeue")
 
 
-def _wait(job: QueuedJob, done, what: str, timeout_s: float) -> QueuedJob:
+def _wait(job: QueuedJob, done: Callable[[QueuedJob], bool], what: str, timeout_s: float) -> QueuedJob:
     ref = JobRef(job.job_id)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import time
+from typing import Any
 
 import click
 
@@ -25,11 +26,11 @@ SACCT_TIMEOUT_S = 5.0
 ACCOUNTING_WAIT_S = 15.0     # for the submit line of a running job that just started (never for an unknown one)
 
 
-class JobSpec(click.ParamType):
+class JobSpec(click.ParamType):  # type: ignore[type-arg]  # generic only in click's stubs of 8.2+, not at run time
     """`N` or `N_M` (array task), nothing else: int() would read `1234_5` as job 12345."""
     name = "JOB_ID"
 
-    def convert(self, value, param, ctx) -> JobRef:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> JobRef:
         if isinstance(value, JobRef):
             return value
         try:
@@ -83,7 +84,7 @@ def label(job: QueuedJob) -> str:
     return str(job.job_id) if job.spec == str(job.job_id) else f"{job.job_id} ({job.spec})"
 
 
-def job_summary(cfg: Config, job_id: int) -> dict | None:
+def job_summary(cfg: Config, job_id: int) -> dict[str, Any] | None:
     """The job's summary (summary.py) if the caller may read it."""
     return summary.read(cfg.summary_dir, cluster(), job_id)
 

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import click
 
@@ -45,7 +46,7 @@ def _command_section(path: list[str], command: click.Command) -> list[str]:
     return out
 
 
-def _commands(group: click.Group, prefix: list[str]):
+def _commands(group: click.Group, prefix: list[str]) -> Iterator[tuple[list[str], click.Command]]:
     ctx = click.Context(group)
     for name in group.list_commands(ctx):
         command = group.get_command(ctx, name)
@@ -81,10 +82,10 @@ def page_cli() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _default(f: dataclasses.Field) -> str:
+def _default(f: dataclasses.Field[Any]) -> str:
     if f.name == "policy":
         return "none"
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]  # a key without a default has a factory (config._key)
     if isinstance(value, tuple):
         return "[" + ", ".join(value) + "]"
     if f.metadata.get("duration"):

@@ -9,7 +9,7 @@ import functools
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, IO, Sequence
 
 import click
 
@@ -18,7 +18,7 @@ class CliError(click.ClickException):
     """What the user did or asked that cannot be done: one line on stderr, exit code 1."""
     exit_code = 1
 
-    def show(self, file=None) -> None:  # noqa: D102 - click's hook
+    def show(self, file: IO[Any] | None = None) -> None:  # noqa: D102 - click's hook
         click.echo(f"slurmckpt: error: {self.format_message()}", err=True)
 
 
@@ -55,7 +55,7 @@ class Format:
         return self.kind != "text"
 
 
-def output_options(f: Callable) -> Callable:
+def output_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--json, -p/--parsable, -P/--parsable2, -n/--noheader; the command gets `fmt: Format`."""
     @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
     @click.option("-p", "--parsable", is_flag=True, help="Fields separated by '|', with a '|' at the end.")
@@ -70,7 +70,7 @@ def output_options(f: Callable) -> Callable:
     return wrapper
 
 
-def emit(fmt: Format, columns: Sequence[Column], rows: Sequence[dict], document: object | None = None) -> None:
+def emit(fmt: Format, columns: Sequence[Column], rows: Sequence[dict[str, Any]], document: object | None = None) -> None:
     """Rows as a table / '|'-separated lines, or `document` (default: the rows) as JSON."""
     if fmt.kind == "json":
         click.echo(json.dumps(rows if document is None else document, indent=2, sort_keys=True, default=str))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+from typing import Any
 
 import click
 
@@ -14,6 +15,7 @@ from slurmckpt.cli.output import (CliError, Column, Format, JobNotFoundError, em
                                   shown, when)
 from slurmckpt.duration import format_duration, format_interval
 from slurmckpt.errors import SlurmError
+from slurmckpt.config import Config
 from slurmckpt.store.fresh_start import CaptureFailure
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.jobref import JobRef
@@ -29,7 +31,7 @@ EPOCH_COLUMNS = [Column("epoch", "EPOCH", right=True), Column("committed", "COMM
                  Column("size", "SIZE", right=True), Column("nodes", "NODES")]
 
 
-def row(job: dict, info: dict | None) -> dict:
+def row(job: dict[str, Any], info: dict[str, Any] | None) -> dict[str, Any]:
     """One job's line: what slurmctld (or accounting) says, and its newest checkpoint."""
     newest = ((info or {}).get("epochs") or [None])[0]
     return {**job, "epoch": newest["epoch"] if newest else None,
@@ -38,20 +40,20 @@ def row(job: dict, info: dict | None) -> dict:
             "bytes": newest["bytes"] if newest else None}
 
 
-def _queued_row(j: QueuedJob) -> dict:
+def _queued_row(j: QueuedJob) -> dict[str, Any]:
     field, note = j.slurmckpt_note()
     return {"job": j.spec, "job_id": j.job_id, "user": j.user, "state": j.state, "restarts": j.restarts,
             "partition": j.partition, "qos": j.qos, "nodes": j.nodes or j.reason, "note": note, "note_field": field}
 
 
-def _queued_rows(user: str | None) -> list[dict]:
+def _queued_rows(user: str | None) -> list[dict[str, Any]]:
     try:
         return [_queued_row(j) for j in CliSlurm(timeout_s=SQUEUE_TIMEOUT_S).queued(user=user)]
     except SlurmError as e:
         raise CliError(str(e)) from e
 
 
-def _one(ref: JobRef) -> dict:
+def _one(ref: JobRef) -> dict[str, Any]:
     try:
         return _queued_row(queued(ref))
     except JobNotFoundError:
@@ -91,7 +93,7 @@ def status(jobs: tuple[JobRef, ...], user: str | None, show_all: bool, fmt: Form
     emit(fmt, COLUMNS, rows, [{**r, "summary": summaries.get(r["job_id"])} for r in rows])
 
 
-def interval_lines(rec: dict) -> list[str]:
+def interval_lines(rec: dict[str, Any]) -> list[str]:
     """--checkpoint-interval=auto: the interval the job's coordinator chose and what from (summary.interval_record;
     `--json` has the same record as numbers, under "interval")."""
     if "interval_s" not in rec:
@@ -121,7 +123,7 @@ def interval_lines(rec: dict) -> list[str]:
             + (f"; per node, {nodes} nodes" if nodes > 1 else "") + ")"]
 
 
-def _details(cfg, r: dict, fmt: Format) -> None:
+def _details(cfg: Config, r: dict[str, Any], fmt: Format) -> None:
     info = job_summary(cfg, r["job_id"])
     array = f" ({shown(r['job'])})" if str(r["job"]) != str(r["job_id"]) else ""
     click.echo(f"JobId={r['job_id']}{array} User={shown(r['user'])} State={shown(r['state'])} "

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from slurmckpt import validate
+from slurmckpt.errors import ProtocolError
 from slurmckpt.sizes import size_text
 
 GPU_CHECKPOINT_BPS = 2.0e9          # device -> host, one process (32 GiB: 15-18 s)
@@ -46,7 +47,7 @@ class RankSize:
         return self.host_bytes + self.gpu_bytes
 
     @classmethod
-    def from_reply(cls, rank: str, node: str, msg: dict) -> RankSize:
+    def from_reply(cls, rank: str, node: str, msg: dict[str, Any]) -> RankSize:
         """A `sized` reply, every field checked (the rank's wrapper is the job user's process)."""
         def size(name: str, default: int = 0) -> int:
             return validate.integer(msg.get(name, default), name, 0, MAX_BYTES)
@@ -55,11 +56,11 @@ class RankSize:
                   size("largest_process_bytes"), size("mem_available", MAX_BYTES),
                   validate.text(msg.get("cgroup", ""), "cgroup", 512), size("cgroup_headroom", MAX_BYTES))
         if out.largest_process_bytes > out.gpu_bytes:
-            raise validate.ProtocolError("bad sized reply: largest_process_bytes above gpu_bytes")
+            raise ProtocolError("bad sized reply: largest_process_bytes above gpu_bytes")
         return out
 
 
-def _by(sizes: Iterable[RankSize], key) -> dict[str, list[RankSize]]:
+def _by(sizes: Iterable[RankSize], key: Callable[[RankSize], str]) -> dict[str, list[RankSize]]:
     groups: dict[str, list[RankSize]] = defaultdict(list)
     for s in sizes:
         groups[key(s)].append(s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from slurmckpt import validate
 from slurmckpt.coordinator.protocol import MAX_LINE, Sealer, error_kind, open_challenge
@@ -20,7 +20,7 @@ REPLIES = {"size": "sized", "prepare": "ready", "capture": "captured", "resume":
 
 class RankClient:
     def __init__(self, host: str, port: int, token: str, rank: str, node: str, interval: int,
-                 handler: Callable[[str, int, dict], dict], tasks: int = 1, last_epoch: int = 0,
+                 handler: Callable[[str, int, dict[str, Any]], dict[str, Any]], tasks: int = 1, last_epoch: int = 0,
                  gpus: bool = False) -> None:
         self.rank, self.handler = rank, handler
         self.sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
@@ -58,13 +58,13 @@ class RankClient:
         except OSError:
             pass
 
-    def _read(self) -> dict:
+    def _read(self) -> dict[str, Any]:
         line = self.file.readline(MAX_LINE + 1)
         if not line:
             raise EOFError("coordinator closed the connection")
         return self.peer.open(line)
 
-    def send(self, message: dict) -> int:
+    def send(self, message: dict[str, Any]) -> int:
         with self._lock:
             self.sock.sendall(self.sealer.seal(message))
             return self.sealer.sent

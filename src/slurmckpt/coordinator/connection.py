@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Awaitable
+from typing import Awaitable, TYPE_CHECKING, cast
 
 from slurmckpt.coordinator.phase import RankConn
 from slurmckpt.coordinator.protocol import LineReader, Sealer, challenge, parse_line
@@ -29,26 +29,28 @@ class Connection(asyncio.BufferedProtocol):
     authenticated and handled right in buffer_updated. No stream, task or coroutine wake-up per connection
     or per line: at 1000+ ranks those were most of the coordinator's CPU."""
 
+    # set by connection_made, the first call the event loop makes
+    transport: asyncio.Transport
+    sealer: Sealer
+    timer: asyncio.TimerHandle             # the hello's deadline, then the linger's
+
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self.lines = LineReader()
-        self.transport: asyncio.Transport | None = None
         self.peer: object = None
-        self.sealer: Sealer | None = None
         self.rank: RankConn | None = None
         self.held: list[bytes] | None = None     # not None while an awaited handler runs: later lines wait
         self.eof = False
         self.closing = False
-        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)       # a TCP server's: a full Transport
         self.peer = transport.get_extra_info("peername")
         hello = challenge()
         self.sealer = Sealer(self.coord.token, parse_line(hello)["nonce"])
         self.coord._conns.add(self)
         self.coord._admit(self)
-        transport.write(hello)
+        self.transport.write(hello)
         self.timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._refuse, "no hello in time")
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -76,8 +78,7 @@ class Connection(asyncio.BufferedProtocol):
         return self.held is not None      # half-open until the held lines are handled
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self.timer.cancel()
         self.coord._conns.discard(self)
         self.coord._pending.pop(self, None)
         self._drop()
@@ -120,7 +121,7 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("connection from %s dropped", self.peer)
             self._close()
             return
-        held, self.held = self.held, None
+        held, self.held = self.held or [], None
         self._process(held)
         if self.held is None and not self.closing:
             if self.eof:

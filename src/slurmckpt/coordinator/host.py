@@ -30,9 +30,11 @@ import logging
 import resource
 import signal
 import socket
+from typing import Any
 
 from slurmckpt.coordinator.interval import AutoInterval, AutoSettings, IntervalClock
-from slurmckpt.coordinator.server import MAX_PENDING, Coordinator
+from slurmckpt.coordinator.connection import MAX_PENDING
+from slurmckpt.coordinator.server import Coordinator
 from slurmckpt.duration import AUTO
 
 log = logging.getLogger("slurmckpt.coordinator.host")
@@ -44,7 +46,7 @@ class Host:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.coordinator: Coordinator | None = None
-        self.commits: dict[int, asyncio.Future] = {}
+        self.commits: dict[int, asyncio.Future[Any]] = {}
         self.ids = itertools.count(1)
         self.loop = asyncio.get_running_loop()
         self.interval = IntervalClock()
@@ -52,7 +54,7 @@ class Host:
         self.auto: AutoInterval | None = None      # the plan's auto settings: a rank may ask for auto
         self.auto_used = False                     # a rank asked for auto: its choices are announced
 
-    def send(self, message: dict) -> None:
+    def send(self, message: dict[str, Any]) -> None:
         self.writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
     async def run(self) -> None:
@@ -118,20 +120,21 @@ class Host:
             changed = self.auto.heard(answer)
             self._announce(changed)
 
-    def _ask(self, message: dict) -> dict:
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         """Runs in an executor thread (the coordinator's contract): a round trip to the wrapper's agent."""
-        async def ask() -> dict:
+        async def ask() -> dict[str, Any]:
             ident = next(self.ids)
             future = self.loop.create_future()
             self.commits[ident] = future
             self.send({**message, "id": ident})
-            return await future
+            answer: dict[str, Any] = await future
+            return answer
         reply = asyncio.run_coroutine_threadsafe(ask(), self.loop).result()
         if reply.get("error"):
             raise RuntimeError(reply["error"])
         return reply
 
-    def _commit(self, epoch: int, ranks: dict, reason: str) -> None:
+    def _commit(self, epoch: int, ranks: dict[str, Any], reason: str) -> None:
         self._ask({"op": "commit", "epoch": epoch, "ranks": ranks, "reason": reason})
 
     def _allocate(self, at_least: int) -> int:

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 STALL_SAMPLES = 5               # the median of this many recent periodic captures is C
 
@@ -48,7 +48,7 @@ class AutoSettings:
     stalls: tuple[float, ...] = ()  # measured by an earlier run of the job (before its requeue)
 
     @classmethod
-    def from_plan(cls, plan: dict) -> AutoSettings | None:
+    def from_plan(cls, plan: dict[str, Any]) -> AutoSettings | None:
         auto = plan.get("auto")
         if not isinstance(auto, dict):
             return None
@@ -56,7 +56,7 @@ class AutoSettings:
         return cls(int(auto["min_s"]), int(auto["max_s"]), int(auto["first_s"]), float(auto["mtbi_s"]),
                    str(auto.get("min_from") or ""), str(auto.get("max_from") or ""), stalls[-STALL_SAMPLES:])
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"min_s": self.min_s, "max_s": self.max_s, "first_s": self.first_s, "mtbi_s": self.mtbi_s,
                 "min_from": self.min_from, "max_from": self.max_from, "stalls": list(self.stalls)}
 
@@ -69,7 +69,7 @@ class Choice:
     stall_s: float | None           # C: the median of `stalls`
     stalls: tuple[float, ...]
     mtbi_s: float                   # M of the job
-    interruptions: dict             # the agent's answer (interruptions.answer), or {"source": "default"}
+    interruptions: dict[str, Any]             # the agent's answer (interruptions.answer), or {"source": "default"}
     young_s: float | None
     daly_s: float | None
     bound: str                      # "" | "min_interval" | "max_interval": the bound that set interval_s
@@ -79,7 +79,7 @@ class Choice:
     max_from: str
     chosen_at: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"interval_s": self.interval_s, "basis": self.basis, "stall_s": self.stall_s,
                 "stalls": list(self.stalls), "mtbi_s": self.mtbi_s, "interruptions": dict(self.interruptions),
                 "young_s": self.young_s, "daly_s": self.daly_s, "bound": self.bound, "min_s": self.min_s,
@@ -106,7 +106,7 @@ def _span(seconds: float) -> str:
     return f"{seconds:.3g}s"
 
 
-def _source(answer: dict) -> str:
+def _source(answer: dict[str, Any]) -> str:
     if answer.get("source") == "accounting":
         return (f"accounting: {answer.get('interruptions', 0)} interruption(s) in "
                 f"{float(answer.get('node_s', 0)) / 3600:.3g} node-hours of partition {answer.get('partition')}"
@@ -118,15 +118,15 @@ def _source(answer: dict) -> str:
 class AutoInterval:
     settings: AutoSettings
     clock: Callable[[], float] = time.time
-    stalls: deque = field(default_factory=lambda: deque(maxlen=STALL_SAMPLES))
-    interruptions: dict = field(default_factory=lambda: {"source": "default"})
+    stalls: deque[Any] = field(default_factory=lambda: deque(maxlen=STALL_SAMPLES))
+    interruptions: dict[str, Any] = field(default_factory=lambda: {"source": "default"})
 
     def __post_init__(self) -> None:
         self.stalls.extend(self.settings.stalls)
         self.mtbi_s = self.settings.mtbi_s
         self.current = self.choose()
 
-    def observe(self, result: dict) -> bool:
+    def observe(self, result: dict[str, Any]) -> bool:
         """An epoch ended: a committed periodic capture's stall is a sample of C. True: the interval changed."""
         stall = result.get("stall_s")
         if result.get("status") != "committed" or result.get("final") or not isinstance(stall, (int, float)):
@@ -134,7 +134,7 @@ class AutoInterval:
         self.stalls.append(max(0.0, float(stall)))
         return self._rechoose()
 
-    def heard(self, answer: dict) -> bool:
+    def heard(self, answer: dict[str, Any]) -> bool:
         """The agent's word on interruptions (interruptions.answer). True: the interval changed."""
         mtbi = answer.get("mtbi_s")
         if not isinstance(mtbi, (int, float)) or not mtbi > 0 or not math.isfinite(mtbi):

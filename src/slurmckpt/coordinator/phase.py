@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from slurmckpt import validate
 from slurmckpt.coordinator.budget import RankSize
@@ -36,13 +37,13 @@ class PhaseReplies:
 
     def __init__(self, n: int, collect: bool = False) -> None:
         self.future = asyncio.get_running_loop().create_future()
-        self.replies: list[dict | EpochFailed | None] = [None] * n
+        self.replies: list[dict[str, Any] | EpochFailed | None] = [None] * n
         self.left = n
         self.collect = collect
         if n == 0:
             self.future.set_result(self.replies)
 
-    def arrive(self, index: int, msg: dict | EpochFailed) -> None:
+    def arrive(self, index: int, msg: dict[str, Any] | EpochFailed) -> None:
         if self.future.done():
             return
         self.replies[index] = msg
@@ -70,7 +71,7 @@ class RankConn:
     waiting: tuple[int, str, str, PhaseReplies, int] | None = None   # (epoch, reply, command, barrier, index)
     gpus: bool = False         # the task has GPUs (its hello): epochs of such a job start with SIZE
 
-    def send(self, message: dict) -> None:
+    def send(self, message: dict[str, Any]) -> None:
         self.transport.write(self.sealer.seal(message))
 
     def send_prefix(self, prefix: bytes) -> None:
@@ -80,7 +81,7 @@ class RankConn:
     def expect(self, epoch: int, reply: str, command: str, barrier: PhaseReplies, index: int) -> None:
         self.waiting = (epoch, reply, command, barrier, index)
 
-    def deliver(self, msg: dict) -> None:
+    def deliver(self, msg: dict[str, Any]) -> None:
         """A reply to the current phase counts towards its barrier; anything stale is ignored."""
         if self.waiting is None:
             return
@@ -106,7 +107,7 @@ class RankConn:
         self.waiting = None
 
 
-def check_reply(msg: dict) -> dict:
+def check_reply(msg: dict[str, Any]) -> dict[str, Any]:
     """A rank's answer to a command, checked before it counts: epoch, and what a capture reports."""
     validate.epoch(msg.get("epoch"))
     if msg["type"] == "sized":

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import secrets
+from typing import Any
 
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError, TaskEnded, is_retryable
@@ -38,7 +39,7 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def encode_prefix(message: dict) -> bytes:
+def encode_prefix(message: dict[str, Any]) -> bytes:
     """The JSON bytes of `message` + version, up to the sequence number: `{...,"v":1,"seq":`. A command sent
     to every rank is encoded once; each connection only appends its own seq (see Sealer.seal_prefix)."""
     if "seq" in message:         # the sequence number is always ours, and always last
@@ -70,7 +71,7 @@ class Sealer:
         outer.update(inner.digest())
         return outer.hexdigest().encode()
 
-    def seal(self, message: dict) -> bytes:
+    def seal(self, message: dict[str, Any]) -> bytes:
         return self.seal_prefix(encode_prefix(message))
 
     def seal_prefix(self, prefix: bytes) -> bytes:
@@ -79,7 +80,7 @@ class Sealer:
         data = b"%s%d}" % (prefix, self.sent)
         return self._mac(data) + b" " + data + b"\n"
 
-    def open(self, line: bytes) -> dict:
+    def open(self, line: bytes) -> dict[str, Any]:
         if len(line) > MAX_LINE:
             raise ProtocolError("message too long", size=len(line))
         mac, _, data = line.rstrip(b"\n").partition(b" ")
@@ -115,7 +116,7 @@ class LineReader:
         return lines
 
 
-def parse_line(line: bytes) -> dict:
+def parse_line(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_LINE:
         raise ProtocolError("message too long", size=len(line))
     try:

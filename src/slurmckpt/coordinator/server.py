@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
 from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
@@ -39,7 +39,7 @@ from slurmckpt.identity import RankName
 log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
-Committer = Callable[[int, dict, str], None]
+Committer = Callable[[int, dict[str, Any], str], None]
 Allocator = Callable[[int], int]          # at least this number -> the epoch to run (storage.allocate_epoch)
 
 
@@ -48,13 +48,13 @@ class Coordinator:
     token: str
     committer: Committer
     next_epoch: int
-    completed: dict[str, dict] = field(default_factory=dict)
+    completed: dict[str, dict[str, Any]] = field(default_factory=dict)
     prepare_timeout_s: float = 30.0
     capture_timeout_s: float = 600.0
     on_started: Callable[[str, str], Awaitable[None]] | None = None
     on_trigger: Callable[[str, bool], None] | None = None
     ranks: dict[str, RankConn] = field(default_factory=dict)
-    history: list[dict] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     expected: dict[str, int] = field(default_factory=dict)    # step -> number of tasks (from hellos)
     lock_rounds: int = 8
     lock_backoff_s: float = 0.2
@@ -71,7 +71,7 @@ class Coordinator:
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[Connection] = set()
         self._pending: dict[Connection, None] = {}     # not yet authenticated, oldest first
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._rbuf = memoryview(bytearray(READ_SIZE))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -79,7 +79,7 @@ class Coordinator:
         # backlog: a whole job's ranks connect at once (job start, coordinator restart)
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Connection(self), host, port, backlog=4096)
-        return self._server.sockets[0].getsockname()[1]
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         if self._server:
@@ -103,7 +103,7 @@ class Coordinator:
             if oldest.transport is not None:
                 oldest.transport.abort()
 
-    def _hello(self, conn: Connection, msg: dict) -> RankConn:
+    def _hello(self, conn: Connection, msg: dict[str, Any]) -> RankConn:
         """A connection's first authenticated message must be its rank's hello."""
         if msg["type"] != "hello":
             raise ProtocolError("expected hello")
@@ -124,7 +124,7 @@ class Coordinator:
         log.info("rank %s joined from %s (node %s)", rank.name, conn.peer, rank.node)
         return rank
 
-    def _dispatch(self, rank: RankConn, msg: dict) -> Awaitable[None] | None:
+    def _dispatch(self, rank: RankConn, msg: dict[str, Any]) -> Awaitable[None] | None:
         """Handle one message of a registered rank. Returns an awaitable when handling must wait for a
         callback (`started`); that rank's later messages are held until it is done."""
         kind = msg["type"]
@@ -153,12 +153,13 @@ class Coordinator:
             raise ProtocolError(f"unexpected message type {kind!r}")
         return None
 
-    async def _started(self, rank: RankConn, msg: dict) -> None:
-        await self.on_started(rank.name, str(msg.get("action", "run")))
+    async def _started(self, rank: RankConn, msg: dict[str, Any]) -> None:
+        if self.on_started is not None:
+            await self.on_started(rank.name, str(msg.get("action", "run")))
         rank.send({"type": "ack", "ref": msg.get("seq")})
 
     # ---- epochs ------------------------------------------------------------------------------------------
-    async def run_epoch(self, reason: str, final: bool) -> dict:
+    async def run_epoch(self, reason: str, final: bool) -> dict[str, Any]:
         """One capture. GPU lock rounds (docs/architecture.md): PREPARE locks every rank's GPUs concurrently with a short
         timeout; if a lock times out (a peer's NCCL collective is half done), the round aborts, which unlocks
         everyone, and retries after a jittered backoff; a cut exists only when every rank locked in the
@@ -177,7 +178,7 @@ class Coordinator:
             if final:
                 self._final_tried = time.monotonic()
 
-    async def _run_epoch(self, reason: str, final: bool) -> dict:
+    async def _run_epoch(self, reason: str, final: bool) -> dict[str, Any]:
         async with self._epoch_lock:
             if self.finished:
                 return {"status": "skipped", "reason": reason, "why": "job already captured for requeue"}
@@ -198,7 +199,7 @@ class Coordinator:
         self.next_epoch = max(self.next_epoch, epoch + 1)
         return epoch
 
-    async def _attempt(self, reason: str, final: bool) -> dict:
+    async def _attempt(self, reason: str, final: bool) -> dict[str, Any]:
         parts = list(self.ranks.values())
         result = {"epoch": self.next_epoch, "reason": reason, "final": final, "ranks": len(parts)}
         t0 = time.monotonic()
@@ -294,7 +295,7 @@ class Coordinator:
                 p.waiting = None
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,
-                     timeout: float, **fields: object) -> list[dict]:
+                     timeout: float, **fields: Any) -> list[dict[str, Any]]:
         """Every rank's reply, or EpochFailed: the first rank that failed or left, or (timeout) every rank
         that had not answered, by name and node."""
         for p in parts:     # a rank that left between two phases fails this one now, not at its timeout
@@ -335,7 +336,7 @@ class Coordinator:
         return problems
 
     @staticmethod
-    def _note_abort(result: dict, problems: list[str]) -> None:
+    def _note_abort(result: dict[str, Any], problems: list[str]) -> None:
         if problems:
             result["abort"] = "; ".join(problems)
 

@@ -9,12 +9,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, IO
 
 RESTARTS_PER_10_MIN = 5           # a coordinator that keeps dying is a bug to report, not to loop on
 
 
-def _no_interval(choice: dict, line: str, changed: bool) -> None:
+def _no_interval(choice: dict[str, Any], line: str, changed: bool) -> None:
     return None
 
 
@@ -24,19 +24,19 @@ class HostCallbacks:
     part (started, result, interval: its HostEvents) and the agent calls (commit, allocate, publish,
     interruptions)."""
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
-    result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
-    commit: Callable[[int, dict, str], None]          # via the agent; raises on failure
+    result: Callable[[dict[str, Any], str, bool], None]         # an epoch ended (committed, aborted or skipped)
+    commit: Callable[[int, dict[str, Any], str], object]        # via the agent; raises on failure
     allocate: Callable[[int], int]                    # an epoch number >= this, via the agent
-    publish: Callable[[int], None]                    # port -> address file for the ranks
+    publish: Callable[[int], object]                  # port -> address file for the ranks
     say: Callable[[str], None]
-    interruptions: Callable[[], dict] = dict          # the partition's interruption rate, via the agent
-    interval: Callable[[dict, str, bool], None] = _no_interval   # auto chose (interval.py)
+    interruptions: Callable[[], dict[str, Any]] = dict          # the partition's interruption rate, via the agent
+    interval: Callable[[dict[str, Any], str, bool], None] = _no_interval   # auto chose (interval.py)
 
 
 class CoordinatorSupervisor:
-    def __init__(self, job: int, settings: dict, callbacks: HostCallbacks) -> None:
+    def __init__(self, job: int, settings: dict[str, Any], callbacks: HostCallbacks) -> None:
         self.job, self.settings, self.cb = job, settings, callbacks
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.link: socket.socket | None = None
         self.last_epoch = int(settings["next_epoch"]) - 1
         self.stopping = False
@@ -85,12 +85,12 @@ class CoordinatorSupervisor:
         self.last_epoch = max(self.last_epoch, epoch)
 
     # ---- link --------------------------------------------------------------------------------------------
-    def _send(self, message: dict) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
         assert self.link
         with self._send_lock:
             self.link.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
-    def _serve(self, proc: subprocess.Popen, file) -> None:
+    def _serve(self, proc: subprocess.Popen[bytes], file: IO[str]) -> None:
         while line := file.readline():
             msg = json.loads(line)
             op = msg["op"]
@@ -107,7 +107,7 @@ class CoordinatorSupervisor:
         if not self.stopping:
             self._died(proc)
 
-    def _commit(self, msg: dict) -> None:
+    def _commit(self, msg: dict[str, Any]) -> None:
         error = None
         self.saw_epoch(int(msg["epoch"]))
         try:
@@ -119,8 +119,8 @@ class CoordinatorSupervisor:
         except OSError:
             pass
 
-    def _allocate(self, msg: dict) -> None:
-        reply: dict = {"op": "allocated", "id": msg["id"]}
+    def _allocate(self, msg: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {"op": "allocated", "id": msg["id"]}
         try:
             reply["epoch"] = int(self.cb.allocate(int(msg["at_least"])))
             self.saw_epoch(reply["epoch"])
@@ -131,8 +131,8 @@ class CoordinatorSupervisor:
         except OSError:
             pass
 
-    def _interruptions(self, msg: dict) -> None:
-        reply: dict = {"op": "interruptions", "id": msg["id"]}
+    def _interruptions(self, msg: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {"op": "interruptions", "id": msg["id"]}
         try:
             reply["answer"] = self.cb.interruptions()
         except Exception as e:  # noqa: BLE001 - the coordinator keeps the site's value
@@ -146,7 +146,7 @@ class CoordinatorSupervisor:
         """The wrapper (a subreaper that waits for any child) reaped `pid`: keep the status for _died."""
         self.exits[pid] = code
 
-    def _died(self, proc: subprocess.Popen) -> None:
+    def _died(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + 5
         while proc.pid not in self.exits and time.monotonic() < deadline:
             time.sleep(0.05)

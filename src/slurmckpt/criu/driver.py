@@ -47,7 +47,7 @@ class CheckpointEngine(Protocol):
              mntns: bool = False, inherited_devices: Sequence[int] = ()) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: list[int] = (), mntns: bool = False) -> int: ...
+                tcp_close: Sequence[int] = (), mntns: bool = False) -> int: ...
 
 
 @dataclass
@@ -100,7 +100,7 @@ class CriuDriver:
 
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: list[int] = (), mntns: bool = False) -> int:
+                tcp_close: Sequence[int] = (), mntns: bool = False) -> int:
         """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
         `join(pid)` places the criu process (whose cgroups the restored tree inherits); by default it joins
         `freezer`. `tcp_close`: socket inodes (at dump) of TCP connections restored closed (our criu patch
@@ -125,7 +125,7 @@ class CriuDriver:
         return int(pidfile.read_text().strip())
 
     def _run(self, args: list[str], images: Path, log: str, pid: int | None = None,
-             pass_fds: list[int] | None = None, preexec=None) -> float:
+             pass_fds: list[int] | None = None, preexec: Callable[[], None] | None = None) -> float:
         cmd = [self.binary, *args, "--network-lock", self.network_lock, *self.extra_args]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
@@ -148,7 +148,7 @@ class CriuDriver:
         return time.monotonic() - start
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> str:
+def _stop(proc: subprocess.Popen[str], grace_s: float) -> str:
     """STOP_SIGNAL, then SIGKILL if criu has not exited within `grace_s`; says which ended it."""
     proc.send_signal(STOP_SIGNAL)
     try:

@@ -65,8 +65,9 @@ def regular_file_names(images: Path) -> dict[int, str]:
         for number, value in _fields(entry):
             if number == 3 and isinstance(value, bytes):
                 reg = dict(_fields(value))
-                if isinstance(reg.get(6), bytes):
-                    out[int(reg.get(1, 0))] = reg[6].decode(errors="surrogateescape")
+                name, ident = reg.get(6), reg.get(1, 0)
+                if isinstance(name, bytes) and isinstance(ident, int):
+                    out[ident] = name.decode(errors="surrogateescape")
     return out
 
 
@@ -79,6 +80,8 @@ def linked_remaps(images: Path) -> list[tuple[str, str]]:
     out = []
     for entry in _entries(images / "remap-fpath.img"):
         rec = dict(_fields(entry))
-        if int(rec.get(3, REMAP_LINKED)) == REMAP_LINKED and rec.get(1) in names and rec.get(2) in names:
-            out.append((names[rec[1]], names[rec[2]]))
+        orig, remap, kind = rec.get(1), rec.get(2), rec.get(3, REMAP_LINKED)
+        if kind == REMAP_LINKED and isinstance(orig, int) and isinstance(remap, int) and orig in names \
+                and remap in names:
+            out.append((names[orig], names[remap]))
     return out

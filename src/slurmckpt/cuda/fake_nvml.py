@@ -61,13 +61,13 @@ class FakeNvml:
 
     @classmethod
     def of(cls, *uuids: str, **gpu: object) -> FakeNvml:
-        return cls([FakeNvmlGpu(u, pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", **gpu)  # type: ignore[arg-type]
+        return cls([FakeNvmlGpu(u, pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", **gpu)  # type: ignore[arg-type]  # tests name fields
                     for i, u in enumerate(uuids)])
 
     def run(self, pid: int, uuid: str, used: int | None, mps: bool = False) -> None:
         """Process `pid` holds `used` bytes on GPU `uuid` (an MPS client if `mps`)."""
         gpu = next(g for g in self.gpus if g.uuid == uuid)
-        (gpu.mps_clients if mps else gpu.processes)[pid] = used   # type: ignore[assignment]
+        (gpu.mps_clients if mps else gpu.processes)[pid] = used  # type: ignore[assignment]  # None: NVML hides the bytes
 
     # ---- the pynvml functions NvmlInventory calls ----
     def nvmlInit(self) -> None:

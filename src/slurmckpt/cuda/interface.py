@@ -3,7 +3,7 @@ libcuda or NVML; trees with CUDA processes get the CUDA driver stage (slurmckpt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,10 @@ class GpuStage(Protocol):
     def footprint(self, pids: list[int]) -> GpuUse: ...   # SIZE: bytes per process; refuses what cannot be
     def lock(self, pids: list[int]) -> None: ...          # PREPARE: lock every CUDA process (timeout)
     def unlock(self) -> None: ...                          # undo of lock
-    def checkpoint(self) -> dict | None: ...               # CAPTURE: device memory -> host; record for rank.json
+    def checkpoint(self) -> dict[str, Any] | None: ...               # CAPTURE: device memory -> host; record for rank.json
     def resume(self) -> None: ...                          # after a periodic capture: restore + unlock
-    def check_restore(self, record: dict | None) -> None: ...   # before criu restore: GPUs here fit the record
-    def restore(self, record: dict | None, pids: list[int]) -> None: ...   # after criu restore
+    def check_restore(self, record: dict[str, Any] | None) -> None: ...   # before criu restore: GPUs here fit the record
+    def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None: ...   # after criu restore
 
 
 class NullGpu:
@@ -39,16 +39,16 @@ class NullGpu:
     def unlock(self) -> None:
         pass
 
-    def checkpoint(self) -> dict | None:
+    def checkpoint(self) -> dict[str, Any] | None:
         return None
 
     def resume(self) -> None:
         pass
 
-    def check_restore(self, record: dict | None) -> None:
+    def check_restore(self, record: dict[str, Any] | None) -> None:
         self.restore(record, [])
 
-    def restore(self, record: dict | None, pids: list[int]) -> None:
+    def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None:
         if record and record.get("processes"):
             from slurmckpt.errors import GpuError
             raise GpuError("checkpoint holds GPU state but this agent has no GPU stage")

@@ -64,7 +64,7 @@ class Inventory:
 
     def held_by(self, pids: Iterable[int]) -> dict[int, dict[str, int]]:
         """pid -> {GPU uuid: bytes} for the given pids that hold device memory (unknown sizes count 0)."""
-        wanted, out = set(pids), {}
+        wanted, out = set(pids), dict[int, Any]()
         for use in self.processes:
             if use.pid in wanted and not use.mps:
                 per_gpu = out.setdefault(use.pid, {})
@@ -121,7 +121,7 @@ class NvmlInventory:
     def __init__(self, nvml: Any = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml as nvml  # type: ignore[no-redef]  # the optional module in the parameter's place
             except ImportError as e:
                 raise NvmlUnavailable(
                     f"pynvml is not installed for {sys.executable}: GPU capture needs it to size and check the "
@@ -217,7 +217,7 @@ def doctor_checks(device: Path = Path("/dev/nvidiactl"),
     except GpuError as e:
         return [(False, "GPU inventory (NVML)", str(e))]
     major = int(inv.driver_version.split(".")[0]) if inv.driver_version.split(".")[0].isdigit() else 0
-    out = [(major >= MIN_DRIVER, "NVIDIA driver", inv.describe()[0] + ("" if major >= MIN_DRIVER else
+    out: list[tuple[bool | None, str, str]] = [(major >= MIN_DRIVER, "NVIDIA driver", inv.describe()[0] + ("" if major >= MIN_DRIVER else
                                                                        f" (GPU checkpoint needs >= {MIN_DRIVER})"))]
     for gpu, line in zip(inv.gpus, inv.describe()[1:]):
         out.append((not gpu.mig_enabled, f"GPU {gpu.index}", line + (" (MIG GPUs cannot be checkpointed)"

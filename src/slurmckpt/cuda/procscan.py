@@ -233,9 +233,9 @@ def frozen_reason(pid: int, cgroup_root: str = "/sys/fs/cgroup") -> str | None:
                     _read(f"{cgroup_root}{path}/cgroup.freeze").strip() == "1":
                 return f"process {pid} is in frozen cgroup {path}"
         elif "freezer" in controllers.split(","):
-            state = _read(f"{cgroup_root}/freezer{path}/freezer.state").strip()
-            if state in ("FROZEN", "FREEZING"):
-                return f"process {pid} is in {state} freezer cgroup {path}"
+            v1_state = _read(f"{cgroup_root}/freezer{path}/freezer.state").strip()
+            if v1_state in ("FROZEN", "FREEZING"):
+                return f"process {pid} is in {v1_state} freezer cgroup {path}"
     return None
 
 

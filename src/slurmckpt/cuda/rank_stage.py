@@ -69,7 +69,7 @@ class PipelineGpu:
     def unlock(self) -> None:
         self.stage.rollback()
 
-    def checkpoint(self) -> dict | None:
+    def checkpoint(self) -> dict[str, Any] | None:
         self.stage.checkpoint_all()
         if not self.stage.active:
             return None
@@ -90,7 +90,7 @@ class PipelineGpu:
             self.stage.rollback()
             raise
 
-    def check_restore(self, record: dict | None) -> None:
+    def check_restore(self, record: dict[str, Any] | None) -> None:
         """Before criu restores anything: the GPUs this task has now take the checkpoint's GPU state (same
         chip and count, at least its memory: remap.build_pairs), none is in MIG mode or prohibits compute, and
         each has free at least the bytes the checkpoint held on its counterpart (NVML). Without NVML only the
@@ -109,7 +109,7 @@ class PipelineGpu:
             return
         check_free(captured, now, inventory, record.get("device_bytes", {}), self.context)
 
-    def restore(self, record: dict | None, pids: list[int]) -> None:
+    def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None:
         if not record or not record.get("processes"):
             return
         driver = self.driver_factory()

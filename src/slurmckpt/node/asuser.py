@@ -149,4 +149,7 @@ def call_as_user(creds: Credentials, action: Callable[[], bytes | None], what: s
 def run_as_user(creds: Credentials, action: Callable[[], None], what: str,
                 timeout_s: float = OPEN_TIMEOUT_S) -> None:
     """call_as_user for an action that returns nothing."""
-    call_as_user(creds, lambda: action() or b"", what, timeout_s)
+    def acted() -> bytes:
+        action()
+        return b""
+    call_as_user(creds, acted, what, timeout_s)

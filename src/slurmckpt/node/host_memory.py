@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from slurmckpt.node import procfs
 from slurmckpt.node.task_cgroup import cgroup_mounts
@@ -51,7 +52,7 @@ def cgroup_headroom(pid: int) -> Headroom | None:
     return None
 
 
-def _tightest(mount: Path, path: str, level) -> Headroom | None:
+def _tightest(mount: Path, path: str, level: Callable[[Path, str], Headroom | None]) -> Headroom | None:
     best: Headroom | None = None
     parts = [p for p in path.split("/") if p]
     for depth in range(len(parts), -1, -1):

@@ -50,7 +50,7 @@ class Credentials:
                    tuple(limits))
 
 
-def _libc():
+def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
@@ -224,7 +224,8 @@ def env_memfd(env: dict[str, str]) -> int:
 ENV_FD = 3     # where init finds the workload's environment
 
 
-def _become_task(argv, env, cwd, stdio, creds: Credentials, init_path: str, home: str, own_mntns: bool) -> None:
+def _become_task(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials, init_path: str,
+                 home: str, own_mntns: bool) -> None:
     """In the forked child (root): session, stdio, limits, then exec setpriv -> init with a fixed
     environment. The user's cwd and environment are handed to init's child, which uses them without
     privileges; root never chdirs into the user's directory."""

@@ -20,7 +20,7 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 SOCCR_MARK = "0xC114"
 PATH = "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -40,11 +40,11 @@ class Drop:
     def version(self) -> int:
         return ipaddress.ip_address(self.src).version
 
-    def to_list(self) -> list:
+    def to_list(self) -> list[Any]:
         return [self.src, self.sport, self.dst, self.dport]
 
     @classmethod
-    def from_list(cls, item: list) -> Drop:
+    def from_list(cls, item: list[Any]) -> Drop:
         src, sport, dst, dport = item
         return cls(str(ipaddress.ip_address(src)), int(sport), str(ipaddress.ip_address(dst)), int(dport))
 

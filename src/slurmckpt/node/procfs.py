@@ -229,7 +229,7 @@ def map_files(pid: int) -> list[str]:
 
 
 # ---- network namespace of a process ------------------------------------------------------------------------
-def net_table(pid: int, table: str) -> list[list[str]]:
+def net_table(pid: int | str, table: str) -> list[list[str]]:
     """Rows of /proc/PID/net/<table> (tcp, tcp6, unix...) split on whitespace, header dropped; [] if absent."""
     try:
         lines = _text(pid, "net", table).splitlines()[1:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from typing import AbstractSet, Iterable
 
 from slurmckpt.node import procfs
 
@@ -202,15 +203,13 @@ def _hex_addr(text: str) -> tuple[str, int]:
     host, port = text.split(":")
     raw = bytes.fromhex(host)
     if len(raw) == 4:
-        addr = ipaddress.IPv4Address(raw[::-1])
-    else:   # /proc prints IPv6 as four little-endian 32-bit words
-        addr = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-        if addr.ipv4_mapped:
-            addr = addr.ipv4_mapped
-    return str(addr), int(port, 16)
+        return str(ipaddress.IPv4Address(raw[::-1])), int(port, 16)
+    # /proc prints IPv6 as four little-endian 32-bit words
+    addr = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return str(addr.ipv4_mapped or addr), int(port, 16)
 
 
-def socket_inodes(pids) -> set[str]:
+def socket_inodes(pids: Iterable[int]) -> set[str]:
     """Inode numbers (as /proc/net/* prints them) of every socket the processes hold open."""
     return {link[8:-1] for pid in pids for link in procfs.fd_links(pid) if link.startswith("socket:[")}
 
@@ -227,7 +226,7 @@ class TcpConnection:
         return f"{self.local} -> {self.remote}"
 
 
-def outside_tcp(pids: list[int], inside: set[str] = frozenset()) -> list[TcpConnection]:
+def outside_tcp(pids: list[int], inside: AbstractSet[str] = frozenset()) -> list[TcpConnection]:
     """Established TCP connections of the tree whose other end is not the job's on this node: not loopback,
     and not a socket of this network namespace held by the tree itself or by `inside` (socket inodes of the
     job's other trees on this node; MPI daemons talk over the node's own address). Both ends of the others

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import subprocess
 import time
+from typing import Any
 
 from slurmckpt.node import procfs
 from slurmckpt.node import proctree
@@ -48,7 +49,7 @@ def _on(listeners: set[End], local: End) -> bool:
     return any(port == local[1] and (addr == local[0] or addr in WILDCARDS) for addr, port in listeners)
 
 
-def record(pids: list[int]) -> dict:
+def record(pids: list[int]) -> dict[str, Any]:
     """At the capture: the tree's listeners and its own connections on them (see the module's doc)."""
     listeners = _listeners(pids)
     if not listeners:
@@ -75,7 +76,7 @@ def time_wait(pid: int | str = "self") -> set[Connection]:
     return found
 
 
-def free_for(manifest: dict, wait_s: float = TIME_WAIT_S + 5) -> None:
+def free_for(manifest: dict[str, Any], wait_s: float = TIME_WAIT_S + 5) -> None:
     """Before a restore: destroy the tree's own TIME_WAIT entries on its listeners, wait out any other that
     would fail a listener's bind (at most `wait_s`). Images of an older release name only ports (wildcard
     listeners, nothing of their own: waited out)."""
@@ -130,7 +131,7 @@ def _port(p: object) -> bool:
     return type(p) is int and FIRST_UNPRIVILEGED <= p < 65536
 
 
-def _checked(entries: object, width: int) -> list[tuple]:
+def _checked(entries: object, width: int) -> list[tuple[Any, ...]]:
     """Recorded ends as written (address literals, unprivileged local ports); anything else is dropped."""
     out = []
     for e in entries if isinstance(entries, list) else []:

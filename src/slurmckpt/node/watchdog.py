@@ -40,7 +40,7 @@ def _close_inherited(keep: set[int]) -> None:
     for handler in logging.getLogger().handlers:
         for held in (getattr(handler, "stream", None), getattr(handler, "socket", None)):
             try:
-                keep.add(held.fileno())            # type: ignore[union-attr]
+                keep.add(held.fileno())  # type: ignore[union-attr]  # None or fd-less: AttributeError below
             except (AttributeError, OSError, ValueError):
                 pass
     for name in os.listdir("/proc/self/fd"):

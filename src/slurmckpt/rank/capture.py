@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import socket
+from typing import Any
 
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
@@ -116,7 +117,7 @@ def _record(ctx: RankContext, st: EpochState) -> None:
 SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
 
 
-def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[dict]:
+def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[dict[str, Any]]:
     """The tree's fds on this job's spooled batch script: criu key and file position (bash reads its
     script through such an fd as it goes; the restored one must continue where it was)."""
     found: dict[str, int] = {}
@@ -128,7 +129,7 @@ def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> li
     return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
 
 
-def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[dict]:
+def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
     """The task's PMI socket to slurmstepd, if the tree holds it: criu key (idle: checked in PREPARE, and
     the tree has stayed frozen since)."""
     key = f"socket:[{ctx.handovers.pmi_ino}]"
@@ -137,7 +138,7 @@ def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[dict]:
     return [{"key": key, "ino": ctx.handovers.pmi_ino}]
 
 
-def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict]:
+def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
     """The srun stand-ins' sockets to the wrapper that the tree still holds, in a fixed order (the restore
     hands in one new socket for each)."""
     held = {t.link for pid in pids for t in proctree.open_files(pid)}

@@ -5,7 +5,7 @@ come back consistently (ipc.py says which and why); TCP is sorted by where its o
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from slurmckpt.rank.sharing import crossnode
 from slurmckpt.rank import ghost
@@ -102,7 +102,7 @@ def _refuse_replayed_batch_talking_to_other_nodes(ctx: RankContext, pids: list[i
                            step=ctx.step, rank=ctx.rank)
 
 
-def tcp_leaving_the_node(st: EpochState, pids: list[int]) -> dict:
+def tcp_leaving_the_node(st: EpochState, pids: list[int]) -> dict[str, Any]:
     """TCP whose other end is not on this node, as the check sorted it (st.tcp_outside) and still established
     now (the tree is frozen): to another node of the job (restored as dumped, held until both ends are
     back: crossnode.py), or to outside the job (its other end goes on without the job, so it is restored

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, TYPE_CHECKING
 
 from slurmckpt.identity import RankName
 from slurmckpt.store.space import CopyBudget
@@ -80,14 +80,14 @@ class EpochState:
     final: bool = False
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen or imaged
     done: list[Stage] = field(default_factory=list)      # the stages done, for the rollback
-    record: dict = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
     failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
     footprint: Footprint | None = None                    # SIZE's measure (fit.py)
-    gpu_record: dict | None = None
-    tcp_peers: list = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
-    shared_files: list = field(default_factory=list)     # files mapped shared with other ranks, PREPARE
-    tcp_outside: dict = field(default_factory=dict)      # socket inode -> to another node of the job?, PREPARE
+    gpu_record: dict[str, Any] | None = None
+    tcp_peers: list[Any] = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
+    shared_files: list[Any] = field(default_factory=list)     # files mapped shared with other ranks, PREPARE
+    tcp_outside: dict[int, bool] = field(default_factory=dict)      # socket inode -> to another node of the job?, PREPARE
     # bytes this epoch may copy from the user's files (PREPARE's count, images.reserve; store/space.py)
     copy_budget: CopyBudget = field(default_factory=lambda: CopyBudget(0))
     ghost_limit: int = 0                                  # criu --ghost-limit for this epoch's dump
@@ -102,9 +102,9 @@ class RestoreState(EpochState):
     """One restore of a committed epoch (restore.py): what each stage found for the next."""
     stdio: list[int] = field(default_factory=list)       # the new start's stdio fds (and batch script's)
     images: Path | None = None                            # the unpacked images
-    manifest: dict = field(default_factory=dict)          # the rank's rank.json, as verified
+    manifest: dict[str, Any] = field(default_factory=dict)          # the rank's rank.json, as verified
     key: RestoreKey | None = None                         # this restore of the job on this node
     inherit: list[InheritedFd] = field(default_factory=list)
     hold: Hold | None = None                              # TCP to other nodes held until both ends are back
-    held: list = field(default_factory=list)              # TCP between ranks of this node, held likewise
+    held: list[Any] = field(default_factory=list)              # TCP between ranks of this node, held likewise
     pid: int | None = None                                # the restored root

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.node import procfs
 from slurmckpt.node import host_memory
@@ -63,13 +64,13 @@ class Footprint:
                        f"{size_text(self.image_bytes - self.store_free)} short")
         return out
 
-    def reply(self) -> dict:
+    def reply(self) -> dict[str, Any]:
         """The rank's `sized` reply (validated by coordinator/budget.RankSize.from_reply)."""
         largest = max((sum(g.values()) for g in self.gpu.held.values()), default=0)
-        out = {"host_bytes": self.host_bytes, "gpu_bytes": self.gpu_bytes, "gpu_processes": len(self.gpu.held),
+        out: dict[str, Any] = {"host_bytes": self.host_bytes, "gpu_bytes": self.gpu_bytes, "gpu_processes": len(self.gpu.held),
                "largest_process_bytes": largest, "mem_available": self.mem_available}
         if self.headroom is not None:
-            out.update(cgroup=self.headroom.cgroup[:512], cgroup_headroom=self.headroom.bytes)
+            out.update({"cgroup": self.headroom.cgroup[:512], "cgroup_headroom": self.headroom.bytes})
         return out
 
 

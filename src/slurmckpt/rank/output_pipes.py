@@ -29,7 +29,7 @@ log = logging.getLogger("slurmckpt.output_pipes")
 
 
 def unread_bytes(fd: int) -> int:
-    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
 
 
 def open_pipes(creds: Credentials, pids: list[int], fds: tuple[int, ...] = (1, 2)) -> list[int]:

@@ -17,7 +17,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from slurmckpt.node import procfs
 from slurmckpt.store import sparse
@@ -46,7 +46,7 @@ def measure(wrapper_pid: int) -> list[tuple[str, int]]:
     return list(out.items())
 
 
-def take(ctx: RankContext, st: EpochState, where: Path) -> list[dict]:
+def take(ctx: RankContext, st: EpochState, where: Path) -> list[dict[str, Any]]:
     """CAPTURE (every rank frozen): the output files' data up to their size at
     the freeze into `where`; the rank record's `outputs`."""
     if st.replay:
@@ -98,7 +98,7 @@ def _wait_settled(wrapper_pid: int, quiet_s: float = 0.5, limit_s: float = 5.0) 
             last, since = now, time.monotonic()
 
 
-def rewrite(manifest: dict, images: Path, stdio: list[int]) -> None:
+def rewrite(manifest: dict[str, Any], images: Path, stdio: list[int]) -> None:
     """Restore: each output fd of the new task (Slurm's fresh file) made to hold the snapshot, holes where
     the file had holes (snapshots without `ranges`, from before they were kept, hold every byte)."""
     done = set()

@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import time
+from typing import Any
 
 from slurmckpt.criu.driver import InheritedFd
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
@@ -228,7 +229,7 @@ RESTORE = (
 )
 
 
-def files_to_check(manifest: dict) -> tuple[list[dict], list[dict]]:
+def files_to_check(manifest: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The files mapped shared with another rank, and the files the tree writes, that the restore must find
     as they were at the capture: those /dev/shm files whose saved bytes it writes back are left out. Their
     content now does not matter, and on this node another rank's restore may be writing them back at this
@@ -238,7 +239,7 @@ def files_to_check(manifest: dict) -> tuple[list[dict], list[dict]]:
             [e for e in manifest["truncate"] if e["path"] not in rewritten])
 
 
-def _truncate_written_files(entries: list[dict], creds: Credentials) -> None:
+def _truncate_written_files(entries: list[dict[str, Any]], creds: Credentials) -> None:
     """Files the tree appends to are cut back to their size at the capture, through an fd opened as the
     job's user (never as root: the path is user-controlled) and only if it is still the inode the tree had
     open. A file that shrank cannot be restored consistently."""

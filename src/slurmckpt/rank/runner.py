@@ -5,6 +5,7 @@ current epoch's state, and why it killed the tree, if it did."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.node import procfs, proctree
@@ -43,7 +44,7 @@ class RankRunner:
         return self.state.footprint if self.state else None
 
     # ---- phases driven by the coordinator ---------------------------------------------------------------
-    def size(self, epoch: int) -> dict:
+    def size(self, epoch: int) -> dict[str, Any]:
         """SIZE, before anything is locked: what this rank's capture will take (host memory, GPU memory per
         process, room in host memory and the store); refuses a capture that cannot fit, naming why."""
         ctx = self._require_tree()
@@ -60,7 +61,7 @@ class RankRunner:
         self.state.footprint = measured
         return {**measured.reply(), "notes": list(measured.gpu.notes)}
 
-    def prepare(self, epoch: int) -> dict:
+    def prepare(self, epoch: int) -> dict[str, Any]:
         ctx = self._require_tree()
         sized = self.state.footprint if self.state and self.state.epoch == epoch else None
         st = self.state = EpochState(epoch, footprint=sized,
@@ -68,7 +69,7 @@ class RankRunner:
         self._run(capture.PREPARE, ctx, st)
         return {"timings": st.timings}
 
-    def capture(self, epoch: int, final: bool = True) -> dict:
+    def capture(self, epoch: int, final: bool = True) -> dict[str, Any]:
         """A final capture persists to the store while frozen (the tree dies next). A periodic one persists
         in RESUME, after the thaw: compressing and copying GiBs must not stretch the freeze."""
         st = self.state
@@ -78,7 +79,7 @@ class RankRunner:
         self._run(capture.CAPTURE if final else capture.CAPTURE[:-1], self.ctx, st)
         return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings}
 
-    def resume(self, epoch: int) -> dict:
+    def resume(self, epoch: int) -> dict[str, Any]:
         """After a periodic capture of every rank: RESUME's table. A persist failure leaves the epoch
         uncommitted and staging clean; the tree keeps running."""
         st, ctx = self.state, self.ctx
@@ -117,7 +118,7 @@ class RankRunner:
         """The agent launched the tree whose context this is."""
         self.ctx, self.state = ctx, None
 
-    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, dict]:
+    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, dict[str, Any]]:
         """Restore this rank from `epoch` with the new task's stdio fds (RESTORE's table): (root pid, or None
         for a replayed batch step; the rank manifest). On success the runner holds the restored tree."""
         self.ctx, st = ctx, RestoreState(epoch, stdio=stdio)

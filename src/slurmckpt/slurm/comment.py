@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.store.jobstore import JobStore, atomic_write_json
@@ -72,7 +72,8 @@ class JobComment:
     """`note(text)` and `checkpoint(...)` for one job, from one agent."""
 
     def __init__(self, store: JobStore, job: int, field: str, write: Write | None = None,
-                 read: Read | None = None, lock=None, background: bool = True,
+                 read: Read | None = None, lock: Callable[[], ContextManager[object]] | None = None,
+                 background: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from slurmckpt.store.instance import store_lock
         self.store, self.job, self.field = store, job, field
@@ -118,9 +119,10 @@ class JobComment:
         return compose(state.get("note"), Checkpoint(**cp) if cp else None)
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _state(self) -> dict:
+    def _state(self) -> dict[str, Any]:
         try:
-            return json.loads((self.store.job_dir / STATE_FILE).read_text())
+            state: dict[str, Any] = json.loads((self.store.job_dir / STATE_FILE).read_text())
+            return state
         except (OSError, ValueError):
             return {}
 

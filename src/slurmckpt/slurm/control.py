@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from slurmckpt.node import proctree
 from slurmckpt.errors import SlurmError
@@ -29,7 +29,7 @@ class JobUnknown(SlurmError):
 class SlurmControl(Protocol):
     def requeue(self, job_id: int) -> None: ...
     def end_time(self, job_id: int) -> float | None: ...
-    def job(self, job_id: int) -> dict: ...
+    def job(self, job_id: int) -> dict[str, Any]: ...
 
 
 class CliSlurm:
@@ -91,7 +91,7 @@ class CliSlurm:
         except ValueError as e:       # JSONDecodeError; also a number too long to convert
             raise SlurmError(f"{cmd[0]} --json: not JSON ({e})") from e
 
-    def job(self, job_id: int) -> dict:
+    def job(self, job_id: int) -> dict[str, Any]:
         """The job's record in slurmctld (`squeue --json`, detail included: 22.05 lists every job whatever -j
         says, 23.02 and later just this one). Its fields differ by release: slurm/jobrecord.py reads them."""
         return jobrecord.job_entry(self._json("squeue", "--json", "-j", str(job_id)), job_id)
@@ -226,8 +226,9 @@ class PyslurmControl:
     def requeue(self, job_id: int) -> None:
         self.pyslurm.Job(job_id).requeue()
 
-    def job(self, job_id: int) -> dict:
-        return self.pyslurm.Job.load(job_id).to_dict()
+    def job(self, job_id: int) -> dict[str, Any]:
+        record: dict[str, Any] = self.pyslurm.Job.load(job_id).to_dict()
+        return record
 
     def end_time(self, job_id: int) -> float | None:
         job = self.pyslurm.Job.load(job_id)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from slurmckpt.errors import SlurmError
 
@@ -66,7 +67,7 @@ def _text(value: object, what: str, job: int | None = None) -> str:
     return value
 
 
-def jobs_of(doc: object) -> list[dict]:
+def jobs_of(doc: object) -> list[dict[str, Any]]:
     """The `jobs` of a `squeue --json` / `scontrol show job --json` answer. Slurm 22.05's squeue exits 0
     when slurmctld did not answer and says so only in `errors`: any error there fails the call."""
     if not isinstance(doc, dict):
@@ -81,7 +82,7 @@ def jobs_of(doc: object) -> list[dict]:
     return jobs
 
 
-def job_entry(doc: object, job_id: int) -> dict:
+def job_entry(doc: object, job_id: int) -> dict[str, Any]:
     """The one entry of `doc` for `job_id` (22.05's squeue --json lists every job, whatever -j says)."""
     found = [j for j in jobs_of(doc) if type(j.get("job_id")) is int and j["job_id"] == job_id]
     if len(found) != 1:
@@ -171,7 +172,7 @@ def gpu_indices(detail: str, job: int | None = None) -> list[int]:
     return sorted(out)
 
 
-def node_gpus(entry: dict, job: int) -> tuple[list[str], dict[str, list[int]]]:
+def node_gpus(entry: dict[str, Any], job: int) -> tuple[list[str], dict[str, list[int]]]:
     nodes = _node_names(entry.get("job_resources"), job)
     details = entry.get("gres_detail") or []
     if not isinstance(details, list) or not all(isinstance(d, str) for d in details):
@@ -181,7 +182,7 @@ def node_gpus(entry: dict, job: int) -> tuple[list[str], dict[str, list[int]]]:
     return nodes, {node: gpu_indices(details[i], job) if details else [] for i, node in enumerate(nodes)}
 
 
-def parse_record(entry: dict, job_id: int) -> JobRecord:
+def parse_record(entry: dict[str, Any], job_id: int) -> JobRecord:
     """One job of a `--json` answer (job_entry) -> its record; SlurmError if any field is missing, of
     another type or out of bounds."""
     if type(entry.get("job_id")) is not int or entry["job_id"] != job_id:

@@ -13,7 +13,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import xxhash
 
@@ -22,6 +22,7 @@ from slurmckpt.config import ZSTD_MAX_LEVEL, check_compression
 
 CHUNK = 4 << 20
 T = TypeVar("T")
+U = TypeVar("U")
 PROBE = 4 << 20           # bytes of a file compressed on trial before deciding to store it raw
 WORTH_IT = 0.97           # a file is compressed only if the trial saves at least 3 %
 
@@ -43,7 +44,7 @@ class Sink:
         self.hash = xxhash.xxh3_64() if hashed else None
         self.size = 0
 
-    def write(self, data: bytes | memoryview | list | Hole) -> int:
+    def write(self, data: bytes | memoryview | list[Any] | Hole) -> int:
         if isinstance(data, Hole):
             os.lseek(self.fd, data, os.SEEK_CUR)
             if self.hash is not None:
@@ -93,7 +94,7 @@ class Codec(Protocol):
     suffix: str        # of the stored file's name
 
     def encode(self, src: BinaryIO, sink: Sink, size: int) -> None: ...
-    def decode(self, src: BinaryIO, sink: Sink) -> None: ...
+    def decode(self, src: BinaryIO | Source, sink: Sink) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Plain:
     def encode(self, src: BinaryIO, sink: Sink, size: int) -> None:
         _copy(src, sink)
 
-    def decode(self, src: BinaryIO, sink: Sink) -> None:
+    def decode(self, src: BinaryIO | Source, sink: Sink) -> None:
         _copy(src, sink)
 
 
@@ -129,14 +130,14 @@ class Zstd:
             packed = local.cctx.compress(chunk)
             if len(packed) > KEEP * len(chunk):
                 packed = raw_frame(chunk)
-            return _index(len(packed), len(chunk)) + packed
+            return _index(len(packed), len(chunk)) + bytes(packed)
         _in_order(self.threads, iter(lambda: src.read(FRAME), b""), pack, sink.write)
 
-    def decode(self, src: BinaryIO, sink: Sink) -> None:
+    def decode(self, src: BinaryIO | Source, sink: Sink) -> None:
         import zstandard
         local = threading.local()
 
-        def unpack(item: tuple[bytes, bytes, int]) -> tuple[tuple[bytes, bytes], bytes | list | Hole]:
+        def unpack(item: tuple[bytes, bytes, int]) -> tuple[tuple[bytes, bytes], bytes | list[Any] | Hole]:
             head, frame, raw = item
             blocks = raw_blocks(frame, raw)
             if blocks is not None:
@@ -156,13 +157,13 @@ class Zstd:
         # A Source's hash (xxh3, holding the GIL) is taken by the writer thread, not the reading one.
         account = src.account if isinstance(src, Source) else None
 
-        def write(done: tuple[tuple[bytes, bytes], bytes | list | Hole]) -> None:
+        def write(done: tuple[tuple[bytes, bytes], bytes | list[Any] | Hole]) -> None:
             stored, result = done
             if account is not None:
                 for part in stored:
                     account(part)
             sink.write(result)
-        reader = src.f if account is not None else src
+        reader = src.f if isinstance(src, Source) else src
         _in_order(min(os.cpu_count() or 1, MAX_UNPACKERS), _frames(reader), unpack, write)
 
     def compressible(self, sample: bytes) -> bool:
@@ -239,12 +240,12 @@ def _frames(src: BinaryIO) -> Iterator[tuple[bytes, bytes, int]]:
         yield head + index, exact(stored), raw
 
 
-def _in_order(workers: int, items: Iterable[T], work: Callable[[T], bytes], out: Callable[[bytes], object]) -> None:
+def _in_order(workers: int, items: Iterable[T], work: Callable[[T], U], out: Callable[[U], object]) -> None:
     """`work` over `items` on `workers` threads (zstd releases the GIL), results handed to `out` in order by
     a writer thread: reading the next items (this thread), working on them and writing earlier results
     overlap, so a restore costs about its slowest side, not the read plus the write. At most 2 x workers
     items are in flight. The first failure (of `items`, `work` or `out`) is raised once the writer stops."""
-    done: queue.Queue = queue.Queue(maxsize=2 * max(1, workers))
+    done: queue.Queue[Any] = queue.Queue(maxsize=2 * max(1, workers))
     failed: list[BaseException] = []
 
     def write() -> None:
@@ -288,7 +289,7 @@ def for_stored(name: str) -> Plain | Zstd:
     raise ValueError(f"unknown codec {name!r}")
 
 
-def _copy(src: BinaryIO, sink: Sink) -> None:
+def _copy(src: BinaryIO | Source, sink: Sink) -> None:
     while block := src.read(CHUNK):
         sink.write(block)
 

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from slurmckpt.errors import StorageError
 
@@ -83,6 +83,12 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
 
 def atomic_write_json(path: Path, data: object, mode: int = 0o600) -> None:
     atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode(), mode)
+
+
+def identity(st: os.stat_result) -> list[int]:
+    """What tells a file apart from a copy of it, or from itself after a change (a restore on the node that
+    stored it skips re-reading a file whose identity is unchanged: persist.py)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def free_bytes(path: Path) -> int:
@@ -169,7 +175,8 @@ UNREACHABLE = frozenset({errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.ETIMEDOU
                          errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ENETUNREACH})
 
 
-def await_store(root: Path, wait_s: float, poll_s: float = 2.0, clock=time.monotonic, sleep=time.sleep) -> float:
+def await_store(root: Path, wait_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> float:
     """Wait while the image store's file system does not answer, up to `wait_s` seconds: a shared file
     system whose server restarts must not make a job start from the beginning. Returns the seconds waited;
     raises StorageError naming the error when the store did not come back in time."""

@@ -19,7 +19,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from slurmckpt import validate
 from slurmckpt.errors import CriuError, StorageError, TaskEnded, is_retryable
@@ -76,7 +76,7 @@ class CaptureFailure:
         return f"the {self.kind} at epoch {self.epoch} failed{where}: {self.reason}"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CaptureFailure":
+    def from_dict(cls, d: dict[str, Any]) -> "CaptureFailure":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -236,7 +236,7 @@ class FailureReporter:
         self.sending = [t for t in self.sending if t.is_alive()]
 
 
-def coordinator_verdict(m: dict) -> dict:
+def coordinator_verdict(m: dict[str, Any]) -> dict[str, Any]:
     """The arguments of FailureReporter.capture_failed from a wrapper's report of its coordinator's aborted
     epoch (agent op capture_failed): every field checked (validate.py), text sanitized when recorded."""
     rank, node = m.get("rank"), m.get("node")

@@ -21,7 +21,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import JOB_MANIFEST, FORMAT_VERSION, JobStore
@@ -36,7 +36,7 @@ class JobInstance:
     submit_time: str       # Slurm's SubmitTime of this run (ISO 8601 as scontrol prints it: sorts as text)
     restart_count: int
 
-    def binding(self) -> dict:
+    def binding(self) -> dict[str, Any]:
         d = asdict(self)
         del d["restart_count"]
         return d
@@ -110,7 +110,7 @@ def claim(store: JobStore, me: JobInstance, keep_epoch: int | None = None) -> st
         return note
 
 
-def _write_binding(store: JobStore, me: JobInstance, manifest: dict, moved: list[dict]) -> None:
+def _write_binding(store: JobStore, me: JobInstance, manifest: dict[str, Any], moved: list[dict[str, Any]]) -> None:
     fresh = {"version": FORMAT_VERSION, "job": store.job, "cluster": store.cluster, "epochs": [],
              **manifest, "instance": me.binding()}
     fresh["moved_aside"] = [*manifest.get("moved_aside", []), *moved]

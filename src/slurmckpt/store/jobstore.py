@@ -24,12 +24,13 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from slurmckpt import validate
 from slurmckpt.store import lease
-from slurmckpt.store.durable import atomic_write_bytes, atomic_write_json, fsync_dir, posix_lock
+from slurmckpt.store.durable import atomic_write_bytes, atomic_write_json, fsync_dir, identity, posix_lock
 from slurmckpt.errors import StorageError
 from slurmckpt.identity import RankName
 
@@ -57,10 +58,6 @@ def file_checksum(path: Path) -> str:
     return h.hexdigest()
 
 
-def identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
 def rank_name(step: str, rank: int) -> str:
     """Checked (validate.py) before it names a directory: a rank name is a path component."""
     return str(RankName(validate.step(step), validate.rank_index(rank)))
@@ -82,7 +79,7 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def _parse_manifest(raw: bytes, path: Path) -> dict:
+def _parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError as e:
@@ -121,10 +118,10 @@ class JobStore:
         return posix_lock(self.root / self.cluster / f".lock-{self.job}", what=f"lock of job {self.job}'s store")
 
     # ---- the job manifest --------------------------------------------------------------------------------
-    def read_manifest(self) -> dict:
+    def read_manifest(self) -> dict[str, Any]:
         return self._load()[0]
 
-    def _load(self) -> tuple[dict, bytes | None]:
+    def _load(self) -> tuple[dict[str, Any], bytes | None]:
         """(manifest, its bytes if manifest.json itself was good). An unreadable newest manifest falls back
         to the previous one; only if both are unreadable is the store's history lost."""
         path = self.job_dir / JOB_MANIFEST
@@ -145,7 +142,7 @@ class JobStore:
         log.warning("job %d: %s; using the previous manifest", self.job, error or "manifest.json missing")
         return previous, None
 
-    def write_manifest(self, manifest: dict) -> None:
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Replace the job manifest (caller holds self.lock()). The current one, if good, becomes the
         previous one first, so a manifest damaged later still leaves the commit before it."""
         _, current = self._load()
@@ -153,7 +150,7 @@ class JobStore:
             atomic_write_bytes(self.job_dir / PREVIOUS, current)
         atomic_write_json(self.job_dir / JOB_MANIFEST, manifest)
 
-    def committed(self) -> list[dict]:
+    def committed(self) -> list[dict[str, Any]]:
         """Committed epochs, newest first."""
         return sorted(self.read_manifest()["epochs"], key=lambda e: e["epoch"], reverse=True)
 
@@ -177,10 +174,10 @@ class JobStore:
         self.ensure()
         with self.lock():
             manifest = self.read_manifest()
-            if _run_of(manifest) is None or run > _run_of(manifest):
+            if (stored := _run_of(manifest)) is None or run > stored:
                 manifest["run"] = run
                 self.write_manifest(manifest)
-            return manifest["run"]
+            return int(manifest["run"])
 
     def _counter(self) -> int:
         try:
@@ -225,7 +222,8 @@ class JobStore:
             atomic_write_bytes(self.job_dir / COUNTER, str(epoch).encode())
 
     # ---- rank manifests ----------------------------------------------------------------------------------
-    def seal_rank(self, epoch: int, step: str, rank: int, files: dict[str, dict], meta: dict) -> dict:
+    def seal_rank(self, epoch: int, step: str, rank: int, files: dict[str, dict[str, Any]],
+                  meta: dict[str, Any]) -> dict[str, Any]:
         """Write rank.json (last: its presence means the rank's images are complete and durable)."""
         rdir = self.rank_dir(epoch, step, rank)
         manifest = {**meta, "version": FORMAT_VERSION, "job": self.job, "step": step, "rank": rank,
@@ -235,7 +233,7 @@ class JobStore:
         fsync_dir(rdir.parent)
         return manifest
 
-    def write_rank_manifest(self, epoch: int, step: str, rank: int, meta: dict) -> dict:
+    def write_rank_manifest(self, epoch: int, step: str, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
         """Seal files already in the rank's directory as stored raw (no staging: tools and tests)."""
         rdir = self.rank_dir(epoch, step, rank)
         files = {}
@@ -246,7 +244,7 @@ class JobStore:
                                  "xxh3": file_checksum(p), "identity": identity(st)}
         return self.seal_rank(epoch, step, rank, files, meta)
 
-    def read_rank_manifest(self, epoch: int, step: str, rank: int) -> dict:
+    def read_rank_manifest(self, epoch: int, step: str, rank: int) -> dict[str, Any]:
         path = self.rank_dir(epoch, step, rank) / RANK_MANIFEST
         try:
             manifest = json.loads(path.read_text())
@@ -258,13 +256,13 @@ class JobStore:
             raise StorageError("rank.json unreadable: no list of files", epoch=epoch, rank=rank_name(step, rank))
         return manifest
 
-    def stored_path(self, epoch: int, step: str, rank: int, name: str, entry: dict) -> Path:
+    def stored_path(self, epoch: int, step: str, rank: int, name: str, entry: dict[str, Any]) -> Path:
         stored = entry.get("stored", name)
         if "/" in stored or stored.startswith("."):
             raise StorageError(f"rank.json names a bad file {stored!r}", epoch=epoch, rank=rank_name(step, rank))
-        return self.rank_dir(epoch, step, rank) / stored
+        return self.rank_dir(epoch, step, rank) / str(stored)
 
-    def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> dict:
+    def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> dict[str, Any]:
         """Sizes and checksums of every stored file; raises StorageError naming the first bad file. On the node
         that sealed it, a file whose inode, size, mtime and ctime are unchanged is not re-hashed (nothing wrote
         it since: only root can, and any write moves ctime); elsewhere (shared storage) every byte is hashed."""
@@ -297,7 +295,7 @@ class JobStore:
                                    epoch=epoch, rank=name)
 
     # ---- commit --------------------------------------------------------------------------------------------
-    def commit(self, epoch: int, ranks: dict[str, dict], reason: str, keep: int, run: int | None = None) -> dict:
+    def commit(self, epoch: int, ranks: dict[str, dict[str, Any]], reason: str, keep: int, run: int | None = None) -> dict[str, Any]:
         """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record: kind
         image|replay need a complete rank.json and every stored file at its size; kind completed records a
         finished task's exit code. Committing an epoch again adds ranks to it (never drops another's).
@@ -355,7 +353,7 @@ class JobStore:
         threading.Thread(target=self.empty_trash, name="empty-trash", daemon=True).start()
 
 
-def _keep_newest(epochs: list[dict], keep: int) -> tuple[list[dict], list[dict]]:
+def _keep_newest(epochs: list[dict[str, Any]], keep: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Keep, for every rank, the `keep` newest epochs that hold it (0: keep all). Steps with coordinators of
     their own commit epochs that hold only their ranks: one step's commits never prune another's."""
     if not keep:
@@ -368,7 +366,7 @@ def _keep_newest(epochs: list[dict], keep: int) -> tuple[list[dict], list[dict]]
     return [e for e in epochs if e["epoch"] in wanted], [e for e in epochs if e["epoch"] not in wanted]
 
 
-def _fenced(manifest: dict, run: int | None, epoch: int, what: str) -> None:
+def _fenced(manifest: dict[str, Any], run: int | None, epoch: int, what: str) -> None:
     """Refuse `what` to a run older than the manifest's; a newer run becomes the manifest's."""
     current = _run_of(manifest)
     if run is not None and current is not None and run < current:
@@ -379,7 +377,7 @@ def _fenced(manifest: dict, run: int | None, epoch: int, what: str) -> None:
         manifest["run"] = run
 
 
-def _run_of(manifest: dict) -> int | None:
+def _run_of(manifest: dict[str, Any]) -> int | None:
     run = manifest.get("run")
     return run if type(run) is int else None
 

@@ -37,7 +37,7 @@ clock = time.time        # wall clock: leases are read on every node of a shared
 
 def base_s(config: Any) -> float:
     """A fresh epoch's lease: every phase it may take at the configured limits, and a margin."""
-    return config.prepare_timeout_s + config.capture_timeout_s + config.persist_timeout_s + MARGIN_S
+    return float(config.prepare_timeout_s + config.capture_timeout_s + config.persist_timeout_s + MARGIN_S)
 
 
 def write(epoch_dir: Path, owner: str, expires_at: float, run: int | None = None) -> None:

@@ -18,12 +18,13 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from slurmckpt.store.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
 from slurmckpt.config import IOPRIO_CLASSES
 from slurmckpt.errors import RestoreError, StorageError
-from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, identity, rank_name
+from slurmckpt.store.durable import identity
+from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, rank_name
 
 log = logging.getLogger("slurmckpt.persist")
 
@@ -54,7 +55,7 @@ def bounded(priority: Priority | None, fn: Callable[[], T]) -> T:
     """Run `fn` in a thread of lowered priority (None: here, at full priority) and return what it returns."""
     if priority is None:
         return fn()
-    box: dict[str, object] = {}
+    box: dict[str, Any] = {}
 
     def work() -> None:
         try:
@@ -66,12 +67,13 @@ def bounded(priority: Priority | None, fn: Callable[[], T]) -> T:
     t.start()
     t.join()
     if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+        raise box["error"]
+    result: T = box["value"]
+    return result
 
 
-def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict,
-                 codec: Plain | Zstd) -> dict:
+def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict[str, Any],
+                 codec: Plain | Zstd) -> dict[str, Any]:
     """Every staged file into the store (compressed where that saves space), then rank.json. On failure the
     rank's store directory goes (the epoch stays uncommitted) and StorageError names the file."""
     rdir = store.rank_dir(epoch, step, rank)
@@ -101,7 +103,7 @@ def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path
                            epoch=epoch, rank=rank_name(step, rank)) from e
 
 
-def _store_file(src: Path, rdir: Path, name: str, codec: Plain | Zstd) -> dict:
+def _store_file(src: Path, rdir: Path, name: str, codec: Plain | Zstd) -> dict[str, Any]:
     size = src.stat().st_size
     if isinstance(codec, Zstd) and not codec.compressible(read_sample(str(src))):
         codec = PLAIN                       # random pages: compressing costs CPU and saves nothing
@@ -130,7 +132,7 @@ def _drop_cache(fd: int) -> None:
         pass
 
 
-def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -> dict:
+def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -> dict[str, Any]:
     """The rank's images, verified, as plain files in `dest` (staging) for CRIU. Compressed files are
     unpacked while their stored bytes are hashed; raw files are hashed in place (not at all when unchanged
     since this node sealed them) and linked. Raises StorageError naming the first bad
@@ -167,7 +169,7 @@ def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -
     return manifest
 
 
-def _unpack(path: Path, dst: Path, codec: Plain | Zstd, want: dict, name: str, who: dict) -> None:
+def _unpack(path: Path, dst: Path, codec: Plain | Zstd, want: dict[str, Any], name: str, who: dict[str, Any]) -> None:
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         sink = Sink(fd, str(dst), hashed=False)

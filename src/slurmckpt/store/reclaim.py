@@ -24,6 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.store import lease
 from slurmckpt.store.durable import is_temp
@@ -62,7 +63,7 @@ class Removal:
     bytes: int
     why: str
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

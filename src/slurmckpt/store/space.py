@@ -17,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, StorageError
@@ -69,7 +70,7 @@ class Quotas:
 
 
 
-def expected(memory: int, previous: dict | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
+def expected(memory: int, previous: dict[str, Any] | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
     """From the tree's memory now, the files the capture copies (name, bytes held) and the rank's previous
     rank.json (None before its first capture)."""
     now = memory + sum(b for _, b in copies)
@@ -82,7 +83,7 @@ def expected(memory: int, previous: dict | None, copies: tuple[tuple[str, int], 
     return Need(biggest, int(biggest * ratio), copies)
 
 
-def previous_manifest(store: JobStore, step: str, rank: int) -> dict | None:
+def previous_manifest(store: JobStore, step: str, rank: int) -> dict[str, Any] | None:
     """The rank.json of the newest committed epoch that holds this rank as an image."""
     try:
         for e in store.committed():

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager
 
 from slurmckpt import validate
 from slurmckpt.store.durable import posix_lock
@@ -56,7 +57,7 @@ class Staging:
     def area(self, cluster: str, job: int, purpose: str, epoch: int, step: str, rank: int) -> Path:
         return self.job_dir(cluster, job) / f"{purpose}-{validate.epoch(epoch):06d}-{rank_name(step, rank)}"
 
-    def lock(self):
+    def lock(self) -> ContextManager[None]:
         return posix_lock(self.root / ".lock", what="staging lock")
 
     def make(self, area: Path, reserve: int = 0) -> Path:

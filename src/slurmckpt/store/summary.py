@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from slurmckpt.errors import PermissionDenied, ProtocolError, StorageError
 from slurmckpt.store.jobstore import JobStore, atomic_write_json
@@ -41,7 +42,7 @@ MAX_LIST = 1000                  # entries of a list in a summary that a reader 
 ACL_XATTR = "system.posix_acl_access"
 
 
-def epoch_bytes(store: JobStore, entry: dict) -> int:
+def epoch_bytes(store: JobStore, entry: dict[str, Any]) -> int:
     """Bytes of a committed epoch's images (every rank that has any)."""
     total = 0
     for name, record in entry.get("ranks", {}).items():
@@ -56,7 +57,7 @@ def epoch_bytes(store: JobStore, entry: dict) -> int:
     return total
 
 
-def update_run(store: JobStore, fields: dict) -> None:
+def update_run(store: JobStore, fields: dict[str, Any]) -> None:
     """The batch agent's record of the current run (`restart_count` starts a new one)."""
     from slurmckpt.store.instance import store_lock
     with store_lock(store):
@@ -64,7 +65,7 @@ def update_run(store: JobStore, fields: dict) -> None:
         atomic_write_json(store.job_dir / RUN_FILE, {**run, **fields})
 
 
-def interval_record(choice: object) -> dict:
+def interval_record(choice: object) -> dict[str, Any]:
     """The automatic interval as the job's coordinator chose it (coordinator/interval.Choice.as_dict: sent by
     the job user's process, read back by the same user), each field of its type and bounded; {} if none."""
     if not isinstance(choice, dict):
@@ -96,10 +97,10 @@ def record_interval(store: JobStore, choice: object) -> None:
 def recorded_stalls(store: JobStore) -> list[float]:
     """The stalls of the job's recent captures, as the last interval record holds them (a requeued job's new
     coordinator starts from them instead of auto_first_interval)."""
-    return list(interval_record(_json(store.job_dir / INTERVAL_FILE)).get("stalls", []))  # type: ignore[call-overload]
+    return list(interval_record(_json(store.job_dir / INTERVAL_FILE)).get("stalls", []))
 
 
-def build(store: JobStore) -> dict:
+def build(store: JobStore) -> dict[str, Any]:
     """The summary of a job's store as it is now."""
     from slurmckpt.store.fresh_start import failures
     from slurmckpt.slurm.comment import STATE_FILE
@@ -119,7 +120,7 @@ def build(store: JobStore) -> dict:
             "interval": interval_record(_json(store.job_dir / INTERVAL_FILE))}
 
 
-def _json(path: Path) -> dict:
+def _json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -131,7 +132,7 @@ def path_of(summary_dir: str, cluster: str, job: int) -> Path:
     return Path(summary_dir) / cluster / f"{job}.json"
 
 
-def publish(store: JobStore, summary_dir: str, uid: int, removed: dict | None = None) -> Path:
+def publish(store: JobStore, summary_dir: str, uid: int, removed: dict[str, Any] | None = None) -> Path:
     """Root: (re)write the job's summary for its user; `removed` ({at, why}): its images are about to go
     (reclaim.py), the summary stays. Raises OSError/PermissionDenied when the summary directory is not a
     root-owned directory (a symlink, another owner, group/world-writable)."""
@@ -197,7 +198,7 @@ def users_can_read(summary_dir: str) -> bool:
         os.unlink(tmp)
 
 
-def read(summary_dir: str, cluster: str, job: int) -> dict | None:
+def read(summary_dir: str, cluster: str, job: int) -> dict[str, Any] | None:
     """As the caller (a user reads only their own jobs'): the summary, or None when there is none, the caller
     may not read it, or it is not one root wrote (not a regular file, not root's, writable by others, larger
     than MAX_BYTES, not JSON). Only the fields and types `build` writes are kept (`checked`)."""
@@ -226,18 +227,18 @@ def _int(v: object) -> int | None:
 
 
 def _num(v: object) -> float | None:
-    return v if type(v) in (int, float) and v == v and abs(v) != float("inf") else None
+    return v if isinstance(v, (int, float)) and type(v) is not bool and v == v and abs(v) != float("inf") else None
 
 
 def _str(v: object) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _dicts(v: object) -> list[dict]:
+def _dicts(v: object) -> list[dict[str, Any]]:
     return [d for d in v[:MAX_LIST] if isinstance(d, dict)] if isinstance(v, list) else []
 
 
-def checked(value: object, cluster: str, job: int) -> dict | None:
+def checked(value: object, cluster: str, job: int) -> dict[str, Any] | None:
     """The summary as `build` writes it, each field of its type (a field that is not is left out, an entry
     whose number is not one is dropped), for `cluster` and `job` only: what readers act on or print."""
     if not isinstance(value, dict) or value.get("cluster") != cluster or value.get("job") != job:
@@ -250,10 +251,10 @@ def checked(value: object, cluster: str, job: int) -> dict | None:
     withdrawn = [{"epoch": _int(w.get("epoch")), "at": _num(w.get("at")), "reason": _str(w.get("reason"))}
                  for w in _dicts(value.get("withdrawn"))]
     failed = [f for f in _dicts(value.get("failed_captures")) if _failure(f)]
-    run = value.get("run") if isinstance(value.get("run"), dict) else {}
+    run: dict[str, Any] = value["run"] if isinstance(value.get("run"), dict) else {}
     run_types = {"restart_count": _int, "started_at": _num, "batch_node": _str, "interval_s": _int,
                  "disabled": _str, "restored_epoch": _int, "fresh_start": _str}
-    kept_run = {k: check(run[k]) for k, check in run_types.items() if k in run and check(run[k]) is not None}
+    kept_run: dict[str, Any] = {k: check(run[k]) for k, check in run_types.items() if k in run and check(run[k]) is not None}
     if isinstance(run.get("policy"), dict):            # policy.JobPolicy.describe(): scalars and "settings"
         kept_run["policy"] = {k: _scalars(v) if k == "settings" else v for k, v in run["policy"].items()
                               if isinstance(k, str) and (v is None or type(v) in (int, str, bool)
@@ -267,11 +268,11 @@ def checked(value: object, cluster: str, job: int) -> dict | None:
             "images_removed": removed}
 
 
-def _scalars(d: dict) -> dict:
+def _scalars(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(k, str) and (v is None or type(v) in (int, float, str, bool))}
 
 
-def _failure(f: dict) -> bool:
+def _failure(f: dict[str, Any]) -> bool:
     """A failed capture as fresh_start.CaptureFailure holds it (its fields and their types)."""
     return (set(f) == {"epoch", "at", "rank", "node", "final", "trigger", "stage", "reason", "seen_by"}
             and _int(f["epoch"]) is not None and _num(f["at"]) is not None and f["final"] in (True, False, None)

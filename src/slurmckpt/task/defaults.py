@@ -25,9 +25,12 @@ NCCL_DEFAULTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_EN
 
 
 class DefaultsConfig(Protocol):
-    torch_store_without_libuv: bool
-    nccl_checkpoint_transports: bool
-    gpu_growth_defaults: bool
+    @property
+    def torch_store_without_libuv(self) -> bool: ...
+    @property
+    def nccl_checkpoint_transports(self) -> bool: ...
+    @property
+    def gpu_growth_defaults(self) -> bool: ...
 
 
 def uses_gpus(env: Mapping[str, str]) -> bool:

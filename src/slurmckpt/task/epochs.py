@@ -7,15 +7,17 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Any
 
 from slurmckpt.duration import AUTO
 from slurmckpt.errors import SlurmckptError
+from slurmckpt.task.parts import WrapperParts
 
 log = logging.getLogger("slurmckpt.wrapper")
 
 
-class EpochHandling:
-    def _apply_interval(self, plan: dict) -> None:
+class EpochHandling(WrapperParts):
+    def _apply_interval(self, plan: dict[str, Any]) -> None:
         """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
         interval = plan.get("interval_s")
         if isinstance(interval, int) and interval != self.env.interval_s:
@@ -27,7 +29,7 @@ class EpochHandling:
             self.env = dataclasses.replace(self.env, interval_s=interval)
             self.member.env = self.env
 
-    def _interval_chosen(self, choice: dict, line: str, changed: bool) -> None:
+    def _interval_chosen(self, choice: dict[str, Any], line: str, changed: bool) -> None:
         """The coordinator this task hosts chose an automatic interval (coordinator/interval.py): said in the
         job's stderr when it changed, recorded by the agent for `slurmckpt status` (and a requeued run) always,
         off the coordinator's link, newest last: one recorder thread takes the latest choice each time."""
@@ -54,7 +56,7 @@ class EpochHandling:
     def trigger(self, reason: str, final: bool) -> None:
         self.member.trigger(reason, final)
 
-    def _epoch_result(self, result: dict, reason: str, final: bool) -> None:
+    def _epoch_result(self, result: dict[str, Any], reason: str, final: bool) -> None:
         if result["status"] == "committed":
             self._say(f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
                           f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
@@ -75,7 +77,7 @@ class EpochHandling:
                 self._say("the final capture failed: passing Slurm's SIGTERM on to the program")
                 threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
 
-    def _report_failure(self, result: dict, reason: str, final: bool) -> None:
+    def _report_failure(self, result: dict[str, Any], reason: str, final: bool) -> None:
         """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
         failing rank's agent did (fresh_start.py): timeouts and vanished ranks are seen only here."""
         try:
@@ -93,7 +95,7 @@ class EpochHandling:
         except SlurmckptError as e:
             self._say(f"requeue failed: {e}")
 
-    def _on_command(self, kind: str, epoch: int, message: dict) -> dict:
+    def _on_command(self, kind: str, epoch: int, message: dict[str, Any]) -> dict[str, Any]:
         if kind == "finish":
             self.final_committed.set()
         elif kind == "capture" and message.get("final", True):
@@ -102,7 +104,7 @@ class EpochHandling:
             self.final_capture.clear()
         if kind == "capture" and isinstance(message.get("timeout_s"), (int, float)):
             self.capture_timeout_s = max(self.config.capture_timeout_s, float(message["timeout_s"]))
-        args = {"final": bool(message.get("final", True))} if kind == "capture" else {}
+        args: dict[str, Any] = {"final": bool(message.get("final", True))} if kind == "capture" else {}
         if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py)
             args = {k: message[k] for k in ("final", "trigger") if k in message}
         reply = {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
@@ -123,7 +125,7 @@ class EpochHandling:
             time.sleep(0.05)
 
 
-def abort_message(result: dict, reason: str) -> str:
+def abort_message(result: dict[str, Any], reason: str) -> str:
     """The job's line for an aborted epoch: rank, node, stage and reason, and whether undoing it completed."""
     where = ", ".join(f"{what} {result[what]}" for what in ("rank", "node", "stage") if result.get(what))
     text = (f"checkpoint epoch {result['epoch']} ({reason}) ABORTED ({where or 'no rank took part'}): "

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from slurmckpt.task.defaults import uses_gpus
 from slurmckpt.config import Config
@@ -19,16 +19,16 @@ from slurmckpt.errors import SlurmckptError, SlurmError
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.env import TaskEnv
 
-AgentCall = Callable[..., dict]
-Handler = Callable[[str, int, dict], dict]
+AgentCall = Callable[..., dict[str, Any]]
+Handler = Callable[[str, int, dict[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class HostEvents:
     """The wrapper's part of hosting the job's coordinator (the rest are agent calls: HostCallbacks)."""
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
-    result: Callable[[dict, str, bool], None]         # an epoch ended (committed, aborted or skipped)
-    interval: Callable[[dict, str, bool], None]       # --checkpoint-interval=auto chose (coordinator/interval.py)
+    result: Callable[[dict[str, Any], str, bool], None]         # an epoch ended (committed, aborted or skipped)
+    interval: Callable[[dict[str, Any], str, bool], None]       # --checkpoint-interval=auto chose (coordinator/interval.py)
 
 
 class Membership:
@@ -43,7 +43,7 @@ class Membership:
         self.closing = False
 
     # ---- joining --------------------------------------------------------------------------------------
-    def join(self, plan: dict, host: HostEvents | None) -> None:
+    def join(self, plan: dict[str, Any], host: HostEvents | None) -> None:
         """`host`: what the wrapper does for a coordinator it hosts (the agent calls are added here). The
         batch step always hosts; a step without a job coordinator is hosted by its rank 0."""
         host_scope = "job" if self.env.step == "batch" else None
@@ -68,7 +68,7 @@ class Membership:
         if self.client is not None:
             threading.Thread(target=self._session, name="coordinator-client", daemon=True).start()
 
-    def _host(self, plan: dict, scope: str, host: HostEvents) -> None:
+    def _host(self, plan: dict[str, Any], scope: str, host: HostEvents) -> None:
         token = new_token()
         single_node = os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1"
         address = "127.0.0.1" if single_node else reachable_address(self.env.node)
@@ -87,7 +87,7 @@ class Membership:
         self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, callbacks)
         self.supervisor.start()
 
-    def _connect(self, found: dict, quiet: bool = False) -> RankClient | None:
+    def _connect(self, found: dict[str, Any], quiet: bool = False) -> RankClient | None:
         try:
             return RankClient(found["host"], found["port"], found["token"], self.env.rank_name, self.env.node,
                               self.env.interval_s, self._command, self.env.tasks, self.last_epoch,
@@ -99,7 +99,7 @@ class Membership:
             return None
 
     # ---- serving ---------------------------------------------------------------------------------------
-    def _command(self, kind: str, epoch: int, message: dict) -> dict:
+    def _command(self, kind: str, epoch: int, message: dict[str, Any]) -> dict[str, Any]:
         self.last_epoch = max(self.last_epoch, epoch)
         if self.supervisor:
             self.supervisor.saw_epoch(epoch)
@@ -146,7 +146,7 @@ class Membership:
         else:
             self.event("trigger", reason=reason, final=final)
 
-    def event(self, kind: str, wait_ack: bool = False, **fields: object) -> None:
+    def event(self, kind: str, wait_ack: bool = False, **fields: Any) -> None:
         if self.client:
             try:
                 self.client.event(kind, wait_ack=wait_ack, **fields)
@@ -187,7 +187,7 @@ def reachable_address(node: str) -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect(("10.255.255.255", 9))
-        return probe.getsockname()[0]
+        return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
     finally:

@@ -7,7 +7,11 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from slurmckpt.config import Config
+    from slurmckpt.slurm.env import TaskEnv
 
 log = logging.getLogger("slurmckpt.triggers")
 
@@ -30,7 +34,7 @@ class Schedule:
     _walltime_fired: bool = False
 
     @classmethod
-    def for_job(cls, env, config) -> "Schedule":
+    def for_job(cls, env: TaskEnv, config: Config) -> "Schedule":
         from slurmckpt.errors import SlurmckptError
         from slurmckpt.slurm.control import default_control
         end = None

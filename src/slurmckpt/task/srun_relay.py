@@ -26,7 +26,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from slurmckpt.channel import Channel
 from slurmckpt.errors import ProtocolError, SlurmckptError
@@ -37,7 +37,7 @@ from slurmckpt.validate import TOKEN_HEX16
 log = logging.getLogger("slurmckpt.srun_relay")
 
 STEP_TOKEN = "SLURMCKPT_STEP_TOKEN"     # in the real srun's environment: its step's name for its checkpoints
-Call = Callable[..., dict]
+Call = Callable[..., dict[str, Any]]
 
 
 class SrunRelay:
@@ -202,7 +202,7 @@ class Session(threading.Thread):
     def ended(self, code: int) -> None:
         self._send({"signal": -code} if code < 0 else {"exit": code})
 
-    def _send(self, message: dict) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
         with self.send_lock:
             try:
                 self.chan.send(message)
@@ -210,7 +210,7 @@ class Session(threading.Thread):
                 pass
 
 
-def request_of(message: dict, fds: list[int]) -> tuple[list[str], dict[str, str], str, str]:
+def request_of(message: dict[str, Any], fds: list[int]) -> tuple[list[str], dict[str, str], str, str]:
     """A stand-in's request, checked: argv, environment, directory, its token (a new one if it has none)
     and exactly four fds (stdio and its own socket)."""
     argv, env, cwd, token = message.get("argv"), message.get("env"), message.get("cwd"), message.get("token")

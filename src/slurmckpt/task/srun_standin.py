@@ -30,6 +30,7 @@ import signal
 import socket
 import struct
 import sys
+from typing import Any
 
 from slurmckpt.node import procfs
 from slurmckpt.channel import Channel
@@ -76,7 +77,7 @@ def connect(path: str) -> socket.socket:
     return s
 
 
-def serve(chan: Channel, request: dict) -> int:
+def serve(chan: Channel, request: dict[str, Any]) -> int:
     """Send the request, then follow the wrapper until the real srun ended; returns the exit code (a signal
     it died of is raised on ourselves, so mpirun sees the same end)."""
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -85,11 +86,11 @@ def serve(chan: Channel, request: dict) -> int:
         signal.signal(sig, lambda s, f: None)
     chan.send(request, [0, 1, 2, chan.sock.fileno()])
     while True:
-        ready, _, _ = select.select([chan.sock, wake_r], [], [])
+        ready, _, _ = select.select([chan.sock.fileno(), wake_r], [], [])
         if wake_r in ready:
-            for sig in os.read(wake_r, 512):
-                chan.send({"signal": sig})
-        if chan.sock not in ready:
+            for number in os.read(wake_r, 512):
+                chan.send({"signal": number})
+        if chan.sock.fileno() not in ready:
             continue
         try:
             message, fds = chan.recv()
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     name = environ.get(RELAY)
     if not name or not launched_by_mpi():
         exec_real(argv, environ)
+        return
     try:
         sock = connect(name)
     except OSError:

@@ -6,14 +6,16 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 
 from slurmckpt.errors import SlurmckptError
+from slurmckpt.task.parts import WrapperParts
 
 log = logging.getLogger("slurmckpt.wrapper")
 
 
-class TaskStart:
-    def _start(self, plan: dict) -> None:
+class TaskStart(WrapperParts):
+    def _start(self, plan: dict[str, Any]) -> None:
         stdio = [0, 1, 2]
         if self.pmi_fd is not None:      # the agent dumps it as external and restores this one in its place
             self.call("pmi_socket", [self.pmi_fd])
@@ -61,7 +63,7 @@ class TaskStart:
         if self.fresh_notice:
             self._say(self.fresh_notice)
 
-    def _restore(self, stdio: list[int], epoch: int) -> dict:
+    def _restore(self, stdio: list[int], epoch: int) -> dict[str, Any]:
         """The batch step also hands over its script (the spool path differs on another node)."""
         script = -1
         if self.env.step == "batch" and self.argv:

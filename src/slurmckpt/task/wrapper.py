@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from slurmckpt.slurm import pmi
 from slurmckpt.node import procfs
@@ -78,10 +79,10 @@ class Wrapper(TaskStart, EpochHandling):
         self.srun_relay: SrunRelay | None = None
         # --checkpoint-interval=auto: the newest choice of the hosted coordinator not yet recorded
         self.choice_lock = threading.Lock()
-        self.choice_pending: dict | None = None
+        self.choice_pending: dict[str, Any] | None = None
         self.choice_recorder = False
 
-    def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict:
+    def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict[str, Any]:
         with self.agent_lock:
             try:
                 return self.agent.call(op, fds, **args)
@@ -112,7 +113,8 @@ class Wrapper(TaskStart, EpochHandling):
         for sig in (*FORWARDED, signal.SIGTERM, signal.SIGCHLD, CHECKPOINT_SIGNAL, REQUEUE_SIGNAL):
             signal.signal(sig, lambda s, f: self.pending.append(s))
         token = os.environ.get(STEP_TOKEN, "") if self.env.step != "batch" else ""
-        plan = self.call("plan", **({"token": token} if token else {}))
+        asked: dict[str, Any] = {"token": token} if token else {}
+        plan = self.call("plan", **asked)
         if plan.get("disabled"):
             self._run_plainly(libc, str(plan["disabled"]))
         if isinstance(plan.get("step"), str) and plan["step"] != self.env.step:   # srun run again for a
@@ -140,7 +142,7 @@ class Wrapper(TaskStart, EpochHandling):
         self._reap_children(2.0)
         return code
 
-    def _run_plainly(self, libc, why: str) -> None:
+    def _run_plainly(self, libc: ctypes.CDLL, why: str) -> None:
         """The site policy forbids checkpoints for this job: the task becomes its own command, as without the
         plugin (the agent sees its channel close on the exec and exits)."""
         say(self.env, f"{why}: running the task without checkpoints")
@@ -208,7 +210,7 @@ class Wrapper(TaskStart, EpochHandling):
     def _supervise(self, wake_r: int) -> int:
         if self.awaiting_requeue:
             return self._wait_for_requeue("epoch withdrawn; waiting for Slurm to requeue the job")
-        if getattr(self, "completed_code", None) is not None:
+        if self.completed_code is not None:
             return self._exit(self.completed_code)
         status: int | None = None
         while True:

@@ -24,6 +24,7 @@ and the restore is refused if they changed since (shared_files / check_shared_fi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AbstractSet, Any
 
 import xxhash
 
@@ -44,7 +46,7 @@ from slurmckpt.node.launch import Credentials
 from slurmckpt.store.jobstore import file_checksum
 
 SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET
-_TYPE = {SOCK_STREAM: "stream", SOCK_DGRAM: "datagram", SOCK_SEQPACKET: "seqpacket"}
+_TYPE: dict[int, str] = {SOCK_STREAM: "stream", SOCK_DGRAM: "datagram", SOCK_SEQPACKET: "seqpacket"}
 
 
 # ---- unix sockets of the network namespace (sock_diag) -----------------------------------------------
@@ -141,9 +143,9 @@ def holdings(pids: list[int], want_pipes: set[tuple[int, int]] | None = None,
                 if stat.S_ISFIFO(st.st_mode) and (want_pipes is None or key in want_pipes):
                     h.pipes.setdefault(key, (pid, link))
         if want_maps != set():
-            for key, path, _, _ in _mappings(pid):
-                if want_maps is None or key in want_maps:
-                    h.shared_maps.setdefault(key, (pid, path))
+            for mkey, path, _, _ in _mappings(pid):
+                if want_maps is None or mkey in want_maps:
+                    h.shared_maps.setdefault(mkey, (pid, path))
     return h
 
 
@@ -171,7 +173,7 @@ def job_trees(others: dict[int, TreeName], job: int) -> dict[int, TreeName]:
 
 
 # ---- the check -----------------------------------------------------------------------------------------
-def unshareable(pids: list[int], others: dict[int, str], inherited: set[str] = frozenset(),
+def unshareable(pids: list[int], others: dict[int, str], inherited: AbstractSet[str] = frozenset(),
                 sockets: dict[int, UnixSocket] | None = None) -> list[str]:
     """What the tree `pids` shares that separate dumps and restores cannot bring back (one line each, naming
     the socket, pipe or file and who else holds it). `others`: pid -> label of the other checkpointed
@@ -193,12 +195,12 @@ def unshareable(pids: list[int], others: dict[int, str], inherited: set[str] = f
             what = f"named pipe {name}" if name.startswith("/") else f"pipe {name}"
             problems.append(f"{what} is also open in {owner(theirs.pipes[key][0])}: ranks are restored "
                             "separately, and the one back first would read EOF or get EPIPE")
-    for key in deleted:
-        path = ours.shared_maps[key][1]
-        if key in theirs.shared_maps:
+    for mkey in deleted:
+        path = ours.shared_maps[mkey][1]
+        if mkey in theirs.shared_maps:
             hint = " (NCCL's shared-memory transport: set NCCL_SHM_DISABLE=1)" if "/dev/shm/nccl-" in path else ""
             problems.append(f"deleted file {path[:-len(' (deleted)')]} is mapped shared by this rank and by "
-                            f"{owner(theirs.shared_maps[key][0])}: each restore would get its own private "
+                            f"{owner(theirs.shared_maps[mkey][0])}: each restore would get its own private "
                             f"copy, so they would no longer share it{hint}")
     if ours.sockets:
         problems += _unix(ours, theirs, others, inherited, sockets)
@@ -214,7 +216,7 @@ def _sysv(ours: Holdings) -> list[str]:
     return out
 
 
-def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: set[str],
+def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: AbstractSet[str],
           sockets: dict[int, UnixSocket] | None) -> list[str]:
     if sockets is None:
         try:
@@ -240,16 +242,16 @@ def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: s
         where = holder(s.peer) or "a process outside this task"
         peer_name = name_of(peer) if peer else "?"
         if s.type != SOCK_DGRAM:
-            problems.append(f"unix {_TYPE.get(s.type, s.type)} socket {name_of(s)} is connected to "
+            problems.append(f"unix {_TYPE.get(s.type, str(s.type))} socket {name_of(s)} is connected to "
                             f"{peer_name} in {where}: CRIU cannot checkpoint one end of a connection")
         elif holder(s.peer):
             problems.append(f"unix datagram socket {name_of(s)} is connected to {peer_name} of {where}: its "
                             "restore must connect again, which fails until that rank is restored")
     # the other direction: sockets of other tasks connected to ours
     for ino, pid in theirs.sockets.items():
-        s = sockets.get(ino)
-        if s and s.peer in mine and s.type == SOCK_DGRAM:
-            problems.append(f"unix datagram socket {name_of(mine[s.peer])} receives from a socket connected "
+        other = sockets.get(ino)
+        if other and other.peer in mine and other.type == SOCK_DGRAM:
+            problems.append(f"unix datagram socket {name_of(mine[other.peer])} receives from a socket connected "
                             f"to it in {others.get(pid, f'pid {pid}')}: datagrams sent before this rank is "
                             "restored would be refused")
     # datagram sockets that address each other by path (sendto): a bound one on one side, an unconnected
@@ -307,7 +309,7 @@ def shared_files(pids: list[int], peers: set[int]) -> list[str]:
     return sorted(out)
 
 
-def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict]:
+def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict[str, Any]]:
     """Size, xxh3, device and inode of `paths` as the tree maps them (read through /proc/PID/map_files: the
     very inode, whatever the path names now). Called while the tree is frozen."""
     want, out = set(paths), []
@@ -325,7 +327,7 @@ def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict]:
     return out
 
 
-def check_shared_files(entries: list[dict], key: str, creds: Credentials, same_node: bool,
+def check_shared_files(entries: list[dict[str, Any]], key: netlock.RestoreKey | str, creds: Credentials, same_node: bool,
                        lock_dir: Path | None = None) -> None:
     """Before a rank's restore: raise RestoreError naming the first file that no longer holds what it held
     at the capture (see above). The first rank of the restore `key` on this node decides for all. The path
@@ -336,21 +338,21 @@ def check_shared_files(entries: list[dict], key: str, creds: Credentials, same_n
     lock_dir = lock_dir or netlock.LOCK_DIR
     for e in entries:
         marker = lock_dir / f"{key}.file.{hashlib.sha1(e['path'].encode()).hexdigest()[:16]}"
-        verdict, _ = netlock.first_on_node(marker, lambda e=e: _compare(e, creds, same_node),
+        verdict, _ = netlock.first_on_node(marker, functools.partial(_compare, e, creds, same_node),
                                            asuser.time_for(e["size"]) + asuser.OPEN_TIMEOUT_S)
         if verdict != "ok":
             raise RestoreError(f"{e['path']} (mapped shared with another rank) {verdict}: the ranks would "
                                "not see what they shared at the checkpoint")
 
 
-def _compare(entry: dict, creds: Credentials, same_node: bool) -> str:
+def _compare(entry: dict[str, Any], creds: Credentials, same_node: bool) -> str:
     path = entry["path"]
 
     def measure() -> bytes:       # in a child that is the job's user
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
-            facts = {"regular": stat.S_ISREG(st.st_mode), "uid": st.st_uid, "dev": st.st_dev,
+            facts: dict[str, object] = {"regular": stat.S_ISREG(st.st_mode), "uid": st.st_uid, "dev": st.st_dev,
                      "ino": st.st_ino, "size": st.st_size}
             if facts["regular"] and st.st_size == entry["size"]:
                 h = xxhash.xxh3_64()      # read(), not mmap: a file cut short meanwhile is no SIGBUS

@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from slurmckpt.node import procfs
 from slurmckpt.node import proctree
@@ -65,14 +65,15 @@ def internal_connections(pids: list[int], peers: dict[int, tuple[str, int]]) -> 
     return out
 
 
-def still_established(pids: list[int], connections: list[tuple[str, str, str, int]]) -> list[list]:
+def still_established(pids: list[int], connections: list[tuple[str, str, str, int]]) -> list[list[Any]]:
     """The entries of `connections` (see internal_connections) that the tree still holds established."""
     ours = proctree.socket_inodes(pids)
     now = {(_fmt(lo), _fmt(re)) for lo, re, ino in _established(pids) if ino in ours} if ours else set()
     return [list(c) for c in connections if (c[0], c[1]) in now]
 
 
-def confirmed(entries: list[list], step: str, rank: int, peer_record) -> list[list[str]]:
+def confirmed(entries: list[list[Any]], step: str, rank: int,
+              peer_record: Callable[[str, int], dict[str, Any]]) -> list[list[str]]:
     """The connections of this rank's record that the peer rank's record (`peer_record(step, rank)` -> its
     rank.json) holds too, mirrored: only those are held, since only then will both ends be restored and
     the last one lift the hold."""
@@ -198,7 +199,7 @@ def hold_during_restore(connections: list[list[str]], key: RestoreKey, tag: str,
                     marker.write_text(json.dumps(state))
 
 
-def _unlock(packets: PacketFilter, marker: Path, state: dict) -> None:
+def _unlock(packets: PacketFilter, marker: Path, state: dict[str, Any]) -> None:
     try:
         packets.lift([Drop.from_list(d) for d in state["drops"]], str(state["tag"]))
     except OSError as e:

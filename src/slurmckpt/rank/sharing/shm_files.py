@@ -35,7 +35,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from slurmckpt.rank.sharing import netlock
 from slurmckpt.node import procfs
@@ -101,7 +101,7 @@ def held(pids: list[int], uid: int, shm_dir: str = SHM_DIR) -> list[ShmFile]:
     return sorted((f for f in found.values() if f.name), key=lambda f: (-f.size, f.name))
 
 
-def saved_names(record: dict) -> set[str]:
+def saved_names(record: dict[str, Any]) -> set[str]:
     """The /dev/shm names a rank record's capture saved (and its restore writes back)."""
     return {e["name"] for e in record.get("shm_files", [])}
 
@@ -111,7 +111,7 @@ def needs_link_remap(files: list[ShmFile]) -> bool:
 
 
 def save(creds: Credentials, files: list[ShmFile], images: Path,
-         charge: Callable[[int, str, int], None]) -> list[dict]:
+         charge: Callable[[int, str, int], None]) -> list[dict[str, Any]]:
     """Copy each file's data (read as the user, through its name, refused unless it is the very inode the
     tree holds) into `images`, holes left out; `charge(bytes, name, size)` before each range (it raises to
     refuse the capture). Returns the rank record's entries."""
@@ -129,7 +129,7 @@ def save(creds: Credentials, files: list[ShmFile], images: Path,
     return out
 
 
-def note_remaps(entries: list[dict], images: Path) -> None:
+def note_remaps(entries: list[dict[str, Any]], images: Path) -> None:
     """After the dump: the link_remap names criu gave files held by a removed name (restored by those)."""
     for removed, remap in criu_images.linked_remaps(images):
         for e in entries:
@@ -137,7 +137,7 @@ def note_remaps(entries: list[dict], images: Path) -> None:
                 e["links"].append(remap)
 
 
-def put_back(creds: Credentials, entries: list[dict], images: Path, key: str | None = None,
+def put_back(creds: Credentials, entries: list[dict[str, Any]], images: Path, key: netlock.RestoreKey | str | None = None,
              lock_dir: Path | None = None) -> None:
     """Before criu restores: as the user, each file written back under its name and linked under the names
     criu will open. Only a regular file of the user is written (created if missing, never through a
@@ -151,7 +151,7 @@ def put_back(creds: Credentials, entries: list[dict], images: Path, key: str | N
     for e in entries:
         what = f"cannot put back {e['name']} for the restore"
         with open(images / e["data"], "rb") as src:
-            def write(content: bool, e: dict = e, src_fd: int = src.fileno()) -> str:
+            def write(content: bool, e: dict[str, Any] = e, src_fd: int = src.fileno()) -> str:
                 asuser.run_as_user(creds, lambda: _write_back(e, src_fd, content), what,
                                    asuser.time_for(e["size"] if content else 0))
                 return "ok"
@@ -167,7 +167,7 @@ def put_back(creds: Credentials, entries: list[dict], images: Path, key: str | N
                 write(False)
 
 
-def _write_back(e: dict, src_fd: int, content: bool) -> None:
+def _write_back(e: dict[str, Any], src_fd: int, content: bool) -> None:
     """In the child that is the job's user: the file at e["name"] (a regular file of the user, created if
     missing) given the saved content, then criu's link_remap names linked to it."""
     try:
@@ -196,7 +196,7 @@ def _write_back(e: dict, src_fd: int, content: bool) -> None:
         os.link(e["name"], link)
 
 
-def remove_links(creds: Credentials, entries: list[dict]) -> None:
+def remove_links(creds: Credentials, entries: list[dict[str, Any]]) -> None:
     """The link_remap names left in /dev/shm (criu removes them after a restore; a final dump may leave
     them): removed as the user."""
     links = [link for e in entries for link in e["links"]]
