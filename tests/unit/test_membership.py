@@ -32,6 +32,7 @@ class Rank:
         self.scopes: list[str] = []              # whose coordinator the rank asked its agent for
         self.on_capture = threading.Event()        # set: the capture waits here (the coordinator dies meanwhile)
         self.member = Membership(ENV, Config(), self.call, self.handle, self.said.append)
+        self.member.reconnect_poll_s = 0.05
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict[str, Any]:
         assert op == "lookup_coordinator", op

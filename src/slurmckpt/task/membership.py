@@ -32,6 +32,8 @@ class HostEvents:
 
 
 class Membership:
+    reconnect_poll_s = 1.0          # how often a rank that lost its coordinator asks for the new one's address
+
     def __init__(self, env: TaskEnv, config: Config, call: AgentCall, handler: Handler,
                  say: Callable[[str], None]) -> None:
         self.env, self.config, self.call, self.handler, self.say = env, config, call, handler, say
@@ -120,7 +122,7 @@ class Membership:
             self.client = None
             self.say("lost the job's coordinator; the task runs on and reconnects")
             while self.client is None and not self.closing:
-                time.sleep(1)
+                time.sleep(self.reconnect_poll_s)
                 found = self.call("lookup_coordinator", scope=self.scope, wait_s=0)
                 if found.get("found"):
                     self.client = self._connect(found, quiet=True)
