@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.rank.sharing import netlock
-from slurmckpt.rank.sharing.netlock import RestoreKey
+from slurmckpt.rank.sharing import rendezvous
+from slurmckpt.rank.sharing.rendezvous import RestoreKey
 from slurmckpt.node.packet_filter import Iptables, Nftables
 
 A, B = "127.0.0.1:40000", "127.0.0.1:50000"
@@ -141,7 +142,7 @@ def test_only_connections_both_ranks_recorded_are_held() -> None:
 
 def test_restore_key_is_per_network_namespace() -> None:
     import os
-    key = netlock.restore_key(7, 1, 3)
+    key = rendezvous.restore_key(7, 1, 3)
     assert str(key) == f"7.1.3.{os.stat('/proc/self/ns/net').st_ino}"
     assert RestoreKey.parse(f"{key}.127.0.0.1_5-127.0.0.1_6") == key and RestoreKey.parse("7.1.x.4") is None
 
@@ -170,17 +171,17 @@ def test_one_verdict_per_restore_is_reached_without_the_node_lock(tmp_path: Path
     def slow() -> str:
         release.wait(10)
         return "ok"
-    first = threading.Thread(target=lambda: results.update(first=netlock.first_on_node(tmp_path / "k.shm.a", slow, 5)))
+    first = threading.Thread(target=lambda: results.update(first=rendezvous.first_on_node(tmp_path / "k.shm.a", slow, 5)))
     first.start()
     while not (tmp_path / "k.shm.a").exists():
         time.sleep(0.01)
     took = time.monotonic()
-    with netlock.node_lock(tmp_path):
+    with rendezvous.node_lock(tmp_path):
         took = time.monotonic() - took
     assert took < 1, "the node-wide lock was held around the work"
-    assert netlock.first_on_node(tmp_path / "k.shm.a", slow, 0.2) == \
+    assert rendezvous.first_on_node(tmp_path / "k.shm.a", slow, 0.2) == \
         ("the rank restored first on this node gave no verdict within 0s", False)
-    second = threading.Thread(target=lambda: results.update(second=netlock.first_on_node(tmp_path / "k.shm.a", slow, 5)))
+    second = threading.Thread(target=lambda: results.update(second=rendezvous.first_on_node(tmp_path / "k.shm.a", slow, 5)))
     second.start()
     release.set()
     first.join(5)
@@ -190,6 +191,6 @@ def test_one_verdict_per_restore_is_reached_without_the_node_lock(tmp_path: Path
     def failing() -> str:
         raise OSError("No such device or address")
     with pytest.raises(OSError):
-        netlock.first_on_node(tmp_path / "k.file.b", failing, 1)
-    verdict, ran = netlock.first_on_node(tmp_path / "k.file.b", failing, 1)
+        rendezvous.first_on_node(tmp_path / "k.file.b", failing, 1)
+    verdict, ran = rendezvous.first_on_node(tmp_path / "k.file.b", failing, 1)
     assert not ran and verdict.startswith("failed on the rank restored first on this node: ")

@@ -18,7 +18,7 @@ from slurmckpt.errors import RestoreError
 from slurmckpt.node.launch import Credentials
 from slurmckpt.rank import restore
 from slurmckpt.rank.context import RestoreState
-from slurmckpt.rank.sharing import ipc, netlock
+from slurmckpt.rank.sharing import ipc, rendezvous
 from slurmckpt.store.jobstore import file_checksum
 
 CUT, LATER = b"slot 41 at the cut".ljust(64, b"."), b"slot 97 after the cut".ljust(64, b".")
@@ -35,7 +35,7 @@ def test_a_shared_dev_shm_segment_changed_after_the_cut_is_written_back_not_refu
             d.mkdir()
         top.chmod(0o755)
         shm.chmod(0o1777)
-        monkeypatch.setattr(netlock, "LOCK_DIR", locks)
+        monkeypatch.setattr(rendezvous, "LOCK_DIR", locks)
         seg, disk = shm / "ring", top / "mapped-on-disk"
         for f in (seg, disk):
             f.write_bytes(CUT)
@@ -52,7 +52,7 @@ def test_a_shared_dev_shm_segment_changed_after_the_cut_is_written_back_not_refu
 
         # what the restore did before: the comparison alone refuses what the write-back repairs
         with pytest.raises(RestoreError, match="changed since the checkpoint"):
-            ipc.check_shared_files(fingerprints[:1], netlock.restore_key(7, 0, 3), nobody, True, locks)
+            ipc.check_shared_files(fingerprints[:1], rendezvous.restore_key(7, 0, 3), nobody, True, locks)
 
         st = RestoreState(3, manifest=manifest, images=images)
         restore._shared_files(ctx, st)                        # not compared: it is written back next

@@ -165,7 +165,7 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
 
 
 def _node_lock_free_within(lock_dir: Path, seconds: float) -> bool:
-    """Whether the node-wide restore lock (netlock.node_lock) can be taken within `seconds` (polled: a test
+    """Whether the node-wide restore lock (rendezvous.node_lock) can be taken within `seconds` (polled: a test
     of the old write-back must fail, not hang behind it)."""
     import fcntl
     import time

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from slurmckpt.rank.fit import Footprint
     from slurmckpt.rank.images import StorePolicy
     from slurmckpt.rank.sharing.crossnode import Hold
-    from slurmckpt.rank.sharing.netlock import RestoreKey
+    from slurmckpt.rank.sharing.rendezvous import RestoreKey
     from slurmckpt.store.jobstore import JobStore
 
 

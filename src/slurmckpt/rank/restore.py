@@ -30,7 +30,7 @@ from slurmckpt.node.launch import Credentials
 from slurmckpt.rank import images, output_snapshot
 from slurmckpt.rank.context import EpochState, RankContext, RestoreState
 from slurmckpt.rank.engine import Stage, run_table, settle, undo_steps
-from slurmckpt.rank.sharing import crossnode, ipc, netlock, shm_files
+from slurmckpt.rank.sharing import crossnode, ipc, netlock, rendezvous, shm_files
 from slurmckpt.slurm import pmi
 
 log = logging.getLogger("slurmckpt.pipeline")
@@ -71,7 +71,7 @@ def _shared_files(ctx: RankContext, st: EpochState) -> None:
     /dev/shm file the capture saved is not compared: the `shm` stage writes its saved bytes back (one policy
     for /dev/shm, sharing/shm_files.py), so a crash or another node changes nothing there."""
     r = _r(st)
-    r.key = netlock.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
+    r.key = rendezvous.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
     ipc.check_shared_files(files_to_check(r.manifest)[0], r.key, ctx.creds,
                            same_node=r.manifest.get("node") == socket.gethostname())
 

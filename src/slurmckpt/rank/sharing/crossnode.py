@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.errors import RestoreError
 from slurmckpt.node.packet_filter import Drop, PacketFilter
 from slurmckpt.node.proctree import TcpConnection
@@ -59,7 +59,7 @@ class Hold:
     def _marker(self, local: str, remote: str) -> Path:
         """Said by the end `local` of the connection, once it is restored."""
         end = local.replace("[", "").replace("]", "").replace(":", "_")
-        return self.sync_dir / f"{self.key}.{netlock.pair_id(local, remote)}.{end}"
+        return rendezvous.marker(self.sync_dir, self.key, netlock.pair_id(local, remote), end)
 
     def before_restore(self) -> None:
         for local, remote in self.entries:

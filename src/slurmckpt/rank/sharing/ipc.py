@@ -37,7 +37,7 @@ from typing import AbstractSet, Any
 
 import xxhash
 
-from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank.sharing import rendezvous
 from slurmckpt.node import procfs
 from slurmckpt.node import asuser
 from slurmckpt.identity import TreeName
@@ -277,7 +277,7 @@ def _unix(ours: Holdings, theirs: Holdings, others: dict[int, str], inherited: A
 # another node it may be missing. A /dev/shm file of the job's user is saved and written back instead
 # (shm_files.py: one policy for /dev/shm), so this concerns the other files. Its size and xxh3 are recorded at the capture
 # (every rank is frozen then) and the first rank of the node to restore compares them; all ranks of that
-# restore share its verdict (netlock.first_on_node), since the ranks restored earlier already write to the
+# restore share its verdict (rendezvous.first_on_node), since the ranks restored earlier already write to the
 # file. Root reads these files only through the tree's own mappings (/proc/PID/map_files); at the restore
 # the path is the user's and is opened and read as the user, outside any node-wide lock, for a bounded time.
 def shared_files(pids: list[int], peers: set[int]) -> list[str]:
@@ -327,7 +327,7 @@ def fingerprint_files(pids: list[int], paths: list[str]) -> list[dict[str, Any]]
     return out
 
 
-def check_shared_files(entries: list[dict[str, Any]], key: netlock.RestoreKey | str, creds: Credentials, same_node: bool,
+def check_shared_files(entries: list[dict[str, Any]], key: rendezvous.RestoreKey | str, creds: Credentials, same_node: bool,
                        lock_dir: Path | None = None) -> None:
     """Before a rank's restore: raise RestoreError naming the first file that no longer holds what it held
     at the capture (see above). The first rank of the restore `key` on this node decides for all. The path
@@ -335,10 +335,10 @@ def check_shared_files(entries: list[dict[str, Any]], key: netlock.RestoreKey | 
     user could not open; only a regular file of the user is read (no symlink at the end), and it must be
     the file the capture fingerprinted: the same inode, and on the node that made the capture
     (`same_node`) the same device (another node's mount of a shared file system numbers it otherwise)."""
-    lock_dir = lock_dir or netlock.LOCK_DIR
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
     for e in entries:
-        marker = lock_dir / f"{key}.file.{hashlib.sha1(e['path'].encode()).hexdigest()[:16]}"
-        verdict, _ = netlock.first_on_node(marker, functools.partial(_compare, e, creds, same_node),
+        marker = rendezvous.marker(lock_dir, key, "file", hashlib.sha1(e['path'].encode()).hexdigest()[:16])
+        verdict, _ = rendezvous.first_on_node(marker, functools.partial(_compare, e, creds, same_node),
                                            asuser.time_for(e["size"]) + asuser.OPEN_TIMEOUT_S)
         if verdict != "ok":
             raise RestoreError(f"{e['path']} (mapped shared with another rank) {verdict}: the ranks would "

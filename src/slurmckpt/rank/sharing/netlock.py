@@ -17,23 +17,19 @@ packet_filter.py (iptables or nftables, as criu's own lock).
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from slurmckpt.node import procfs
 from slurmckpt.node import proctree
 from slurmckpt.node.packet_filter import Drop, PacketFilter
+from slurmckpt.rank.sharing import rendezvous
+from slurmckpt.rank.sharing.rendezvous import RestoreKey
 
 log = logging.getLogger("slurmckpt.netlock")
 
-LOCK_DIR = Path("/run/slurmckpt/restore-sync")     # node-wide lock and per-restore markers
 
 
 def _established(pids: list[int]) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
@@ -106,61 +102,14 @@ def drops(local: str, remote: str) -> list[Drop]:
     return [Drop(lh, lp, rh, rp), Drop(rh, rp, lh, lp)]
 
 
-@dataclass(frozen=True)
-class RestoreKey:
-    """Names one restore of a job's epoch on one node (network namespace: test clusters run several slurmds,
-    one per namespace, on one host), the same for every rank that takes part in it: the prefix of every
-    marker that ranks restored on this node meet at (`str(key)`, `job.restart.epoch.netns`)."""
-    job: int
-    restart: int
-    epoch: int
-    netns: int
-
-    def __str__(self) -> str:
-        return f"{self.job}.{self.restart}.{self.epoch}.{self.netns}"
-
-    @classmethod
-    def parse(cls, text: str) -> RestoreKey | None:
-        """The key a marker's name starts with (its first four fields); None if it is not one."""
-        parts = text.split(".", 4)[:4]
-        if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            return None
-        return cls(*map(int, parts))
-
-    def same_restart(self, other: RestoreKey) -> bool:
-        return self.restart == other.restart
-
-
-def restore_key(job: int, restart: int, epoch: int) -> RestoreKey:
-    """This node's (network namespace's) key for restoring `epoch` of `job` in its start `restart`."""
-    try:
-        netns = procfs.namespace("self", "net")
-    except OSError:
-        netns = 0
-    return RestoreKey(int(job), int(restart), int(epoch), netns)
-
-
 def pair_id(local: str, remote: str) -> str:
     a, b = sorted((local, remote))
     return f"{a}-{b}".replace("[", "").replace("]", "").replace(":", "_")
 
 
 @contextmanager
-def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
-    """Serialises the short bookkeeping steps of the restores running on this node (not the restores).
-    Every user's restore waits for it: nothing done under it touches a path, fd or process of a user."""
-    lock_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
-    with open(lock_dir / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextmanager
 def hold_during_restore(connections: list[list[str]], key: RestoreKey, tag: str, packets: PacketFilter,
-                        lock_dir: Path = LOCK_DIR) -> Iterator[None]:
+                        lock_dir: Path | None = None) -> Iterator[None]:
     """Around one rank's `criu restore`: `connections` [(local, remote)] are this rank's ends of node-local
     connections to other ranks that the peer's record holds too (`confirmed`); `key` names this restore of
     the job on this node (`restore_key`), the same on every rank. The rules exist from before the first end
@@ -170,10 +119,11 @@ def hold_during_restore(connections: list[list[str]], key: RestoreKey, tag: str,
     if not connections:
         yield
         return
-    with node_lock(lock_dir):
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
+    with rendezvous.node_lock(lock_dir):
         _lift_stale(key, packets, lock_dir)
         for local, remote in connections:
-            marker = lock_dir / f"{key}.{pair_id(local, remote)}"
+            marker = rendezvous.marker(lock_dir, key, pair_id(local, remote))
             if not marker.exists():
                 held = drops(local, remote)
                 marker.write_text(json.dumps({"done": 0, "filter": packets.name, "tag": tag,
@@ -185,9 +135,9 @@ def hold_during_restore(connections: list[list[str]], key: RestoreKey, tag: str,
     try:
         yield
     finally:
-        with node_lock(lock_dir):
+        with rendezvous.node_lock(lock_dir):
             for local, remote in connections:
-                marker = lock_dir / f"{key}.{pair_id(local, remote)}"
+                marker = rendezvous.marker(lock_dir, key, pair_id(local, remote))
                 try:
                     state = json.loads(marker.read_text())
                 except (OSError, ValueError):
@@ -219,50 +169,3 @@ def _lift_stale(key: RestoreKey, packets: PacketFilter, lock_dir: Path) -> None:
             _unlock(packets, marker, json.loads(marker.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             marker.unlink(missing_ok=True)
-
-
-# ---- one verdict per restore of the node ------------------------------------------------------------------
-# Ranks of one node that share a file (a /dev/shm segment, a file mapped shared) each recorded it at the
-# cut; its check or write-back is done once per restore of the node, by the first rank, and the others take
-# its verdict (the ranks restored first already use the file again). That work touches the user's paths, so
-# it never runs under node_lock: the marker is claimed by creating it (O_EXCL), the work runs outside any
-# lock, and its verdict replaces the marker (rename). Only the ranks of the same restore wait for it.
-
-
-def first_on_node(marker: Path, work: Callable[[], str], wait_s: float, poll_s: float = 0.05,
-                  clock: Callable[[], float] = time.monotonic) -> tuple[str, bool]:
-    """(verdict, whether this caller ran `work`) for `marker` (a name in LOCK_DIR under restore_key).
-    The first caller runs `work` and records what it returns ("ok" or why not); a failure of `work` is
-    recorded as a verdict too, and raised. The others wait for the verdict at most `wait_s`."""
-    marker.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
-    try:
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-    except FileExistsError:
-        return _verdict_of(marker, wait_s, poll_s, clock), False
-    try:
-        verdict = work()
-    except BaseException as e:
-        _record(marker, f"failed on the rank restored first on this node: {e}")
-        raise
-    _record(marker, verdict)
-    return verdict, True
-
-
-def _record(marker: Path, verdict: str) -> None:
-    tmp = marker.with_name(f".{marker.name}.tmp.{os.getpid()}.{time.monotonic_ns()}")
-    tmp.write_text(verdict or "?")
-    os.rename(tmp, marker)
-
-
-def _verdict_of(marker: Path, wait_s: float, poll_s: float, clock: Callable[[], float]) -> str:
-    deadline = clock() + wait_s
-    while True:
-        try:
-            verdict = marker.read_text()
-        except FileNotFoundError:       # lifted meanwhile (_lift_stale of a later restart)
-            return "its marker was removed by a later start of the job"
-        if verdict:             # empty: claimed, the work still running
-            return verdict
-        if clock() >= deadline:
-            return f"the rank restored first on this node gave no verdict within {wait_s:.0f}s"
-        time.sleep(poll_s)

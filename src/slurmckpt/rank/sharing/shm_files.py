@@ -18,7 +18,7 @@ capture it holds what the tree wrote since, not what it held at the cut. So:
   file of the user: opened O_NONBLOCK|O_NOFOLLOW, so a FIFO, a lease or a symlink put at the name is
   refused at once), and the link_remap names are linked to it; criu removes those once it opened them.
   Ranks of one node that share a segment (ipc_pair.py's ring) each saved it at the cut; it is written back
-  once per restore of the node, by the first rank (netlock.first_on_node: no node-wide lock is held while
+  once per restore of the node, by the first rank (rendezvous.first_on_node: no node-wide lock is held while
   the user's path is written, and the write is killed past its time limit), the others wait for its
   verdict: the ranks restored before them already write to it.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from slurmckpt.rank.sharing import netlock
+from slurmckpt.rank.sharing import rendezvous
 from slurmckpt.node import procfs
 from slurmckpt.store import sparse
 from slurmckpt.node import asuser
@@ -137,17 +137,17 @@ def note_remaps(entries: list[dict[str, Any]], images: Path) -> None:
                 e["links"].append(remap)
 
 
-def put_back(creds: Credentials, entries: list[dict[str, Any]], images: Path, key: netlock.RestoreKey | str | None = None,
+def put_back(creds: Credentials, entries: list[dict[str, Any]], images: Path, key: rendezvous.RestoreKey | str | None = None,
              lock_dir: Path | None = None) -> None:
     """Before criu restores: as the user, each file written back under its name and linked under the names
     criu will open. Only a regular file of the user is written (created if missing, never through a
     symlink, never a FIFO); PermissionDenied names the file otherwise, or when the write took longer than
-    its time limit. With `key` (netlock.restore_key: this restore of the job on this node) a file's
+    its time limit. With `key` (rendezvous.restore_key: this restore of the job on this node) a file's
     content is written back once per restore: ranks of one node that share a segment each saved the same
     bytes at the cut, and the ranks restored first already write to it again (a second write-back would
     put old slots under their new counters); the others wait for the first one's verdict (at most as long
     as its write may take), and only link their names."""
-    lock_dir = lock_dir or netlock.LOCK_DIR
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
     for e in entries:
         what = f"cannot put back {e['name']} for the restore"
         with open(images / e["data"], "rb") as src:
@@ -158,8 +158,8 @@ def put_back(creds: Credentials, entries: list[dict[str, Any]], images: Path, ke
             if key is None:
                 write(True)
                 continue
-            marker = lock_dir / f"{key}.shm.{hashlib.sha1(e['name'].encode()).hexdigest()[:16]}"
-            verdict, wrote = netlock.first_on_node(marker, lambda: write(True),
+            marker = rendezvous.marker(lock_dir, key, "shm", hashlib.sha1(e['name'].encode()).hexdigest()[:16])
+            verdict, wrote = rendezvous.first_on_node(marker, lambda: write(True),
                                                    asuser.time_for(e["size"]) + asuser.OPEN_TIMEOUT_S)
             if verdict != "ok":
                 raise PermissionDenied(f"{what}: {verdict}", uid=creds.uid)
