@@ -31,6 +31,9 @@ from slurmckpt.triggers import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
 log = logging.getLogger("slurmckpt.wrapper")
 
 PR_SET_CHILD_SUBREAPER = 36
+# Slurm 26.05 gives every run a new SLURM_JOB_SLUID: a restored process still has the captured run's (run_env.py)
+ENV_NOTE = ("; its processes keep the environment of the run they were captured in (SLURM_JOB_SLUID, "
+            "SLURM_RESTART_COUNT...): `slurmckpt env` prints this run's")
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
              signal.SIGWINCH, signal.SIGCONT)
 
@@ -221,8 +224,9 @@ class Wrapper:
                 self._launch(relay=True)
             else:
                 self.root_pid = int(reply["pid"])
+                note = ENV_NOTE if "SLURM_JOB_SLUID" in os.environ else ""
                 say(self.env, f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
-                              f"(restart {self.env.restart_count})")
+                              f"(restart {self.env.restart_count}){note}")
             return
         if self.env.step == "batch":
             self._say_fresh_start()
