@@ -1,0 +1,43 @@
+"""The user and PID namespaces Slurm may make for a job (namespace/linux, Slurm 25.11 on; docs/slurm-versions.md,
+"Slurm 25.11 and 26.05"), seen from the task's wrapper when its agent starts.
+
+namespace.yaml's `clone_ns_flags: [CLONE_NEWUSER, CLONE_NEWPID]` (25.11's namespace.conf: CloneNSFlags=) makes
+every job a user and/or a PID namespace of its own, a new one each run, and slurmstepd runs the job's steps in
+them. criu would then run inside the job's user namespace, without the node's privileges, and restore into a
+namespace the next run makes afresh: slurmckpt does not checkpoint such a job. The agent refuses it at the start,
+naming the setting, and the wrapper runs the task plainly: nothing is ever frozen. Read from /proc, whatever
+file configured it (the setting's file and format changed between 25.11 and 26.05):
+- user: the kernel numbers its initial user namespace with a fixed inode (PROC_USER_INIT_INO); a node, a
+  container or slurmckpt's own test roots without a user namespace of their own all show it.
+- PID: the task's PID namespace is nested below the one /proc shows (more than one NSpid), or /proc is the job's
+  own (namespace/linux mounts one, whose init is slurmstepd's `ns_infinity` holder). slurmckpt's own PID
+  namespace is made below the wrapper, so the wrapper never is in it.
+"""
+from __future__ import annotations
+
+from slurmckpt import procfs
+
+INIT_USER_NS = 0xEFFFFFFD          # PROC_USER_INIT_INO (include/linux/proc_ns.h), the same on every kernel
+SLURM_NS_HOLDER = "ns_infinity"    # argv[1] of the process that holds a namespace/linux job's namespaces
+
+
+def _own_user_namespace(pid: int) -> bool:
+    return procfs.namespace_link(pid, "user") != INIT_USER_NS
+
+
+def _own_pid_namespace(pid: int) -> bool:
+    nested = len(procfs.status(pid).get("NSpid", [])) > 1
+    return nested or procfs.cmdline(1)[1:2] == [SLURM_NS_HOLDER]
+
+
+def job_namespace_refusal(task_pid: int) -> str | None:
+    """Why the task whose wrapper is `task_pid` is not checkpointed (its job's own user and/or PID
+    namespace, by the setting that makes them); None for a task in the node's."""
+    flags = [flag for flag, own in (("CLONE_NEWUSER", _own_user_namespace), ("CLONE_NEWPID", _own_pid_namespace))
+             if own(task_pid)]
+    if not flags:
+        return None
+    kinds = " and ".join("a user" if f == "CLONE_NEWUSER" else "a PID" for f in flags)
+    return (f"the job runs in {kinds} namespace of its own (NamespaceType=namespace/linux with clone_ns_flags "
+            f"{', '.join(flags)} in namespace.yaml): slurmckpt cannot restore a job into the namespaces Slurm "
+            "makes afresh for each run, so it does not checkpoint it (docs/limitations.md)")
