@@ -2,6 +2,7 @@
 # A Debian root of another suite on this machine, and a way to run commands in it with its own namespaces
 # (sourced by scripts/fresh-root-test.sh and scripts/slurm-suite.sh; docs/slurm-versions.md).
 #
+#   root_tools                  debootstrap installed on the host (once, before roots are prepared side by side)
 #   root_prepare SUITE ROOT     debootstrap --variant=minbase SUITE into ROOT unless it is there; apt sources,
 #                               resolver, this machine's apt/pip/TLS settings copied in
 #   root_copy_repo REPO ROOT    the work tree (no .git, no build outputs) to ROOT/root/repo
@@ -31,14 +32,20 @@ root_sources() {
   esac
 }
 
-root_prepare() {
-  local suite=$1 root=$2 dlog
-  case $suite in *[!a-z0-9-]*|'') echo "debian-root: '$suite' is not a Debian suite name" >&2; return 1;; esac
+# root_tools: debootstrap on the host. Called by root_prepare, and once before roots are prepared side by side
+# (scripts/test-suites.sh): two apt-get runs at once would fail on dpkg's lock.
+root_tools() {
   if ! command -v debootstrap >/dev/null; then   # the host's package lists may be absent or old: update once
     apt-get install -y -q debootstrap >/dev/null 2>&1 \
       || { apt-get update -q >/dev/null && apt-get install -y -q debootstrap >/dev/null; } \
       || { echo "debian-root: needs debootstrap (apt-get install -y debootstrap failed)" >&2; return 1; }
   fi
+}
+
+root_prepare() {
+  local suite=$1 root=$2 dlog
+  case $suite in *[!a-z0-9-]*|'') echo "debian-root: '$suite' is not a Debian suite name" >&2; return 1;; esac
+  root_tools || return 1
   # The root is root's alone: a directory another user made (or a symlink) is refused, never written through.
   install -d -o root -g root -m 0755 "$(dirname "$root")"
   if [ -L "$root" ] || { [ -e "$root" ] && [ "$(stat -c %u "$root")" != 0 ]; }; then
