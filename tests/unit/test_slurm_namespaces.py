@@ -17,19 +17,19 @@ from slurmckpt.slurm.namespaces import INIT_USER_NS, job_namespace_refusal
 WRAPPER = 20
 
 
-def _proc(root: Path, pid: int, nspid: str, user_ns: int, argv: list[str]) -> None:
+def _proc(root: Path, pid: int, nspid: str, user_ns: int, argv: list[str], ppid: int = 1) -> None:
     d = root / str(pid)
     (d / "ns").mkdir(parents=True)
-    (d / "status").write_text(f"Name:\tx\nPPid:\t1\nNSpid:\t{nspid}\n")
+    (d / "status").write_text(f"Name:\tx\nPPid:\t{ppid}\nNSpid:\t{nspid}\n")
     (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in argv))
     (d / "ns" / "user").symlink_to(f"user:[{user_ns}]")
 
 
 def _node(tmp_path: Path, nspid: str = "20", user_ns: int = INIT_USER_NS,
-          init: tuple[str, ...] = ("/sbin/init",)) -> Path:
+          init: tuple[str, ...] = ("/sbin/init",), ppid: int = 12) -> Path:
     root = tmp_path / "proc"
     _proc(root, 1, "1", INIT_USER_NS, list(init))
-    _proc(root, WRAPPER, nspid, user_ns, ["/usr/local/bin/slurmckpt-wrap", "python3", "x.py"])
+    _proc(root, WRAPPER, nspid, user_ns, ["/usr/local/bin/slurmckpt-wrap", "python3", "x.py"], ppid)
     return root
 
 
@@ -41,7 +41,8 @@ def test_a_task_in_the_nodes_namespaces_is_checkpointed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("node, flags", [
     (dict(user_ns=4026532999), "CLONE_NEWUSER"),
     (dict(nspid="20 3"), "CLONE_NEWPID"),                    # /proc shows the node's PID namespace
-    (dict(init=("/usr/sbin/slurmstepd", "ns_infinity", "7")), "CLONE_NEWPID"),   # /proc is the job's
+    (dict(nspid="20", ppid=0), "CLONE_NEWPID"),              # slurmstepd outside the task's
+    (dict(init=("slurmstepd: [7:namespace]",)), "CLONE_NEWPID"),   # /proc is the job's (seen on 26.05)
     (dict(user_ns=4026532999, nspid="20 3"), "CLONE_NEWUSER, CLONE_NEWPID"),
 ])
 def test_a_task_in_its_jobs_own_namespace_is_refused_naming_the_setting(tmp_path: Path, node: dict,

@@ -9,16 +9,17 @@ naming the setting, and the wrapper runs the task plainly: nothing is ever froze
 file configured it (the setting's file and format changed between 25.11 and 26.05):
 - user: the kernel numbers its initial user namespace with a fixed inode (PROC_USER_INIT_INO); a node, a
   container or slurmckpt's own test roots without a user namespace of their own all show it.
-- PID: the task's PID namespace is nested below the one /proc shows (more than one NSpid), or /proc is the job's
-  own (namespace/linux mounts one, whose init is slurmstepd's `ns_infinity` holder). slurmckpt's own PID
-  namespace is made below the wrapper, so the wrapper never is in it.
+- PID: the task's PID namespace is nested below the one /proc shows (more than one NSpid); or its parent,
+  slurmstepd, is outside it (PPid 0); or /proc is the job's own (namespace/linux mounts one, whose init is the
+  slurmstepd that holds the job's namespaces, "slurmstepd: [JOB:namespace]"). slurmckpt's own PID namespace
+  is made below the wrapper, so the wrapper never is in it.
 """
 from __future__ import annotations
 
 from slurmckpt import procfs
 
 INIT_USER_NS = 0xEFFFFFFD          # PROC_USER_INIT_INO (include/linux/proc_ns.h), the same on every kernel
-SLURM_NS_HOLDER = "ns_infinity"    # argv[1] of the process that holds a namespace/linux job's namespaces
+SLURM_NS_HOLDER = "slurmstepd"     # the namespace/linux job's init (argv "slurmstepd: [JOB:namespace]")
 
 
 def _own_user_namespace(pid: int) -> bool:
@@ -26,8 +27,11 @@ def _own_user_namespace(pid: int) -> bool:
 
 
 def _own_pid_namespace(pid: int) -> bool:
-    nested = len(procfs.status(pid).get("NSpid", [])) > 1
-    return nested or procfs.cmdline(1)[1:2] == [SLURM_NS_HOLDER]
+    status = procfs.status(pid)
+    nested = len(status.get("NSpid", [])) > 1           # /proc shows a PID namespace above the task's
+    parent_outside = status.get("PPid") == ["0"]         # slurmstepd, its parent, is outside the task's
+    holder = procfs.cmdline(1)[:1]                       # /proc is the job's: its init is Slurm's holder
+    return nested or parent_outside or (bool(holder) and holder[0].startswith(SLURM_NS_HOLDER))
 
 
 def job_namespace_refusal(task_pid: int) -> str | None:
