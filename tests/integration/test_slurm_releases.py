@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 NAMESPACE_YAML = Path("/etc/slurm/namespace.yaml")      # next to slurm.conf, where namespace/linux reads it
 SLURMD_LOGS = Path("/var/lib/slurmckpt-cluster/log")     # scripts/cluster.sh's LOG_DIR
+NS_BASE = Path("/var/tmp/slurm-ns")                      # namespace.yaml's base_path: the jobs' private dirs
 # A loop that, once the test has made `go` (after the restore), compares its own environment with this run's.
 ENV_PROBE = r'''
 import json, os, subprocess, time
@@ -101,7 +103,7 @@ def namespace_linux(flags: list[str]):
     saved = SLURM_CONF.read_text()
     try:
         SLURM_CONF.write_text(saved + "\nNamespaceType=namespace/linux\nPrologFlags=Contain\n")
-        NAMESPACE_YAML.write_text('---\ndefaults:\n  auto_base_path: true\n  base_path: "/var/tmp/slurm-ns"\n'
+        NAMESPACE_YAML.write_text(f'---\ndefaults:\n  auto_base_path: true\n  base_path: "{NS_BASE}"\n'
                                   "  clone_ns_flags:\n" + "".join(f'    - "{f}"\n' for f in [*flags, "CLONE_NEWNS"]))
         subprocess.run(["bash", str(REPO / "scripts/cluster.sh"), "restart"], check=True, timeout=180)
         yield
@@ -109,6 +111,7 @@ def namespace_linux(flags: list[str]):
         SLURM_CONF.write_text(saved)
         NAMESPACE_YAML.unlink(missing_ok=True)
         subprocess.run(["bash", str(REPO / "scripts/cluster.sh"), "restart"], check=True, timeout=180)
+        shutil.rmtree(NS_BASE, ignore_errors=True)     # the jobs' directories (slurmd unmounted them)
 
 
 def _submitted_through_slurms_namespace_setup(wd: Path, script: str, *options: str, attempts: int = 5) -> Job:
