@@ -4,11 +4,13 @@
 #   make test              setup with 3 nodes (one slurmd per network namespace), then the linter, the
 #                          shim's C unit tests (make -C spank test, then shim-matrix), the unit and integration
 #                          tests (single-node ones run on node1..3, multi-node ones need 3), with the
-#                          Slurm 24.11 subset (test-2411) and the docker-slurm test (tests/docker) running beside
-#                          the host cluster's suite (scripts/test-suites.sh)
+#                          Slurm 24.11 and 26.05 subsets (test-2411, test-2605) and the docker-slurm test
+#                          (tests/docker) running beside the host cluster's suite (scripts/test-suites.sh)
 #   make test-2411         a subset of the integration tests against Slurm 24.11: a Debian 13 root (cached in
 #                          /var/cache/slurmckpt/roots/trixie) with its own namespaces and daemons
 #                          (scripts/slurm-suite.sh; which tests and why: docs/slurm-versions.md); part of make test
+#   make test-2605         the suite's core and what 25.11/26.05 change, against Slurm 26.05: a Debian sid root
+#                          (/var/cache/slurmckpt/roots/sid), the same way; part of make test, beside test-2411
 #   make shim-matrix       the shim built and its C unit tests run against Debian trixie's (24.11) and sid's
 #                          (newest) Slurm headers, downloaded to /var/cache/slurmckpt (scripts/shim-matrix.sh)
 #   make install           on a cluster node: the venv in /opt/slurmckpt/venv with the package, the plugins and the
@@ -29,11 +31,12 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test test-2411 lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
+.PHONY: setup demo test test-2411 test-2605 lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
 SHIM_SUITES ?= trixie sid
-# The integration tests are spread over two clusters that run side by side (docs/slurm-versions.md): the host's
-# Slurm 22.05 (3 nodes) and a Debian 13 root's Slurm 24.11 (1 node). TESTS_BOTH run on both; the single-node
-# files of TESTS_2411_ONLY run on 24.11 alone (the host suite ignores them), everything else on 22.05 alone.
+# The integration tests are spread over three clusters that run side by side (docs/slurm-versions.md): the host's
+# Slurm 22.05 (3 nodes), a Debian 13 root's Slurm 24.11 and a Debian sid root's Slurm 26.05 (1 node each).
+# TESTS_CORE run on 22.05 and 26.05, TESTS_BOTH on 22.05 and 24.11; the single-node files of TESTS_2411_ONLY run
+# on 24.11 alone and TESTS_2605_ONLY on 26.05 alone (the host suite ignores both), everything else on 22.05 alone.
 IT := tests/integration
 TESTS_2411_ONLY ?= $(IT)/test_restore_paths.py $(IT)/test_ipc_pair.py $(IT)/test_security_isolation.py \
   $(IT)/test_fresh_start_reasons.py $(IT)/test_programs.py $(IT)/test_security.py $(IT)/test_network_lock.py
@@ -46,13 +49,17 @@ TESTS_2411_ONLY_IDS ?= $(IT)/test_checkpoint_restore.py::test_preemption_capture
   $(IT)/test_mpi.py::test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it
 TESTS_2411 ?= $(TESTS_2411_ONLY) $(TESTS_2411_ONLY_IDS) $(TESTS_BOTH)
 TESTS_BOTH ?= $(IT)/test_launch_form.py \
-  $(IT)/test_checkpoint_restore.py::test_requeue_twice_resumes_mid_run_with_exact_output \
-  $(IT)/test_checkpoint_restore.py::test_srun_step_ranks_restore_and_exit_codes_reach_sacct \
   $(IT)/test_checkpoint_restore.py::test_bad_interval_values_are_rejected_at_submission \
+  $(IT)/test_security_launch.py::test_loader_variables_from_sbatch_export_never_reach_a_privileged_process
+# the core: capture/restore and requeue twice, srun steps, signals, Slurm's view, one MPI row
+TESTS_CORE ?= $(IT)/test_checkpoint_restore.py::test_requeue_twice_resumes_mid_run_with_exact_output \
+  $(IT)/test_checkpoint_restore.py::test_srun_step_ranks_restore_and_exit_codes_reach_sacct \
   '$(IT)/test_signals.py::test_requeue_sigterm_never_reaches_a_program_that_handles_it[proctrack/cgroup]' \
   $(IT)/test_slurm_view.py::test_slurm_tracks_accounts_and_limits_a_checkpointed_job_before_and_after_restore \
-  $(IT)/test_security_launch.py::test_loader_variables_from_sbatch_export_never_reach_a_privileged_process \
   $(IT)/test_mpi.py::test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run
+TESTS_2605_ONLY ?= $(IT)/test_slurm_releases.py
+TESTS_2605 ?= $(TESTS_2605_ONLY) $(TESTS_CORE) $(IT)/test_launch_form.py \
+  $(IT)/test_fresh_start_reasons.py::test_a_job_requeued_before_any_commit_says_no_checkpoint_committed_yet
 
 setup:
 	NODES=$(NODES) bash scripts/setup.sh
@@ -66,11 +73,15 @@ test: setup
 	$(MAKE) lint
 	$(MAKE) -C spank test
 	$(MAKE) shim-matrix
-	PYTHON=$(PYTHON) PYTEST_ARGS="$(PYTEST_ARGS)" TESTS_2411="$(TESTS_2411)" \
-	  HOST_IGNORE="$(addprefix --ignore=,$(TESTS_2411_ONLY)) $(addprefix --deselect=,$(TESTS_2411_ONLY_IDS))" bash scripts/test-suites.sh
+	PYTHON=$(PYTHON) PYTEST_ARGS="$(PYTEST_ARGS)" TESTS_2411="$(TESTS_2411)" TESTS_2605="$(TESTS_2605)" \
+	  HOST_IGNORE="$(addprefix --ignore=,$(TESTS_2411_ONLY) $(TESTS_2605_ONLY)) $(addprefix --deselect=,$(TESTS_2411_ONLY_IDS))" \
+	  bash scripts/test-suites.sh
 
 test-2411:
 	bash scripts/slurm-suite.sh trixie -- --durations=10 $(TESTS_2411)
+
+test-2605:
+	bash scripts/slurm-suite.sh sid -- --durations=10 $(TESTS_2605)
 
 lint:
 	$(PYFLAKES) src tests

@@ -2,6 +2,7 @@
 # A Debian root of another suite on this machine, and a way to run commands in it with its own namespaces
 # (sourced by scripts/fresh-root-test.sh and scripts/slurm-suite.sh; docs/slurm-versions.md).
 #
+#   root_tools                  debootstrap installed on the host (once, before roots are prepared side by side)
 #   root_prepare SUITE ROOT     debootstrap --variant=minbase SUITE into ROOT unless it is there; apt sources,
 #                               resolver, this machine's apt/pip/TLS settings copied in
 #   root_copy_repo REPO ROOT    the work tree (no .git, no build outputs) to ROOT/root/repo
@@ -17,14 +18,34 @@
 
 ROOT_HOSTNAME=${ROOT_HOSTNAME:-cinode}
 
-root_prepare() {
-  local suite=$1 root=$2 dlog
-  case $suite in *[!a-z0-9-]*|'') echo "debian-root: '$suite' is not a Debian suite name" >&2; return 1;; esac
+# root_sources SUITE: the root's apt sources. A release has SUITE-updates and SUITE-security; sid (unstable)
+# has neither, and apt-get update fails on their missing Release files.
+root_sources() {
+  local suite=$1 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+  case $suite in
+    sid|unstable) printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: %s\nComponents: main\nSigned-By: %s\n' \
+                    "$suite" "$keyring" ;;
+    *) printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: %s %s-updates\nComponents: main\nSigned-By: %s\n\n' \
+         "$suite" "$suite" "$keyring"
+       printf 'Types: deb\nURIs: http://deb.debian.org/debian-security\nSuites: %s-security\nComponents: main\nSigned-By: %s\n' \
+         "$suite" "$keyring" ;;
+  esac
+}
+
+# root_tools: debootstrap on the host. Called by root_prepare, and once before roots are prepared side by side
+# (scripts/test-suites.sh): two apt-get runs at once would fail on dpkg's lock.
+root_tools() {
   if ! command -v debootstrap >/dev/null; then   # the host's package lists may be absent or old: update once
     apt-get install -y -q debootstrap >/dev/null 2>&1 \
       || { apt-get update -q >/dev/null && apt-get install -y -q debootstrap >/dev/null; } \
       || { echo "debian-root: needs debootstrap (apt-get install -y debootstrap failed)" >&2; return 1; }
   fi
+}
+
+root_prepare() {
+  local suite=$1 root=$2 dlog
+  case $suite in *[!a-z0-9-]*|'') echo "debian-root: '$suite' is not a Debian suite name" >&2; return 1;; esac
+  root_tools || return 1
   # The root is root's alone: a directory another user made (or a symlink) is refused, never written through.
   install -d -o root -g root -m 0755 "$(dirname "$root")"
   if [ -L "$root" ] || { [ -e "$root" ] && [ "$(stat -c %u "$root")" != 0 ]; }; then
@@ -37,19 +58,7 @@ root_prepare() {
     debootstrap --variant=minbase "$suite" "$root" http://deb.debian.org/debian >"$dlog" 2>&1 \
       || { tail -20 "$dlog"; rm -f "$dlog"; return 1; }
     rm -f "$dlog" "$root/etc/apt/sources.list"
-    cat >"$root/etc/apt/sources.list.d/debian.sources" <<EOF
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: $suite $suite-updates
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-
-Types: deb
-URIs: http://deb.debian.org/debian-security
-Suites: $suite-security
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
+    root_sources "$suite" >"$root/etc/apt/sources.list.d/debian.sources"
     echo "127.0.0.1 localhost $ROOT_HOSTNAME" >"$root/etc/hosts"
   fi
   cp /etc/resolv.conf "$root/etc/resolv.conf"
@@ -162,8 +171,9 @@ root_run() { # root_run ROOT NET(yes|no) SCRIPT
       _ "$root" "$script" "$([ "$net" = no ] || echo 1)" "$mounts" "$ROOT_HOSTNAME"
   ) &
   # If the caller is stopped, unshare goes too, and --kill-child takes the whole PID namespace with it.
+  # SIGKILL: unshare --fork ignores SIGINT and SIGTERM while it waits for its child.
   local pid=$!
-  trap 'kill $pid 2>/dev/null' EXIT INT TERM
+  trap 'kill -KILL $pid 2>/dev/null' EXIT INT TERM
   wait $pid || rc=$?
   trap - EXIT INT TERM
   root_cgroup_remove "$cg"

@@ -368,6 +368,14 @@ step_slurm_config() {
     T_NODE_LINES=${T_NODE_LINES%$'\n'}
   fi
   T_NODE_LIST=$nodelist
+  # What only newer releases know (one template serves 22.05 to 26.05): since 25.11 a requeued job waits
+  # requeue_delay (1 s: the requeues of the tests), and jobs may ask for an expedited requeue.
+  local version; version=$(slurmctld -V 2>/dev/null | awk '{print $2}')
+  T_REQUEUE_DELAY="" T_RELEASE_LINES=""
+  if dpkg --compare-versions "${version:-0}" ge 25.11; then
+    T_REQUEUE_DELAY=",requeue_delay=1"
+    T_RELEASE_LINES="SlurmctldParameters=enable_expedited_requeue"
+  fi
   T_GRES_LINES="NodeName=$nodelist Name=gpu File=$CLUSTER_DIR/dev/nvidia[0-1]"
 
   # SPANK plugin line (docs/contracts.md); commented out only in the developer escape-hatch mode.

@@ -15,7 +15,7 @@ then partition, then default), as a Slurm QOS's limits override its partition's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping
 
 from slurmckpt.duration import AUTO, MIN_INTERVAL_S, format_duration, format_interval, parse_duration, parse_interval
@@ -108,6 +108,7 @@ class JobPolicy:
     """What the policy says for one job (or, at submission, for every partition it may run in)."""
     allowed: bool = True
     denied_by: str = ""                   # the entry that forbids checkpoints
+    denied_why: str = ""                  # set by what the node forbids (refused_by); "": the site policy's words
     min_interval: int = 0                 # seconds; 0: only the plugin's own minimum (10 s)
     min_from: str = ""
     max_interval: int = AUTO_MAX_DEFAULT_S   # seconds: the longest interval auto chooses
@@ -115,6 +116,11 @@ class JobPolicy:
     default_interval: int | None = None   # for jobs that gave no --checkpoint-interval; None: the plugin's
     default_from: str = ""
     settings: Mapping[str, object] = field(default_factory=dict)
+
+    def refused_by(self, rule: str, why: str) -> JobPolicy:
+        """This policy with every capture refused for a reason the node sets, not the site policy (a job's own
+        namespaces: slurm/namespaces.py): the task runs without checkpoints and says why."""
+        return replace(self, allowed=False, denied_by=rule, denied_why=why)
 
     def refusal(self, seconds: int) -> str | None:
         """Why an explicit `--checkpoint-interval` of `seconds` is refused here, naming the option; None if
@@ -151,7 +157,7 @@ class JobPolicy:
         checkpoints; a periodic one less than `min_interval` (1 s tolerance for the schedule's jitter)
         after the previous periodic capture's PREPARE. Final captures are never refused for their timing."""
         if not self.allowed:
-            return self.denied_by, f"checkpoints are not allowed in {self.denied_by} (site policy)"
+            return self.denied_by, self.denied_why or f"checkpoints are not allowed in {self.denied_by} (site policy)"
         if not final and since_last_s is not None and since_last_s < self.min_interval - 1.0:
             return self.min_from, (f"a capture {since_last_s:.0f}s after the previous one is below the minimum "
                                    f"interval {format_duration(self.min_interval)} of {self.min_from} (site policy)")

@@ -90,8 +90,9 @@ class Matrix:
                 f"of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; do not edit. Each row: a real "
                 "program from Debian's packages, requeued mid-run and checked against an uninterrupted run.",
                 "",
-                f"Kernel {os.uname().release}. `make test` runs the suite over two clusters side by side (Slurm "
-                "22.05 on the host, 24.11 in a Debian 13 root; docs/slurm-versions.md): the rows of both.",
+                f"Kernel {os.uname().release}. `make test` runs the suite over three clusters side by side (Slurm "
+                "22.05 on the host, 24.11 in a Debian 13 root, 26.05 in a Debian sid root; docs/slurm-versions.md): "
+                "the rows of all three.",
                 "",
                 "| program | package (version) | launcher | nodes | Slurm | cgroups | process tracking | result | seconds |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

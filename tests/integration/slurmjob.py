@@ -29,6 +29,7 @@ WORK_ROOT = Path("/var/tmp/slurmckpt-work")
 # run daemons, agents and coordinators with the same command lines in PID namespaces of their own
 PGREP_HERE = ("pgrep", "--ns", str(os.getpid()), "--nslist", "pid")
 AGENT_LOGS = Path("/var/log/slurmckpt")
+SLURM_LOG_LINE = re.compile(r"\[\d{4}-\d\d-\d\dT[\d:.]+\] ")      # slurmstepd's lines in a job's output, 26.05
 
 
 CONFIG = Path("/etc/slurmckpt/slurmckpt.yaml")
@@ -129,9 +130,11 @@ class Job:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
     def app_lines(self) -> list[str]:
-        """The workload's own lines: slurmckpt's, Slurm's and srun's messages filtered out."""
+        """The workload's own lines: slurmckpt's, Slurm's and srun's messages filtered out (slurmstepd's start
+        with "slurmstepd:" up to 25.11, with "[<ISO time>] " since 26.05)."""
         return [l for l in self.text().splitlines()
-                if not l.startswith(("slurmckpt", "slurmstepd", "srun:", "Error (", "pie:", "---", "Warn"))]
+                if not l.startswith(("slurmckpt", "slurmstepd", "srun:", "Error (", "pie:", "---", "Warn"))
+                and not SLURM_LOG_LINE.match(l)]
 
     def state(self) -> str:
         return job_field(self.id, "JobState") or "GONE"

@@ -130,6 +130,22 @@ def test_migrate_captures_requeues_points_the_pending_job_at_the_node_and_waits_
     assert ["scontrol", "update", "JobId=1240", "ReqNodeList=node2"] in slurm.calls
 
 
+def test_migrate_names_the_requeue_delay_when_the_job_ran_again_before_its_node_list_was_set(user, monkeypatch):
+    """requeue_delay=0 (Slurm 25.11+) or --requeue=expedite: the requeued job may run again (restart 1) before
+    the CLI sees it pending; Slurm refuses ReqNodeList on a running job, and the CLI says why, never waits for
+    a PENDING that will not come."""
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+
+    def scontrol(cmd: list[str]) -> Ran:
+        if cmd[1] == "update":
+            return Ran(1, "", "slurm_update error: Job is no longer pending execution")
+        return _nodes(cmd)
+    FakeSlurm(squeue=_moving(["RUNNING", "RUNNING", "RUNNING"]), scontrol=scontrol,
+              sacct="1240|sbatch --checkpoint-interval=10m x\n").install(monkeypatch)
+    r = CliRunner().invoke(cli, ["migrate", "1240", "--to", "node2"])
+    assert r.exit_code == 1 and "refused ReqNodeList=node2" in r.output and "requeue_delay=0" in r.output, r.output
+
+
 @pytest.mark.parametrize("target, why", [("node3", "is DOWN*"), ("node9", "Slurm knows no such node"),
                                          ("node4", "not in the job's partition debug"),
                                          ("node1", "already runs on node1")])

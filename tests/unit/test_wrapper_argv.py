@@ -76,3 +76,12 @@ def test_main_execs_the_task_in_either_form(form: dict[str, str], args: list[str
                          env=child_env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "zero|a b\n"
+
+
+@pytest.mark.parametrize("value", ["-5", "4294967291", ""])
+def test_the_batch_step_id_of_every_release_is_the_batch_step(value: str) -> None:
+    """26.05 sets SLURM_STEP_ID in the batch step too, SLURM_BATCH_SCRIPT printed signed ("-5"); older releases
+    leave it unset."""
+    assert env(SLURM_STEP_ID=value).step == "batch"
+    assert TaskEnv.from_environ({"SLURM_JOB_ID": "7"}).step == "batch"
+    assert env(SLURM_STEP_ID="0").step == "0"

@@ -26,6 +26,7 @@ from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment
 from slurmckpt.slurm.control import CliSlurm, job_record
 from slurmckpt.slurm.jobrecord import JobRecord
+from slurmckpt.slurm.namespaces import job_namespace_refusal
 from slurmckpt.store.jobstore import JobStore
 
 log = logging.getLogger("slurmckpt.agent")
@@ -95,6 +96,11 @@ def run_agent(args: ShimArgs) -> None:
     restart_count = max(args.restart_count, slurm_job.restarts) if slurm_job else args.restart_count
     ident = TaskIdentity(cluster_name(), args.job, args.step, args.rank, args.uid, args.gid, restart_count)
     policy = job_policy(config, slurm_job)
+    peer = Peer.parent()
+    # Slurm's per-job user/PID namespaces (namespace/linux): refused here, by name, before anything is frozen
+    in_own_ns = job_namespace_refusal(peer.pid)
+    if in_own_ns:
+        policy = policy.refused_by("NamespaceType=namespace/linux", in_own_ns)
     config = config.with_settings(dict(policy.settings))     # keep_epochs, compression for this job
     # A shared file system whose server restarts answers ENOTCONN/EIO for a while: wait for it rather than
     # start the task from the beginning (docs/storage.md, "Shared file systems").
@@ -114,7 +120,7 @@ def run_agent(args: ShimArgs) -> None:
                          SlurmdLog(args.log_fd), JobComment(store, ident.job, config.job_comment_field),
                          NodeMetrics(config.metrics_textfile, config.run_dir, task, node))
     interval = interval_arg(args.interval) if args.interval is not None else 0
-    agent = Agent(ident, Channel.from_fd(args.fd), config, Peer.parent(), slurm_job, events=events, policy=policy,
+    agent = Agent(ident, Channel.from_fd(args.fd), config, peer, slurm_job, events=events, policy=policy,
                   interval=(interval, args.interval is None or args.interval_from == "option"))
     agent.store_outage = outage
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,

@@ -122,14 +122,18 @@ def migrate(job: JobRef, target: str, no_wait: bool, timeout: float, fmt: Format
     nodes = _check_target(found, target)
     found = _signal_capture(job, True, False, fmt)
     say(fmt, f"job {found.spec}: capture requested; waiting for Slurm to requeue it")
-    # Slurm makes a requeued job eligible only after the credential lifetime (cred_expire): the node list is
-    # set while it is pending, before it can start anywhere.
-    _wait(found, lambda j: j.state == "PENDING", "the capture and requeue", timeout)
+    # Slurm makes a requeued job eligible only after its requeue delay (cred_expire, or requeue_delay= of
+    # SchedulerParameters since 25.11): the node list is set while it is pending. With requeue_delay=0, or a
+    # job submitted with --requeue=expedite, it may start again first (a higher restart count): Slurm then
+    # refuses the update.
+    _wait(found, lambda j: j.state == "PENDING" or (j.state == "RUNNING" and j.restarts > found.restarts),
+          "the capture and requeue", timeout)
     try:
         CliSlurm(timeout_s=30).update_job(found.job_id, ReqNodeList=",".join(nodes))
     except SlurmError as e:
-        raise CliError(f"the job was requeued but Slurm refused ReqNodeList={','.join(nodes)}: {e}; it will "
-                       "restart wherever Slurm puts it") from e
+        raise CliError(f"the job was requeued but Slurm refused ReqNodeList={','.join(nodes)}: {e}; it "
+                       "restarts wherever Slurm puts it (a requeue delay of 0, SchedulerParameters=requeue_delay=0 "
+                       "or --requeue=expedite, can start it before its node list is set)") from e
     detail = f"requeued with ReqNodeList={','.join(nodes)}"
     if not no_wait:
         say(fmt, f"job {found.spec}: {detail}; waiting for it to run there")

@@ -153,6 +153,21 @@ def namespace(pid: int | str, kind: str) -> int:
     return os.stat(path(pid, "ns", kind)).st_ino
 
 
+def namespace_link(pid: int | str, kind: str) -> int:
+    """The same inode from the link's text (`user:[4026531837]`), which needs no access to the namespace."""
+    text = os.readlink(path(pid, "ns", kind))
+    return int(text[text.index("[") + 1:text.rindex("]")])
+
+
+def cmdline(pid: int | str) -> list[str]:
+    """The process's argv; [] for a kernel thread or a process that is gone."""
+    try:
+        with open(path(pid, "cmdline"), errors="replace") as f:
+            return f.read().split("\0")[:-1]
+    except OSError:
+        return []
+
+
 
 def threads(pid: int) -> list[int]:
     """The process's thread ids; [] if it is gone."""

@@ -9,6 +9,9 @@ from slurmckpt.duration import interval_arg
 from slurmckpt.identity import RankName
 
 
+BATCH_STEP_SIGNED = "-5"
+
+
 @dataclass(frozen=True)
 class TaskEnv:
     job_id: int
@@ -26,7 +29,9 @@ class TaskEnv:
     def from_environ(cls, env: dict[str, str] | None = None) -> "TaskEnv":
         env = dict(os.environ if env is None else env)
         step = env.get("SLURM_STEP_ID", "batch")
-        if step in ("", "4294967291") or "SLURM_STEP_ID" not in env:
+        # The batch step: no SLURM_STEP_ID up to 25.11 (set for ids >= 0 only); 26.05 sets it for every step,
+        # printing SLURM_BATCH_SCRIPT (0xfffffffb) with "%d": "-5" ("4294967291" is the same id unsigned).
+        if step in ("", BATCH_STEP_SIGNED, "4294967291") or "SLURM_STEP_ID" not in env:
             step = "batch"
         return cls(
             job_id=int(env.get("SLURM_JOB_ID", "0")),

@@ -11,6 +11,11 @@ from typing import Any
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.task.parts import WrapperParts
 
+# Slurm 26.05 gives every run a new SLURM_JOB_SLUID: a restored process still has the captured run's
+# (slurm/run_env.py)
+ENV_NOTE = ("; its processes keep the environment of the run they were captured in (SLURM_JOB_SLUID, "
+            "SLURM_RESTART_COUNT...): `slurmckpt env` prints this run's")
+
 log = logging.getLogger("slurmckpt.wrapper")
 
 
@@ -43,8 +48,9 @@ class TaskStart(WrapperParts):
                 self._launch(relay=True)
             else:
                 self.root_pid = int(reply["pid"])
+                note = ENV_NOTE if "SLURM_JOB_SLUID" in os.environ else ""
                 self._say(f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
-                              f"(restart {self.env.restart_count})")
+                          f"(restart {self.env.restart_count}){note}")
             return
         if self.env.step == "batch":
             self._say_fresh_start()

@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--poison-at", type=int, default=-1)
     ap.add_argument("--ring-at", type=int, default=-1)
+    ap.add_argument("--exit-if", default=None, help="exit 3 at the first step at which this file exists")
     a = ap.parse_args()
     tag = a.tag if not a.tag.isdigit() else f"r{a.tag}"
     listener = socket.socket()
@@ -87,6 +88,9 @@ def main() -> None:
             poison()
         if i == a.ring_at:
             ring()
+        if a.exit_if and os.path.exists(a.exit_if):
+            print(f"{tag} failing at step {i}: {a.exit_if} exists", flush=True)
+            sys.exit(3)
         v = rng.randint(0, 10**6)
         peer.write(f"{i} {v}\n".encode())
         back = peer.readline().decode().strip()
