@@ -39,7 +39,8 @@ SHIM_SUITES ?= trixie sid
 # on 24.11 alone and TESTS_2605_ONLY on 26.05 alone (the host suite ignores both), everything else on 22.05 alone.
 IT := tests/integration
 TESTS_2411_ONLY ?= $(IT)/test_restore_paths.py $(IT)/test_ipc_pair.py $(IT)/test_security_isolation.py \
-  $(IT)/test_fresh_start_reasons.py $(IT)/test_programs.py $(IT)/test_security.py $(IT)/test_network_lock.py
+  $(IT)/test_fresh_start_reasons.py $(IT)/test_programs.py $(IT)/test_security.py $(IT)/test_network_lock.py \
+  $(IT)/test_interval_auto.py
 # single tests that run on 24.11 alone (the host suite deselects them): they balance the two suites' time
 TESTS_2411_ONLY_IDS ?= $(IT)/test_checkpoint_restore.py::test_preemption_captures_within_gracetime_and_resumes \
   $(IT)/test_checkpoint_restore.py::test_walltime_capture_and_requeue_without_user_signal \
