@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import GpuDriverError, load_driver  # noqa: E402
-from slurmckpt.cuda.procscan import _fd_links, _map_paths, find_cuda_pids, unsupported_reasons  # noqa: E402
+from slurmckpt.cuda.procscan import _map_paths, find_cuda_pids, unsupported_reasons  # noqa: E402
+from slurmckpt.node.procfs import fd_links  # noqa: E402
 from slurmckpt.cuda.stage import GpuStage  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -51,8 +52,8 @@ def ops(pid: int, *specs: str, timeout: float = 30) -> list:
 
 
 def nvidia_view(pid: int) -> dict:
-    maps = Counter(p for p in _map_paths(pid, "/proc") if "nvidia" in p or "nccl" in p or "cuda" in p.lower())
-    fds = Counter(l for l in _fd_links(pid, "/proc") if "nvidia" in l)
+    maps = Counter(p for p in _map_paths(pid) if "nvidia" in p or "nccl" in p or "cuda" in p.lower())
+    fds = Counter(l for l in fd_links(pid) if "nvidia" in l)
     return {"maps": dict(maps), "fds": dict(fds)}
 
 
