@@ -24,7 +24,6 @@
 #define AGENT_FD     3          /* the agent's socket end, after the exec */
 #define AGENT_ERR_FD 4          /* close-on-exec pipe reporting exec errors */
 #define AGENT_LOG_FD 5          /* the log relay's write end (log_relay.c) */
-#define AGENT_PATH   "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
 
 struct agent_cmd {
 	char fd[16], job[16], rank[16], uid[16], gid[16], restarts[16];
@@ -81,20 +80,14 @@ static void agent_cmd_build(struct agent_cmd *c, struct step_info *si,
 	}
 	c->argv[n] = NULL;
 
-	n = 0;
-	c->envp[n++] = AGENT_PATH;
-	if (conf != NULL && snprintf(c->conf, sizeof(c->conf), "SLURM_CONF=%s",
-				     conf) < (int)sizeof(c->conf))
-		c->envp[n++] = c->conf;
-	c->envp[n] = NULL;
+	root_exec_env(c->envp, c->conf, sizeof(c->conf), conf);
 }
 
 /* In the forked child: never returns. logfd: the relay's write end, or -1. */
 static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd,
 		       int logfd)
 {
-	sigset_t empty;
-	int sig, err, fd;
+	int err, fd;
 
 	/* Move everything above the target numbers first, then place it. */
 	sock = fcntl(sock, F_DUPFD, 10);
@@ -113,18 +106,7 @@ static void agent_exec(struct agent_cmd *c, int sock, int nullfd, int errfd,
 	if (logfd >= 0 && dup2(logfd, AGENT_LOG_FD) < 0)
 		goto fail;
 	close_from(AGENT_LOG_FD + 1);
-
-	/* Root without the job user's supplementary groups. */
-	if (setgroups(0, NULL) < 0)
-		goto fail;
-	for (sig = 1; sig < NSIG; sig++)
-		signal(sig, SIG_DFL);
-	sigemptyset(&empty);
-	sigprocmask(SIG_SETMASK, &empty, NULL);
-	if (chdir("/") < 0)
-		goto fail;
-
-	execve(c->argv[0], c->argv, c->envp);
+	root_exec(c->argv, c->envp);
 fail:
 	err = errno;
 	if (write(errfd, &err, sizeof(err)) < 0)

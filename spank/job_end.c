@@ -26,7 +26,6 @@
 
 #include "slurmckpt.h"
 
-#define JOB_END_PATH  "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
 #define NODES_MAX     16384     /* a longer node list is left out: every node then acts */
 
 struct job_end_cmd {
@@ -70,19 +69,13 @@ static void job_end_cmd_build(struct job_end_cmd *c, uint32_t job, uid_t uid)
 	}
 	c->argv[n] = NULL;
 
-	n = 0;
-	c->envp[n++] = JOB_END_PATH;
-	if (conf != NULL && snprintf(c->conf, sizeof(c->conf), "SLURM_CONF=%s",
-				     conf) < (int)sizeof(c->conf))
-		c->envp[n++] = c->conf;
-	c->envp[n] = NULL;
+	root_exec_env(c->envp, c->conf, sizeof(c->conf), conf);
 }
 
 /* The grandchild: never returns. errfd: close-on-exec, gets errno on failure. */
 static void job_end_exec(struct job_end_cmd *c, int errfd)
 {
-	sigset_t empty;
-	int sig, err, nullfd;
+	int err, nullfd;
 
 	/* Above the target numbers first, then placed: 0-2 /dev/null, 3 the error pipe. */
 	if ((err = fcntl(errfd, F_DUPFD_CLOEXEC, 10)) < 0)
@@ -94,16 +87,8 @@ static void job_end_exec(struct job_end_cmd *c, int errfd)
 		goto fail;
 	errfd = 3;
 	close_from(4);
-	if (setgroups(0, NULL) < 0)
-		goto fail;
-	for (sig = 1; sig < NSIG; sig++)
-		signal(sig, SIG_DFL);
-	sigemptyset(&empty);
-	sigprocmask(SIG_SETMASK, &empty, NULL);
 	umask(022);
-	if (chdir("/") < 0)
-		goto fail;
-	execve(c->argv[0], c->argv, c->envp);
+	root_exec(c->argv, c->envp);
 fail:
 	err = errno;
 	if (write(errfd, &err, sizeof(err)) < 0)

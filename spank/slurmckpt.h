@@ -44,6 +44,15 @@ int agent_spawn(spank_t sp, long interval, int explicit);
 /* close_from.c: close every fd from lowfd up (before a root exec). */
 void close_from(int lowfd);
 
+/* close_from.c: a root command's environment into envp (room for 3): PATH,
+ * and SLURM_CONF written into confbuf when conf is not NULL. */
+#define ROOT_EXEC_PATH "PATH=/usr/sbin:/usr/bin:/sbin:/bin"
+void root_exec_env(char **envp, char *confbuf, size_t size, const char *conf);
+
+/* close_from.c: in the child, once its fds are placed: no supplementary groups,
+ * default signals, an empty mask, cwd /, then execve; returns -1 (errno set). */
+int root_exec(char *const argv[], char *const envp[]);
+
 /*
  * job_end.c: start `<agent> job-end` detached, for the job of this epilog
  * (job_epilog, root); returns at once. 0, or -1 when it did not start (logged).
