@@ -61,12 +61,6 @@ class HandWired:
         self._ok("unlock", self.cu.cuCheckpointProcessUnlock(pid, None))
 
 
-def drop_caches() -> None:
-    """Empty the page cache (after a sync) so that what is read next comes from the disk."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver, cold_cache: bool) -> dict:
     harness.fresh_dir(images)
     t0 = time.monotonic()
@@ -87,7 +81,7 @@ def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver,
     size = w.log.stat().st_size
     image_bytes = harness.du(images)
     if cold_cache:
-        drop_caches()
+        harness.drop_caches()
     t3 = time.monotonic()
     pid, _ = harness.restore(images)
     t4 = time.monotonic()
@@ -171,7 +165,7 @@ def bench_size(gib: float, order: list[str], work: Path, hand: HandWired, driver
             s.kill()
         out["state_bytes"] = state.stat().st_size
         if cold_cache:
-            drop_caches()
+            harness.drop_caches()
         out.update(cold_start(state, work / f"cold-{gib:g}.log"))
         state.unlink()
         print(json.dumps({"gib": gib, "torch_save_s": out["torch_save_s"], "cold_to_running_s":

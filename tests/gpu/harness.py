@@ -196,6 +196,12 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
+def drop_caches() -> None:
+    """Empty the page cache (after a sync) so that what is read next comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
