@@ -5,6 +5,7 @@
 #     FLAGS, comma-separated: nocold (no cold start), dropcache (restores and the cold start read from disk)
 #   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
 #   nvml[:GIB] - tests/gpu/nvml_probe.py: NVML inventory, NVML bytes vs the driver's host copy, rates, JAX notes
+#   infer[:PAIRS] - benchmarks/inference_restore.py: inference server, restore-to-serving vs cold start from disk
 # Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
 set -u
 cd "$(dirname "$0")/../.."
@@ -32,6 +33,9 @@ for phase in "$@"; do
     pidns) timeout 60 python3 tests/gpu/pidns_probe.py $W/pidns pid+proc 2>&1 | tee -a "$log" ;;
     nvml) gib=${phase#nvml}; gib=${gib#:}
           timeout 400 python3 tests/gpu/nvml_probe.py $W/nvml --gib "${gib:-8}" 2>&1 | tee -a "$log" ;;
+    infer) pairs=${phase#infer}; pairs=${pairs#:}
+           timeout 400 python3 benchmarks/inference_restore.py --pairs "${pairs:-3}" --work $W/infer \
+             --out "$OUT/infer.json" 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)
