@@ -12,7 +12,9 @@ for f in "$debs"/*.deb; do
       so=$(dpkg -c "$f" | grep -o "lib[^/ ]*\.so\.[0-9]*" | head -1)
       [ -n "$so" ] && ldconfig -p | grep -q "$so" && continue; echo "carrying $so";;
   esac
-  dpkg -x "$f" /
+  # not `dpkg -x`: its tar replaces a merged-/usr machine's /lib symlink with a directory (Debian 12's
+  # packages still ship ./lib/systemd), and the linker's libc.so script then finds no /lib/.../libc.so.6
+  dpkg-deb --fsys-tarfile "$f" | tar -C / --keep-directory-symlink -x
 done
 for b in slurmd slurmstepd slurmctld; do ln -sf "/usr/sbin/$b-wlm" "/usr/sbin/$b"; done   # Debian's alternatives
 ldconfig
