@@ -57,7 +57,7 @@ declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py -
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps $((STEPS * 5)) --sleep 0.1 --port-file port-I.txt" \
-  [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
+  [C]="$PY workload_cupy.py --steps $((STEPS * 3)) --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
 declare -A MORE=([T]="-n2")
@@ -120,18 +120,25 @@ for r in $ROWS; do
   grep -vE "${LINES[$r]}|^monitor " "$H/$r.out" | tail -8
   got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -c 'restored from checkpoint epoch' "$H/$r.out")
   ref="$H/ref/$r.out"; [ "$r" = T ] && ref="$H/ref/T.0.out"
-  if grep -qE 'refused|ABORTED' "$H/$r.out" && [ "$restores" = 0 ]; then
-    outcome=REFUSED; detail=$(grep -oE '(refused|ABORTED)[^;]*' "$H/$r.out" | head -1 | cut -c1-220)
+  aborted=$(grep -c 'ABORTED' "$H/$r.out")
+  before_freeze='ABORTED \([^)]*stage (check|pmi-precheck|space|gpu-lock)\)'    # the PREPARE stages before any lock
+  if grep -qE "$before_freeze" "$H/$r.out" && [ "$restores" = 0 ]; then    # refused before anything was frozen
+    outcome=REFUSED; detail=$(grep -oE "$before_freeze[^;]*" "$H/$r.out" | head -1 | cut -c1-260)
+  elif [ "$aborted" -gt 0 ] && [ "$restores" = 0 ]; then          # a capture that failed is no refusal
+    outcome=FAILED; detail=$(grep -oE 'ABORTED[^;]*' "$H/$r.out" | head -1 | cut -c1-220)
   elif [ "$r" = I ]; then
     outcome=$(grep -qE '^client PASS' "$H/ref/I.client" && echo IDENTICAL || echo FAILED)
     detail="$restores restore(s); client: $(tail -1 "$H/ref/I.client")"
-  elif [ "$restores" -ge 1 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
+  elif [ "$r" != T ] && [ -f "$ref" ] && { [ "$(grep -cE "${LINES[$r]}" "$ref")" = 0 ] || ! grep -q '^DONE' "$ref"; }; then
+    outcome=FAILED; detail="the uninterrupted run failed: $(grep -E 'Error|error' "$ref" | tail -1 | cut -c1-200)"
+  elif [ "$restores" -ge 1 ] && [ "$got" -gt 0 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
     outcome=IDENTICAL; detail="$got lines, $restores restore(s)"
     [ "$r" = G ] && detail="$detail; monitor lines after the last restore: $(awk '/restored from checkpoint/ {n=0} /^monitor / {n++} END {print n}' "$H/$r.out")"
   else
     outcome=FAILED; detail="$restores restore(s), $got vs $(grep -cE "${LINES[$r]}" "$ref") lines; $(grep -E 'FAILED|beginning|Error' "$H/$r.out" | head -1 | cut -c1-200)"
     [ "$restores" -ge 1 ] && { echo "first difference:"; diff <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref") | head -4; }
   fi
+  [ "$aborted" -gt 0 ] && [ "$restores" -gt 0 ] && detail="$detail; $aborted capture(s) ABORTED: $(grep -oE 'ABORTED[^;]*' "$H/$r.out" | head -1 | cut -c1-160)"
   echo "$r RESULT: $outcome: $detail"
   echo "| $r | ${NAME[$r]} | $outcome | ${detail//|//} |" >> "$OUT/gpu-coverage.md"
 done
