@@ -162,6 +162,10 @@ def test_a_failed_restore_falls_back_to_the_previous_epoch(make, said):
     assert [a["epoch"] for op, a in w.agent.calls if op == "restore"] == [5, 4] and "launch" not in w.agent.ops()
     assert w.root_pid == 4242
     assert any("epoch 5" in line and "FAILED" in line for line in said)     # never silent
+    # said again after the restore: restoring epoch 4 put back its output, which ends before the FAILED line
+    # (seen on the GPU machine: the job's output said only "restored from checkpoint epoch 1")
+    assert "restored from checkpoint epoch 4" in said[-2]
+    assert said[-1].startswith("epoch 4 was restored because newer checkpoints could not be: epoch 5: ")
 
 
 def test_when_no_epoch_restores_the_task_starts_fresh_and_says_so(make, said):

@@ -22,6 +22,7 @@ log = logging.getLogger("slurmckpt.wrapper")
 class TaskStart(WrapperParts):
     def _start(self, plan: dict[str, Any]) -> None:
         stdio = [0, 1, 2]
+        failed: list[str] = []       # epochs that did not restore, said again once an older one has
         if self.pmi_fd is not None:      # the agent dumps it as external and restores this one in its place
             self.call("pmi_socket", [self.pmi_fd])
         for candidate in plan["candidates"]:
@@ -40,6 +41,7 @@ class TaskStart(WrapperParts):
                     self._withdraw(epoch, e)
                     return
                 self._say(f"restore of checkpoint epoch {epoch} FAILED: {e}; falling back")
+                failed.append(f"epoch {epoch}: {str(e).splitlines()[0][:300]}")
                 continue
             if reply["kind"] == "replay":
                 self._say(f"output restored from epoch {epoch}; re-running the batch script to re-launch "
@@ -51,6 +53,9 @@ class TaskStart(WrapperParts):
                 note = ENV_NOTE if "SLURM_JOB_SLUID" in os.environ else ""
                 self._say(f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
                           f"(restart {self.env.restart_count}){note}")
+            if failed:     # the restore put back this epoch's output, which ends before the FAILED lines
+                self._say(f"epoch {epoch} was restored because newer checkpoints could not be: "
+                          + "; ".join(failed))
             return
         if self.env.step == "batch":
             self._say_fresh_start()
