@@ -53,7 +53,7 @@ declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tas
   [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
 declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
   [T]="srun -n2 $PY ddp_train.py --device cuda --steps $STEPS --sleep 0.15" \
-  [W]="$PY workload_graph_loader.py --steps $STEPS --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
+  [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps $((STEPS * 5)) --sleep 0.1 --port-file port-I.txt" \
@@ -131,6 +131,8 @@ for r in $ROWS; do
     detail="$restores restore(s); client: $(tail -1 "$H/ref/I.client")"
   elif [ "$r" != T ] && [ -f "$ref" ] && { [ "$(grep -cE "${LINES[$r]}" "$ref")" = 0 ] || ! grep -q '^DONE' "$ref"; }; then
     outcome=FAILED; detail="the uninterrupted run failed: $(grep -E 'Error|error' "$ref" | tail -1 | cut -c1-200)"
+  elif grep -qE 'restore of checkpoint epoch [0-9]+ FAILED|newer checkpoints could not be' "$H/$r.out"; then
+    outcome=FAILED; detail="a restore failed and an older epoch was taken: $(grep -oE '(FAILED|could not be)[^;]*' "$H/$r.out" | tail -1 | cut -c1-200)"
   elif [ "$restores" -ge 1 ] && [ "$got" -gt 0 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
     outcome=IDENTICAL; detail="$got lines, $restores restore(s)"
     [ "$r" = G ] && detail="$detail; monitor lines after the last restore: $(awk '/restored from checkpoint/ {n=0} /^monitor / {n++} END {print n}' "$H/$r.out")"
