@@ -18,7 +18,7 @@ set -u
 ROWS=${GM_ROWS:-G T W P X L H I C J}
 OUT=${OUT:-/tmp/gpu-matrix-out}; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu-matrix.txt") 2>&1
-T0=$SECONDS; DEADLINE=${GM_DEADLINE:-480}; STEPS=${GM_STEPS:-90}
+T0=$SECONDS; DEADLINE=${GM_DEADLINE:-480}; STEPS=${GM_STEPS:-200}
 say() { echo "=== [$((SECONDS - T0))s] $*"; }
 
 say "slurm (tests/gpu/slurm_config.sh), slurmckpt staged"
@@ -53,11 +53,11 @@ declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tas
   [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
 declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
   [T]="srun -n2 $PY ddp_train.py --device cuda --steps $STEPS --sleep 0.15" \
-  [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
+  [W]="$PY workload_graph_loader.py --steps $STEPS --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
-  [I]="$PY session_worker.py --device cuda --steps $((STEPS * 5)) --sleep 0.1 --port-file port-I.txt" \
-  [C]="$PY workload_cupy.py --steps $((STEPS * 3)) --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
+  [I]="$PY session_worker.py --device cuda --steps 450 --sleep 0.1 --port-file port-I.txt" \
+  [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
 declare -A MORE=([T]="-n2")
@@ -100,6 +100,10 @@ cycle() {   # ROW: interval commit (or a refusal), requeue(s), restore(s), the e
     fi
     while [ $n -le "${REQUEUES[$r]:-1}" ]; do
       grep -qE 'committed \(interval\)' "$H/$r.out" || break
+      # mid-run: once the program prints its steps, and at a commit taken since (not one of its start-up)
+      for _ in $(seq $((end - SECONDS))); do [ "$(grep -cE "${LINES[$r]}" "$H/$r.out")" -ge 5 ] && break; sleep 1; done
+      c0=$(grep -cE 'committed \(interval\)' "$H/$r.out")
+      for _ in $(seq $((end - SECONDS))); do [ "$(grep -cE 'committed \(interval\)' "$H/$r.out")" -gt "$c0" ] && break; sleep 1; done
       echo "[$((SECONDS - T0))s] $r: requeue $n at $(grep -cE "${LINES[$r]}" "$H/$r.out") lines"
       scontrol requeue "$id"
       for _ in $(seq $((end - SECONDS))); do [ "$(grep -c 'restored from checkpoint epoch\|starting from the beginning' "$H/$r.out")" -ge "$n" ] && break; sleep 1; done
@@ -116,7 +120,8 @@ wait "${CYC[@]}" "${REFS[@]}"
 
 { echo "| row | program | outcome | detail |"; echo "| --- | --- | --- | --- |"; } > "$OUT/gpu-coverage.md"
 for r in $ROWS; do
-  say "row $r: ${NAME[$r]} (job ${ID[$r]})"; cat "$OUT/cycle-$r.txt"; rm -f "$OUT/cycle-$r.txt"
+  say "row $r: ${NAME[$r]} (job ${ID[$r]})"; cat "$OUT/cycle-$r.txt"
+  at=$(grep -oE 'requeue [0-9]+ at [0-9]+ lines' "$OUT/cycle-$r.txt" | awk '{print $4}' | paste -sd, -); rm -f "$OUT/cycle-$r.txt"
   grep -vE "${LINES[$r]}|^monitor " "$H/$r.out" | tail -8
   got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -c 'restored from checkpoint epoch' "$H/$r.out")
   ref="$H/ref/$r.out"; [ "$r" = T ] && ref="$H/ref/T.0.out"
@@ -134,7 +139,7 @@ for r in $ROWS; do
   elif grep -qE 'restore of checkpoint epoch [0-9]+ FAILED|newer checkpoints could not be' "$H/$r.out"; then
     outcome=FAILED; detail="a restore failed and an older epoch was taken: $(grep -oE '(FAILED|could not be)[^;]*' "$H/$r.out" | tail -1 | cut -c1-200)"
   elif [ "$restores" -ge 1 ] && [ "$got" -gt 0 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
-    outcome=IDENTICAL; detail="$got lines, $restores restore(s)"
+    outcome=IDENTICAL; detail="$got lines, $restores restore(s), requeued at line(s) ${at:-none}"
     [ "$r" = G ] && detail="$detail; monitor lines after the last restore: $(awk '/restored from checkpoint/ {n=0} /^monitor / {n++} END {print n}' "$H/$r.out")"
   else
     outcome=FAILED; detail="$restores restore(s), $got vs $(grep -cE "${LINES[$r]}" "$ref") lines; $(grep -E 'FAILED|beginning|Error' "$H/$r.out" | head -1 | cut -c1-200)"
