@@ -68,10 +68,7 @@ def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver,
         hand.freeze_gpu(w.pid)
         record = None
     else:
-        stage = GpuStage.for_tree(w.tree(), context={"rank": 0})
-        stage.lock_all(2000)
-        stage.checkpoint_all()
-        record = stage.record()
+        record = harness.gpu_checkpoint(w.tree())
     t1 = time.monotonic()
     harness.dump(w.pid, images)
     t2 = time.monotonic()

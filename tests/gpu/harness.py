@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
 from slurmckpt.node import proctree  # noqa: E402
+from slurmckpt.cuda.stage import GpuStage  # noqa: E402
 
 CARRY = REPO / ".carry" / "criu"
 CRIU = os.environ.get("SLURMCKPT_CRIU") or str(CARRY / "criu")
@@ -223,3 +224,12 @@ def report_failure(w: "Workload", e: Exception) -> int:
     print(f"FAILED: {type(e).__name__}: {e}"[:3000], flush=True)
     print(w.text()[-1500:])
     return 1
+
+
+def gpu_checkpoint(tree: list[int]) -> dict:
+    """slurmckpt's GPU capture of a tree as the agent runs it (lock every process, then checkpoint them);
+    returns the record that GpuStage.adopt_restored needs after the criu restore."""
+    stage = GpuStage.for_tree(tree, context={"rank": 0})
+    stage.lock_all(2000)
+    stage.checkpoint_all()
+    return stage.record()
