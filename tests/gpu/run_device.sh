@@ -6,6 +6,8 @@
 #   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
 #   nvml[:GIB] - tests/gpu/nvml_probe.py: NVML inventory, NVML bytes vs the driver's host copy, rates, JAX notes
 #   infer[:PAIRS] - benchmarks/inference_restore.py: inference server, restore-to-serving vs cold start from disk
+#   jaxwhy[:CASES] - tests/gpu/jax_why_probe.py: why JAX in its own PID namespace loses its GPU state (CASES
+#     comma-separated, default all); one VERDICT line per case
 # Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
 set -u
 cd "$(dirname "$0")/../.."
@@ -36,6 +38,9 @@ for phase in "$@"; do
     infer) pairs=${phase#infer}; pairs=${pairs#:}
            timeout 400 python3 benchmarks/inference_restore.py --pairs "${pairs:-3}" --work $W/infer \
              --out "$OUT/infer.json" 2>&1 | tee -a "$log" ;;
+    jaxwhy) cases=${phase#jaxwhy}; cases=${cases#:}
+            SLURMCKPT_CRIU_EXTRA="--ext-mount-map auto --enable-external-sharing --enable-external-masters" \
+              timeout 280 python3 tests/gpu/jax_why_probe.py $W/jaxwhy ${cases//,/ } 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)
