@@ -168,6 +168,12 @@ def test_a_failed_restore_falls_back_to_the_previous_epoch(make, said):
     assert said[-1].startswith("epoch 4 was restored because newer checkpoints could not be: epoch 5: ")
 
 
+def test_a_fallback_after_an_error_without_text_still_names_it(make, said):
+    w = make({"restore": lambda args: RestoreError("") if args["epoch"] == 5 else {"pid": 7, "kind": "image"}})
+    w._start({"candidates": [image(5), image(4)]})
+    assert said[-1] == "epoch 4 was restored because newer checkpoints could not be: epoch 5: RestoreError"
+
+
 def test_when_no_epoch_restores_the_task_starts_fresh_and_says_so(make, said):
     w = make({"restore": restores({5, 4}), "launch": {"pid": 99}})
     w._start({"candidates": [image(5), image(4)]})

@@ -41,7 +41,7 @@ class TaskStart(WrapperParts):
                     self._withdraw(epoch, e)
                     return
                 self._say(f"restore of checkpoint epoch {epoch} FAILED: {e}; falling back")
-                failed.append(f"epoch {epoch}: {str(e).splitlines()[0][:300]}")
+                failed.append(f"epoch {epoch}: {(str(e).splitlines() or [type(e).__name__])[0][:300]}")
                 continue
             if reply["kind"] == "replay":
                 self._say(f"output restored from epoch {epoch}; re-running the batch script to re-launch "
