@@ -477,3 +477,60 @@ def test_processes_are_checkpointed_and_restored_at_once_not_one_after_another(t
     three.restore_all()
     three.unlock_all()
     assert states(driver) == [ProcessState.RUNNING] * 3
+
+
+def test_a_process_that_ends_during_a_failed_checkpoint_is_not_killed(three, driver, proc):
+    """A capture that meets a program tearing down its CUDA context (its exit): the driver's checkpoint fails with
+    CUDA_ERROR_OPERATING_SYSTEM and it cannot read the state any more (seen on the H100 when a capture came at the
+    end of a DataLoader job). The process then ends on its own: nothing is stuck, so the tree is not killed, and
+    the error says the process ended during the capture. The others are rolled back as always."""
+    import shutil
+    three.lock_all(100)
+    driver.fail_next("checkpoint", 62, 304)
+    driver.remove_process(62)                    # the driver no longer knows its state
+
+    def program_exits(seconds: float) -> None:
+        shutil.rmtree(proc.root / "62", ignore_errors=True)
+    three.sleep = program_exits
+    with pytest.raises(GpuStateError, match=r"GPU checkpoint of pid 62 failed \(.*\): the process ended during"):
+        three.checkpoint_all()
+    assert three.ended == [62]
+    assert states(driver, (61, 63)) == [ProcessState.RUNNING] * 2
+    assert not any(p.locked or p.checkpointed for p in three.processes)
+
+
+def test_a_process_whose_gpu_state_is_unreadable_and_that_runs_on_is_stuck(three, driver):
+    """The same driver answer from a process that does not end within the grace time: its GPU state is in an
+    unknown state, so it is named as left behind (the runner kills the tree)."""
+    now = [0.0]
+    three.clock = lambda: now[0]
+    three.sleep = lambda s: now.__setitem__(0, now[0] + s)
+    three.lock_all(100)
+    driver.fail_next("checkpoint", 62, 304)
+    driver.remove_process(62)
+    with pytest.raises(GpuRollbackError) as e:
+        three.checkpoint_all()
+    assert e.value.stuck == {62: "UNKNOWN"} and three.ended == []
+    assert now[0] >= three.exit_grace_s
+
+
+def test_ended_tells_a_running_process_from_an_exited_one():
+    """procfs.ended reads the kernel's PF_EXITING flag of every thread (real /proc): a running process has not
+    ended; an exited child that is not reaped yet (a zombie, PF_EXITING set) and a pid that is gone have."""
+    import subprocess
+    import sys
+    import time
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while procfs.stat(done.pid).state != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert procfs.stat(done.pid).state == "Z"
+        assert procfs.stat(done.pid).flags & procfs.PF_EXITING
+        assert procfs.ended(done.pid) and not procfs.ended(running.pid)
+    finally:
+        running.kill()
+        running.wait()
+        done.wait()
+    assert procfs.ended(done.pid)

@@ -19,6 +19,7 @@ What a GPU job must do to be checkpointable, and what is refused before anything
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,6 +29,7 @@ from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, n
                                      unsupported_reasons)
 from slurmckpt.cuda.remap import visible_gpus
 from slurmckpt.errors import GpuError, LockContended
+from slurmckpt.node import procfs
 
 log = logging.getLogger("slurmckpt.cuda")
 
@@ -91,6 +93,10 @@ class GpuStage:
     context: dict[str, Any] = field(default_factory=dict)
     cgroup_root: str = "/sys/fs/cgroup"
     concurrent: bool = True      # checkpoint and restore the processes at once (one driver call each)
+    exit_grace_s: float = 10.0   # how long a rollback waits for a process whose GPU state went unreadable to end
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    ended: list[int] = field(default_factory=list)      # pids that ended during a step (_release_ended)
     active = True
 
     # ---- construction ----
@@ -215,12 +221,43 @@ class GpuStage:
                 if state is ProcessState.RUNNING:
                     p.locked = p.checkpointed = False
             except GpuError as e:
-                log.error("GPU rollback of pid %d failed: %s", p.pid, e, extra={"pid": p.pid, **self.context})
+                log.error("GPU rollback of pid %d failed: %s (%s)", p.pid, e, condition(p.pid),
+                          extra={"pid": p.pid, **self.context})
+        self._release_ended()
         stuck = self._stuck()
         if stuck:
             raise GpuRollbackError("GPU rollback failed", stuck, **self.context)
 
     # ---- internals ----
+    def _release_ended(self) -> None:
+        """A process whose GPU state the driver can no longer read, and which then ends within exit_grace_s,
+        was exiting when the capture came: its program was tearing its CUDA context down (driver 580 answers
+        CUDA_ERROR_OPERATING_SYSTEM then; seen on the H100 when a capture met a DataLoader job's exit). Its GPU
+        state goes with it: nothing is lost and nothing is left to roll back. One that does not end is stuck,
+        and the tree is killed (runner.py)."""
+        waiting = [p for p in self.processes if p.locked and self._unreadable(p)]
+        deadline = self.clock() + self.exit_grace_s
+        while waiting:
+            for p in [p for p in waiting if procfs.ended(p.pid)]:
+                log.warning("pid %d ended during the GPU capture (its program was exiting): nothing to roll back",
+                            p.pid, extra={"pid": p.pid, **self.context})
+                p.locked = p.checkpointed = False
+                self.ended.append(p.pid)
+                waiting.remove(p)
+            if not waiting or self.clock() >= deadline:
+                return
+            self.sleep(0.1)
+
+    def _unreadable(self, p: GpuProcess) -> bool:
+        try:
+            _refuse_frozen(p.pid, self.cgroup_root, self.context)
+            self.driver.state(p.pid)
+        except GpuDriverError:
+            return True
+        except GpuError:          # frozen: not this case
+            return False
+        return False
+
     def _lock(self, p: GpuProcess, timeout_ms: int) -> None:
         """A lock that timed out (work in flight) is the one failure a lock round retries: LockContended."""
         try:
@@ -263,6 +300,9 @@ class GpuStage:
         except GpuRollbackError as rb:
             raise GpuRollbackError(f"GPU {op} of pid {pid} failed ({e}); rolling back failed", rb.stuck,
                                    **self.context) from e
+        if pid in self.ended:
+            raise GpuStateError(f"GPU {op} of pid {pid} failed ({e}): the process ended during the capture (its "
+                                "program was exiting)", pid=pid, **self.context) from e
         raise e
 
     def _all(self, op: str, todo: list[GpuProcess], fn: Callable[[GpuProcess], None], together: bool = True) -> None:

@@ -60,13 +60,32 @@ class Stat:
     ppid: int
     utime: int        # clock ticks
     stime: int
+    flags: int = 0    # the kernel's PF_* flags of the task
+
+
+PF_EXITING = 0x4      # include/linux/sched.h: the task is in do_exit() (or done with it: a zombie)
 
 
 def stat(pid: int) -> Stat:
     data = _text(pid, "stat")
     comm = data[data.index("(") + 1:data.rindex(")")]
     fields = data.rsplit(")", 1)[1].split()
-    return Stat(comm, fields[0], int(fields[1]), int(fields[11]), int(fields[12]))
+    return Stat(comm, fields[0], int(fields[1]), int(fields[11]), int(fields[12]), int(fields[6]))
+
+
+def ended(pid: int) -> bool:
+    """The process is gone, or every thread of it is in the kernel's exit or done with it (the cgroup freezer
+    no longer holds such a process). A leader that left by pthread_exit while other threads run is not."""
+    try:
+        for tid in threads(pid):
+            try:
+                if not stat(tid).flags & PF_EXITING:
+                    return False
+            except OSError:      # a thread that just ended
+                continue
+    except OSError:
+        return True
+    return True
 
 
 def comm(pid: int) -> str:
