@@ -53,13 +53,16 @@ declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tas
   [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
 declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
   [T]="srun -n2 $PY ddp_train.py --device cuda --steps $STEPS --sleep 0.15" \
-  [W]="$PY workload_graph_loader.py --steps $STEPS --sleep 0.1" [P]="$PY workload_graph_loader.py --mp spawn --steps $STEPS --sleep 0.1" \
+  [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" \
+  [P]="$PY workload_graph_loader.py --mp spawn --steps $((STEPS * 3)) --sleep 0.1" \
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps 450 --sleep 0.1 --port-file port-I.txt" \
   [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
+# W and P run 3x the steps: their captures (the workers' trees, ~375 MiB) take ~13 s, and at 200 steps the run
+# ended before the commit the requeue waits for (both were requeued at their last line on the H100)
 declare -A MORE=([T]="-n2")
 declare -A REQUEUES=([T]=2)
 
