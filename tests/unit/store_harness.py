@@ -78,6 +78,8 @@ class Gpu:
     def unlock(self): pass
     def checkpoint(self): return None
     def resume(self): pass
+    def stops_for_resume(self): return False
+    def left_stopped(self, pids): pass
     def restore(self, record, pids): pass
     def check_restore(self, record): pass
 
@@ -90,13 +92,13 @@ class Engine:
     restored_from: Path | None = None
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
-             mntns=False, inherited_devices=()) -> float:
+             mntns=False, inherited_devices=(), leave_stopped=False) -> float:
         for name, data in self.files.items():
             (images / name).write_bytes(data)
         (images / "dump.log").write_text("criu dump log\n")
         return 0.0
 
-    def restore(self, images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False) -> int:
+    def restore(self, images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False, leave_stopped=False) -> int:
         self.restored_from = images
         self.restored = {p.name: p.read_bytes() for p in images.iterdir() if p.name.endswith(".img")}
         return os.getpid()

@@ -77,6 +77,8 @@ class FakeLib:
             self.seen[name] = (pid, args)
             if name == "cuCheckpointProcessGetState" and not self.codes.get(name):
                 args.contents.value = self._state
+            if name == "cuCheckpointProcessGetRestoreThreadId":
+                args.contents.value = pid + 35
             if name == "cuCheckpointProcessLock":
                 self.seen["timeoutMs"] = args.contents.timeoutMs
             if name == "cuCheckpointProcessRestore" and args is not None:
@@ -199,3 +201,12 @@ def test_importing_slurmckpt_and_the_gpu_modules_never_loads_a_library():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0 and "clean" in p.stdout, p.stderr
+
+
+def test_restore_thread_reads_the_drivers_tid_and_names_a_failure():
+    lib = FakeLib()
+    assert CudaDriver(lib=lib).restore_thread(1400) == 1435
+    failing = FakeLib(codes={"cuCheckpointProcessGetRestoreThreadId": 304})
+    with pytest.raises(GpuDriverError, match="cuCheckpointProcessGetRestoreThreadId") as e:
+        CudaDriver(lib=failing).restore_thread(1400)
+    assert e.value.pid == 1400

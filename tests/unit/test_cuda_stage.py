@@ -10,7 +10,7 @@ import pytest
 
 from slurmckpt.node import procfs
 from slurmckpt.cuda.driver import GpuDriverError, ProcessState
-from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
+from slurmckpt.cuda.fake import RESTORE_TID_OFFSET, FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.errors import LockContended
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_device_majors, ns_pid,
@@ -75,17 +75,15 @@ def stage_of(proc: FakeProc, driver: FakeGpuDriver, pids: list[int], **kw):
 
 # ---- finding CUDA processes and refusing unsupported ones ----
 
-def test_a_jax_process_is_refused_before_anything_is_locked(proc, driver):
-    """JAX's GPU state did not survive the driver's capture and restore on the H200: a tree with a JAX process
-    (its libraries in /proc/PID/maps) is refused, naming JAX; a PyTorch one is not."""
+def test_a_jax_process_is_captured_like_any_other(proc, driver):
+    """JAX was refused while its GPU state did not survive the in-place capture (H200, 2026-12-05); with the GPU
+    restore run while the tree stays stopped it does (docs/gpu.md): a JAX process is locked like PyTorch's."""
     proc.add(40, maps=["/venv/lib/python3.12/site-packages/jaxlib/xla_extension.so"])
-    proc.add(41, maps=["/venv/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so"])
     driver.add_process(40)
-    driver.add_process(41)
-    with pytest.raises(GpuUnsupportedError, match=r"pid 40 runs JAX"):
-        stage_of(proc, driver, [40])
-    assert driver.calls == []
-    assert isinstance(stage_of(proc, driver, [41]), GpuStage)
+    stage = stage_of(proc, driver, [40])
+    assert isinstance(stage, GpuStage) and stage.processes[0].restore_tid == 40 + RESTORE_TID_OFFSET
+    stage.lock_all(100)
+    assert driver.state(40) is ProcessState.LOCKED
 
 
 DEVICES = """Character devices:
@@ -368,13 +366,16 @@ def test_adopt_restored_maps_namespace_pids_and_restores_the_checkpointed_proces
     for new, ns in ((93, 3), (91, 1), (92, 2)):
         proc.add(new, nspid=(new, ns))
         driver.add_process(new, gpus=[driver.devices()[1].uuid], state=ProcessState.CHECKPOINTED)
-    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92])
+    driver.stopped = {91, 92, 93}                      # criu restored them stopped
+    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92], run_alone=driver.run_alone)
     assert restored.pids == [91, 92, 93]
     restored.restore_all([(driver.devices()[1].uuid, driver.devices()[0].uuid)])
     restored.unlock_all()
     done = [(op, pid) for op, pid in driver.calls if op in ("restore", "unlock")][-6:]
     assert sorted(done[:3]) == [("restore", 91), ("restore", 92), ("restore", 93)]      # at once
     assert done[3:] == [("unlock", 91), ("unlock", 92), ("unlock", 93)]                  # then in order
+    assert set(driver.ran_alone) == {91 + RESTORE_TID_OFFSET, 92 + RESTORE_TID_OFFSET, 93 + RESTORE_TID_OFFSET}
+    driver.stopped.clear()                             # let go (PipelineGpu.restore)
     assert states(driver, (91, 92, 93)) == [ProcessState.RUNNING] * 3
 
 
@@ -383,9 +384,9 @@ def test_adopt_refuses_a_process_that_is_not_checkpointed(proc, driver):
     driver.add_process(70)
     record = {"processes": [{"pid": 5, "ns_pid": 1, "initial": "RUNNING"}], "gpus": []}
     with pytest.raises(GpuStateError, match="is RUNNING, expected CHECKPOINTED"):
-        GpuStage.adopt_restored(driver, record, [70])
+        GpuStage.adopt_restored(driver, record, [70], run_alone=driver.run_alone)
     with pytest.raises(GpuStateError, match="no process with namespace pid 1"):
-        GpuStage.adopt_restored(driver, record, [])
+        GpuStage.adopt_restored(driver, record, [], run_alone=driver.run_alone)
 
 
 def test_a_restored_process_whose_gpu_state_cannot_be_read_is_described(proc, driver):
@@ -394,8 +395,8 @@ def test_a_restored_process_whose_gpu_state_cannot_be_read_is_described(proc, dr
     record = {"processes": [{"pid": 5, "ns_pid": 3, "initial": "RUNNING"}], "gpus": []}
     proc.add(71, nspid=(71, 3))                    # alive, but unknown to the driver
     with pytest.raises(GpuStateError) as e:
-        GpuStage.adopt_restored(driver, record, [71])
-    assert "GPU state of restored process 71 unreadable (CUDA_ERROR_OPERATING_SYSTEM)" in str(e.value)
+        GpuStage.adopt_restored(driver, record, [71], run_alone=driver.run_alone)
+    assert "restored process 71 has no GPU restore thread (CUDA_ERROR_OPERATING_SYSTEM)" in str(e.value)
     assert "process 71 (python3) state S, threads Sx1, 4 /dev/nvidia* fds" in str(e.value)
     assert condition(72) == "process 72 is gone"
 
@@ -407,8 +408,9 @@ def test_ns_pid_reads_the_innermost_namespace(proc):
 
 # ---- the pipeline's interface ----
 
-def _pipeline(proc, driver):
-    return PipelineGpu(100, driver_factory=lambda: driver, context={"rank": 0})
+def _pipeline(proc, driver, let_go=None):
+    return PipelineGpu(100, driver_factory=lambda: driver, context={"rank": 0}, run_alone=driver.run_alone,
+                       let_go=let_go if let_go is not None else (lambda pids: None))
 
 
 def test_pipeline_capture_resume_and_abort(proc, driver):
@@ -534,3 +536,74 @@ def test_ended_tells_a_running_process_from_an_exited_one():
         running.wait()
         done.wait()
     assert procfs.ended(done.pid)
+
+
+
+# ---- the GPU restore with the tree stopped ----
+
+def test_resume_after_a_dump_that_left_the_tree_stopped_runs_restore_threads_alone_then_lets_go(proc, driver):
+    """criu left the tree stopped after a periodic dump: the GPU restore and unlock of each process go through
+    its restore thread run alone (the fake driver fails any call on a stopped process otherwise, as the real one
+    hangs), and only then are the processes criu stopped let go."""
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
+    driver.add_process(101)
+    let_go: list[list[int]] = []
+    gpu = _pipeline(proc, driver, let_go.append)
+    gpu.lock([100, 101])
+    gpu.checkpoint()
+    assert gpu.stops_for_resume()
+    gpu.left_stopped([101, 140])                       # 140: a CPU-only process of the tree
+    driver.stopped = {101}
+    gpu.resume()
+    assert driver.ran_alone == [101 + RESTORE_TID_OFFSET] * 2      # restore, unlock
+    assert let_go == [[101, 140]]
+    driver.stopped.clear()
+    assert driver.state(101) is ProcessState.RUNNING
+
+
+def test_a_tree_whose_gpu_state_is_left_behind_stays_stopped(proc, driver):
+    """A GPU restore that fails and cannot be rolled back (NO_CUDA: the state is lost): the processes are not let
+    go; the runner kills the tree while it is still stopped."""
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
+    driver.add_process(101)
+    let_go: list[list[int]] = []
+    gpu = _pipeline(proc, driver, let_go.append)
+    gpu.lock([101])
+    gpu.checkpoint()
+    gpu.left_stopped([101])
+    driver.stopped = {101}
+    driver.fail_next("restore", 101)
+    driver.add_process(101, cuda=False)
+    with pytest.raises(GpuRollbackError):
+        gpu.resume()
+    assert let_go == []
+
+
+def test_an_abort_after_a_dump_that_left_the_tree_stopped_lets_it_go_once_rolled_back(proc, driver):
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
+    driver.add_process(101)
+    let_go: list[list[int]] = []
+    gpu = _pipeline(proc, driver, let_go.append)
+    gpu.lock([101])
+    gpu.checkpoint()
+    gpu.left_stopped([101])
+    driver.stopped = {101}
+    gpu.unlock()                                       # the undo of the GPU lock (the abort's last)
+    assert let_go == [[101]]
+    driver.stopped.clear()
+    assert driver.state(101) is ProcessState.RUNNING
+
+
+def test_a_restored_tree_runs_again_only_after_its_gpu_state_is_back(proc, driver):
+    """criu restored the tree stopped (every process in state T): GPU restore and unlock through the restore
+    threads, then every stopped process of the tree is let go."""
+    proc.add(150, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(150, 1), state="T (stopped)")
+    proc.add(151, cuda=False, nspid=(151, 2), state="T (stopped)")
+    driver.add_process(150, gpus=[driver.devices()[0].uuid], state=ProcessState.CHECKPOINTED)
+    driver.stopped = {150}
+    rec = {"processes": [{"pid": 9, "ns_pid": 1, "initial": "RUNNING"}],
+           "gpus": [driver.devices()[0].to_dict()], "cuda_visible_devices": "0"}
+    let_go: list[list[int]] = []
+    _pipeline(proc, driver, let_go.append).restore(rec, [150, 151])
+    assert driver.ran_alone == [150 + RESTORE_TID_OFFSET] * 3     # state, restore, unlock
+    assert let_go == [[150, 151]]

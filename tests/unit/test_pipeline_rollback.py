@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +72,13 @@ class FakeCgroup:
         return "FROZEN" if self.frozen else "THAWED"
 
 
+def _wait_for_state(pid: int, state: str) -> None:
+    deadline = time.monotonic() + 5
+    while open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][:1] != state:
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.01)
+
+
 def _running(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "Z"
@@ -82,6 +91,7 @@ class FakeGpu:
     journal: Journal
     fail: str = ""
     use: GpuUse = field(default_factory=GpuUse)
+    stops: bool = False                   # a tree with CUDA processes: criu leaves it stopped
 
     def _do(self, what: str):
         self.journal.events.append(what)
@@ -94,6 +104,8 @@ class FakeGpu:
     def unlock(self): self._do("gpu-unlock")
     def checkpoint(self): self._do("gpu-checkpoint"); return {"processes": []}
     def resume(self): self._do("gpu-resume")
+    def stops_for_resume(self): return self.stops
+    def left_stopped(self, pids): self.journal.events.append(f"left-stopped {pids}")
     def restore(self, record, pids): self._do("gpu-restore")
 
 
@@ -103,10 +115,14 @@ class FakeEngine:
     fail: bool = False
     ghost_limit: int = -1
     failure: type[CriuError] = CriuError
+    tree: list[int] = field(default_factory=list)      # the processes a dump leaves stopped (leave_stopped)
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
-             mntns=False, inherited_devices=()):
-        self.journal.events.append("dump")
+             mntns=False, inherited_devices=(), leave_stopped=False):
+        self.journal.events.append("dump --leave-stopped" if leave_stopped else "dump")
+        for stopped_pid in (self.tree if leave_stopped else []):      # what criu does to the tree it dumped
+            os.kill(stopped_pid, signal.SIGSTOP)
+            _wait_for_state(stopped_pid, "T")
         self.ghost_limit = ghost_limit
         if self.fail:
             raise self.failure("injected criu failure")
@@ -376,7 +392,7 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
     restored: list[subprocess.Popen] = []
 
-    def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
+    def fake_restore(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False, leave_stopped=False):
         restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
         p.ctx.cgroup.members = [q.pid for q in restored]
         return restored[0].pid
@@ -400,7 +416,7 @@ def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) ->
     store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
     restored: list[subprocess.Popen] = []
 
-    def interrupted(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False):
+    def interrupted(images, inherit, *, freezer, pidfile=None, join=None, tcp_close=(), mntns=False, leave_stopped=False):
         restored.extend(subprocess.Popen(["sleep", "60"]) for _ in range(2))
         p.ctx.cgroup.members = [q.pid for q in restored]
         raise CriuInterrupted("criu restore did not finish within 1s; it did not exit within 10s of SIGALRM "
@@ -426,3 +442,30 @@ def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Pa
     reply = p.size(2)
     assert reply["gpu_bytes"] == 0 and reply["host_bytes"] > 0 and reply["notes"] == []
     assert p.footprint is not None and p.footprint.store_free > 0
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_a_tree_with_gpu_state_is_left_stopped_by_a_periodic_dump_and_handed_to_the_gpu_stage(
+        tmp_path: Path, final: bool) -> None:
+    """A periodic capture of a tree with CUDA processes: criu leaves it stopped, and the GPU stage gets the
+    processes criu stopped (not one that was stopped already), to let them go once the GPU state is back. A final
+    capture ends the tree: nothing is left stopped."""
+    p, j, store = make(tmp_path)
+    p.ctx.gpu.stops = True
+    child = subprocess.Popen(["sleep", "60"])
+    already = subprocess.Popen(["sleep", "60"])
+    os.kill(already.pid, signal.SIGSTOP)
+    try:
+        _wait_for_state(already.pid, "T")
+        p.ctx.cgroup.members = [child.pid, already.pid]
+        p.ctx.criu.tree = [child.pid, already.pid]
+        p.prepare(1)
+        p.capture(1, final=final)
+        if final:
+            assert "dump" in j.events and not any(e.startswith("left-stopped") for e in j.events)
+        else:
+            assert j.events[-2:] == ["dump --leave-stopped", f"left-stopped {[child.pid]}"]
+    finally:
+        for c in (child, already):
+            c.kill()
+            c.wait()

@@ -44,10 +44,10 @@ class InheritedFd:
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False, inherited_devices: Sequence[int] = ()) -> float: ...
+             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: Sequence[int] = (), mntns: bool = False) -> int: ...
+                tcp_close: Sequence[int] = (), mntns: bool = False, leave_stopped: bool = False) -> int: ...
 
 
 @dataclass
@@ -72,7 +72,7 @@ class CriuDriver:
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False, inherited_devices: Sequence[int] = ()) -> float:
+             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
         ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
@@ -81,7 +81,9 @@ class CriuDriver:
         dump (shm_files.py puts those links back before the restore). `mntns`: the tree has its own mount
         namespace (MNTNS_DUMP). `inherited_devices`: character device majors whose mappings and fds the tree
         still holds though it uses no device (children forked from a CUDA process): kept as reservations
-        (our criu patch 0004, cuda/procscan.inherited_device_majors)."""
+        (our criu patch 0004, cuda/procscan.inherited_device_majors). `leave_stopped`: the tree stays
+        stopped (SIGSTOP) after the dump, for a GPU restore with only the driver's threads running (a failed
+        dump leaves it as it was)."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON,
                 *(MNTNS_DUMP if mntns else [])]
         for res in external or []:
@@ -92,7 +94,9 @@ class CriuDriver:
             args.append("--link-remap")
         for major in inherited_devices:
             args += ["--inherited-device-major", str(int(major))]
-        if leave_running:
+        if leave_stopped:
+            args.append("--leave-stopped")
+        elif leave_running:
             args.append("--leave-running")
         if freezer is not None:
             args += ["--freeze-cgroup", str(freezer)]
@@ -100,11 +104,12 @@ class CriuDriver:
 
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
-                tcp_close: Sequence[int] = (), mntns: bool = False) -> int:
+                tcp_close: Sequence[int] = (), mntns: bool = False, leave_stopped: bool = False) -> int:
         """Restore detached; the restored root re-parents to the nearest subreaper (the task's wrapper).
         `join(pid)` places the criu process (whose cgroups the restored tree inherits); by default it joins
         `freezer`. `tcp_close`: socket inodes (at dump) of TCP connections restored closed (our criu patch
-        0003: their other end is outside the job). Returns the restored root's host PID."""
+        0003: their other end is outside the job). `leave_stopped`: the restored tree stays stopped (its GPU
+        state is restored before it runs). Returns the restored root's host PID."""
         pidfile = pidfile or images / "restore.pid"
         pidfile.unlink(missing_ok=True)        # criu refuses an existing pidfile
         args = ["restore", "-D", str(images), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
@@ -113,6 +118,8 @@ class CriuDriver:
             args += ["--inherit-fd", f"fd[{item.fd}]:{item.key}"]
         for ino in tcp_close:
             args += ["--tcp-close-ino", str(int(ino))]
+        if leave_stopped:
+            args.append("--leave-stopped")
 
         def join_freezer() -> None:   # runs in the criu child: the restored tree inherits the cgroup
             _default_signals()

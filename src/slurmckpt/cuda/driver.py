@@ -23,7 +23,8 @@ from slurmckpt.errors import GpuError
 
 LIBRARY = "libcuda.so.1"
 CHECKPOINT_SYMBOLS = ("cuCheckpointProcessGetState", "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
+                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
+                      "cuCheckpointProcessGetRestoreThreadId")
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_INITIALIZED = 3        # GetState of a process that has no CUDA state
@@ -104,6 +105,7 @@ class GpuDriver(Protocol):
     def checkpoint(self, pid: int) -> None: ...
     def restore(self, pid: int, pairs: Sequence[GpuPair] | None = None) -> None: ...
     def unlock(self, pid: int) -> None: ...
+    def restore_thread(self, pid: int) -> int: ...
     def devices(self) -> list[GpuInfo]: ...
 
 
@@ -195,7 +197,8 @@ class CudaDriver:
         for name, argtypes in (("cuInit", [ctypes.c_uint]), ("cuDriverGetVersion", [p]),
                                ("cuCheckpointProcessGetState", [i, p]), ("cuCheckpointProcessLock", [i, p]),
                                ("cuCheckpointProcessCheckpoint", [i, p]), ("cuCheckpointProcessRestore", [i, p]),
-                               ("cuCheckpointProcessUnlock", [i, p]), ("cuDeviceGetCount", [p]),
+                               ("cuCheckpointProcessUnlock", [i, p]),
+                               ("cuCheckpointProcessGetRestoreThreadId", [i, p]), ("cuDeviceGetCount", [p]),
                                ("cuDeviceGet", [p, i]), ("cuDeviceGetName", [ctypes.c_char_p, i, i]),
                                ("cuDeviceTotalMem_v2", [p, i]), ("cuDeviceGetPCIBusId", [ctypes.c_char_p, i, i])):
             fn = getattr(lib, name, None)
@@ -243,6 +246,14 @@ class CudaDriver:
 
     def unlock(self, pid: int) -> None:
         self._check("cuCheckpointProcessUnlock", self._lib.cuCheckpointProcessUnlock(pid, None), pid)
+
+    def restore_thread(self, pid: int) -> int:
+        """The host tid of the thread through which the driver restores `pid`'s GPU state (it answers for a
+        stopped process too, as CRIU's cuda plugin relies on)."""
+        out = ctypes.c_int(0)
+        rc = self._lib.cuCheckpointProcessGetRestoreThreadId(pid, ctypes.pointer(out))
+        self._check("cuCheckpointProcessGetRestoreThreadId", rc, pid)
+        return out.value
 
     def devices(self) -> list[GpuInfo]:
         lib, count = self._lib, ctypes.c_int(0)

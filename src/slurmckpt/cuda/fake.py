@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from slurmckpt.cuda.driver import (CUDA_ERROR_NOT_READY, CUDA_ERROR_OPERATING_SYSTEM, GpuDriverError, GpuInfo,
                                    GpuPair, ProcessState)
 
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_ILLEGAL_STATE = 401
+RESTORE_TID_OFFSET = 100_000
 
 OPS = {"lock": "cuCheckpointProcessLock", "checkpoint": "cuCheckpointProcessCheckpoint",
        "restore": "cuCheckpointProcessRestore", "unlock": "cuCheckpointProcessUnlock",
@@ -69,6 +71,9 @@ class FakeGpuDriver:
         self._mutex = threading.RLock()
         self.calls: list[tuple[str, int]] = []
         self.restore_pairs: dict[int, list[GpuPair] | None] = {}
+        self.stopped: set[int] = set()        # processes criu left stopped: calls need their restore thread
+        self.alone: set[int] = set()          # restore threads running alone now (run_alone)
+        self.ran_alone: list[int] = []
 
     # ---- scenario set-up ----
     def add_process(self, pid: int, *, cuda: bool = True, gpus: Sequence[str] | None = None,
@@ -170,12 +175,36 @@ class FakeGpuDriver:
         with self._mutex:
             self._enter("unlock", pid, ProcessState.LOCKED).state = ProcessState.RUNNING
 
+    def restore_thread(self, pid: int) -> int:
+        """A made-up tid (the fake's processes have no threads): the pid + RESTORE_TID_OFFSET. Answered for a
+        stopped process too (CRIU's cuda plugin asks for it then)."""
+        with self._mutex:
+            if pid not in self._procs:
+                raise GpuDriverError("cuCheckpointProcessGetRestoreThreadId", CUDA_ERROR_OPERATING_SYSTEM, pid=pid)
+            return pid + RESTORE_TID_OFFSET
+
     def devices(self) -> list[GpuInfo]:
         with self._mutex:
             return list(self._gpus)
 
+    @contextmanager
+    def run_alone(self, tid: int) -> Iterator[None]:
+        """Stands in for node/stopped.running_alone: the restore thread `tid` runs while its process stays
+        stopped."""
+        with self._mutex:
+            self.alone.add(tid)
+            self.ran_alone.append(tid)
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self.alone.discard(tid)
+
     # ---- internals ----
     def _proc(self, op: str, pid: int) -> FakeProcess:
+        if pid in self.stopped and pid + RESTORE_TID_OFFSET not in self.alone:
+            raise AssertionError(f"{OPS[op]} on stopped process {pid} with its restore thread stopped too: the "
+                                 "real driver would hang")
         p = self._procs.get(pid)
         if p is None:
             raise GpuDriverError(OPS[op], CUDA_ERROR_OPERATING_SYSTEM, pid=pid)

@@ -17,12 +17,19 @@ class GpuUse:
         return sum(sum(per_gpu.values()) for per_gpu in self.held.values())
 
 
+def holds_gpu_state(record: dict[str, Any] | None) -> bool:
+    """A capture's GPU record with processes: criu restores that tree stopped, until its GPU state is back."""
+    return bool(record and record.get("processes"))
+
+
 class GpuStage(Protocol):
     def footprint(self, pids: list[int]) -> GpuUse: ...   # SIZE: bytes per process; refuses what cannot be
     def lock(self, pids: list[int]) -> None: ...          # PREPARE: lock every CUDA process (timeout)
     def unlock(self) -> None: ...                          # undo of lock
     def checkpoint(self) -> dict[str, Any] | None: ...               # CAPTURE: device memory -> host; record for rank.json
     def resume(self) -> None: ...                          # after a periodic capture: restore + unlock
+    def stops_for_resume(self) -> bool: ...                # criu leaves the tree stopped after the dump
+    def left_stopped(self, pids: list[int]) -> None: ...   # ...these: resume() (or unlock()) lets them go
     def check_restore(self, record: dict[str, Any] | None) -> None: ...   # before criu restore: GPUs here fit the record
     def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None: ...   # after criu restore
 
@@ -43,6 +50,12 @@ class NullGpu:
         return None
 
     def resume(self) -> None:
+        pass
+
+    def stops_for_resume(self) -> bool:
+        return False
+
+    def left_stopped(self, pids: list[int]) -> None:
         pass
 
     def check_restore(self, record: dict[str, Any] | None) -> None:

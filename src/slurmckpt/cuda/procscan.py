@@ -17,7 +17,6 @@ from typing import Sequence
 
 from slurmckpt.node import procfs
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
-from slurmckpt.cuda.frameworks import framework_of
 from slurmckpt.rank.sharing.ipc import unix_sockets
 
 log = logging.getLogger("slurmckpt.cuda")
@@ -150,11 +149,6 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
                            f"checkpoint API (driver 580 answers CUDA_ERROR_NOT_SUPPORTED)")
         if any(p.startswith("/dev/shm/cuda.shm") for p in maps) or env.get("CUDA_MPS_PIPE_DIRECTORY"):
             reasons.append(f"pid {pid} is an MPS client: MPS is not supported by the CUDA checkpoint API")
-        if framework_of(pid) == "jax":
-            reasons.append(f"pid {pid} runs JAX, whose GPU state does not survive a checkpoint with driver 580 (seen "
-                           f"on an H200: in its own PID namespace, as slurmckpt runs GPU tasks, a criu dump of a JAX "
-                           f"process drops its GPU state and the program crashes); the job runs on without "
-                           f"checkpoints (docs/gpu.md)")
         if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
             reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
@@ -217,15 +211,16 @@ def _uvm_mapping_sizes(pid: int) -> list[int]:
     return out
 
 
-def frozen_reason(pid: int, cgroup_root: str = "/sys/fs/cgroup") -> str | None:
+def frozen_reason(pid: int, cgroup_root: str = "/sys/fs/cgroup", stopped_ok: bool = False) -> str | None:
     """Why `pid` cannot run right now (stopped, or in a frozen cgroup), else None. The CUDA checkpoint API
     works through a thread inside the target process: on driver 580 Lock (even with a timeout), Checkpoint,
-    Restore, Unlock and GetState hang on a SIGSTOPped or cgroup-frozen process (seen on the H200)."""
+    Restore, Unlock and GetState hang on a SIGSTOPped or cgroup-frozen process (seen on the H200).
+    `stopped_ok`: a stopped process is fine (its restore thread is run alone for the call: node/stopped.py)."""
     try:
         state, cgroups = procfs.status(pid).get("State", []), procfs.cgroups(pid)
     except OSError:
         return None
-    if state and state[0] in ("T", "t"):
+    if state and state[0] in ("T", "t") and not stopped_ok:
         return f"process {pid} is stopped ({' '.join(state)})"
     for hier, controllers, path in cgroups:
         if hier == "0" and controllers == "":

@@ -4,7 +4,7 @@ is locked, and the restore's remap onto the GPUs visible now."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.driver import GpuDriver, GpuInfo, load_driver
@@ -12,8 +12,9 @@ from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_invento
 from slurmckpt.cuda.procscan import find_cuda_pids, process_environ
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError
-from slurmckpt.cuda.interface import GpuUse
-from slurmckpt.cuda.stage import GpuStage, GpuUnsupportedError, NullGpuStage
+from slurmckpt.cuda.interface import GpuUse, holds_gpu_state
+from slurmckpt.cuda.stage import GpuRollbackError, GpuStage, GpuUnsupportedError, NullGpuStage
+from slurmckpt.node import stopped
 
 log = logging.getLogger("slurmckpt.cuda")
 
@@ -25,11 +26,20 @@ class PipelineGpu:
     `visible_devices` is the new task's GPU list in CUDA_VISIBLE_DEVICES form (the agent takes it from Slurm's
     allocation, with `device_order` PCI_BUS_ID; the restored processes still carry the old value); None: the
     value recorded at capture. check_restore(record) refuses GPUs that cannot take the record before criu
-    restores anything."""
+    restores anything.
+
+    The GPU restore runs while the tree stays stopped, only each process's restore thread running (docs/gpu.md,
+    "The GPU restore runs while the tree is stopped"): criu leaves the tree stopped when `stops_for_resume()`,
+    the capture hands over the processes it stopped (`left_stopped`), and resume() lets them go once every GPU
+    process is back (restore() likewise lets the restored tree go)."""
 
     def __init__(self, lock_timeout_ms: int = 2000, *, driver_factory: Callable[[], GpuDriver] = load_driver,
                  inventory_factory: Callable[[], GpuInventory] = load_inventory,
-                 nccl_env_required: bool = True, context: dict[str, Any] | None = None):
+                 nccl_env_required: bool = True, context: dict[str, Any] | None = None,
+                 run_alone: Callable[[int], ContextManager[None]] = stopped.running_alone,
+                 let_go: Callable[[list[int]], None] = stopped.let_go):
+        self.run_alone, self.let_go = run_alone, let_go
+        self.to_let_go: list[int] = []
         self.lock_timeout_ms, self.driver_factory = lock_timeout_ms, driver_factory
         self.inventory_factory = inventory_factory
         self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
@@ -64,10 +74,29 @@ class PipelineGpu:
     def lock(self, pids: list[int]) -> None:
         self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
                                        nccl_env_required=self.nccl_env_required, context=self.context)
+        if isinstance(self.stage, GpuStage):
+            self.stage.run_alone = self.run_alone
         self.stage.lock_all(self.lock_timeout_ms)
 
     def unlock(self) -> None:
         self.stage.rollback()
+        self._let_go()
+
+    def stops_for_resume(self) -> bool:
+        """criu is to leave the tree stopped after a periodic dump: it holds CUDA processes."""
+        return isinstance(self.stage, GpuStage) and all(p.restore_tid for p in self.stage.processes)
+
+    def left_stopped(self, pids: list[int]) -> None:
+        """criu left `pids` stopped: driver calls now run each process's restore thread alone."""
+        if isinstance(self.stage, GpuStage):
+            self.stage.stopped = True
+        self.to_let_go = list(pids)
+
+    def _let_go(self) -> None:
+        if isinstance(self.stage, GpuStage):
+            self.stage.stopped = False
+        pids, self.to_let_go = self.to_let_go, []
+        self.let_go(pids)
 
     def checkpoint(self) -> dict[str, Any] | None:
         self.stage.checkpoint_all()
@@ -83,12 +112,18 @@ class PipelineGpu:
         return record
 
     def resume(self) -> None:
+        """GPU restore + unlock; then the processes criu left stopped run again, unless a process is left
+        behind without its GPU state (GpuRollbackError): that tree stays stopped and is killed (runner.py)."""
         try:
             self.stage.restore_all(None)
             self.stage.unlock_all()
+        except GpuRollbackError:
+            raise
         except GpuError:
             self.stage.rollback()
+            self._let_go()
             raise
+        self._let_go()
 
     def check_restore(self, record: dict[str, Any] | None) -> None:
         """Before criu restores anything: the GPUs this task has now take the checkpoint's GPU state (same
@@ -110,10 +145,13 @@ class PipelineGpu:
         check_free(captured, now, inventory, record.get("device_bytes", {}), self.context)
 
     def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None:
-        if not record or not record.get("processes"):
+        """After criu restored the tree, left stopped (holds_gpu_state): GPU state back, unlocked, and the tree
+        let go. On failure it stays stopped (the restore's undo kills it)."""
+        if not holds_gpu_state(record):
             return
+        assert record is not None
         driver = self.driver_factory()
-        stage = GpuStage.adopt_restored(driver, record, pids, self.context)
+        stage = GpuStage.adopt_restored(driver, record, pids, self.context, run_alone=self.run_alone)
         env = process_environ(stage.pids[0]) if stage.pids else {}
         cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
         now = visible_gpus(driver.devices(), cvd, self.device_order or env.get("CUDA_DEVICE_ORDER"))
@@ -121,3 +159,5 @@ class PipelineGpu:
         self.stage = stage
         stage.restore_all(pairs)
         stage.unlock_all()
+        stage.stopped = False
+        self.let_go(sorted(stopped.stopped(pids)))

@@ -22,7 +22,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, ns_pid, process_environ,
@@ -30,6 +30,9 @@ from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, n
 from slurmckpt.cuda.remap import visible_gpus
 from slurmckpt.errors import GpuError, LockContended
 from slurmckpt.node import procfs
+from slurmckpt.node.stopped import PtraceError, running_alone
+
+T = TypeVar("T")
 
 log = logging.getLogger("slurmckpt.cuda")
 
@@ -61,8 +64,8 @@ def _left(state: str) -> str:
     return f"{state} (its GPU state is lost)" if state == "NO_CUDA" else state
 
 
-def _refuse_frozen(pid: int, cgroup_root: str, context: dict[str, Any] | None) -> None:
-    why = frozen_reason(pid, cgroup_root)
+def _refuse_frozen(pid: int, cgroup_root: str, context: dict[str, Any] | None, stopped_ok: bool = False) -> None:
+    why = frozen_reason(pid, cgroup_root, stopped_ok)
     if why:
         raise GpuStateError(f"{why}: the CUDA checkpoint API hangs on a process that cannot run; lock and "
                             f"checkpoint GPUs before freezing the tree, thaw it before GPU restore/unlock",
@@ -78,6 +81,7 @@ class GpuProcess:
     initial: ProcessState
     locked: bool = False            # by this stage (LOCKED or CHECKPOINTED through us)
     checkpointed: bool = False      # by this stage (or adopted after a CRIU restore)
+    restore_tid: int | None = None  # the driver's restore thread in it (host tid)
 
     def to_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "ns_pid": self.ns_pid, "initial": self.initial.name}
@@ -97,6 +101,8 @@ class GpuStage:
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     ended: list[int] = field(default_factory=list)      # pids that ended during a step (_release_ended)
+    stopped: bool = False        # criu left the tree stopped: each driver call runs the restore thread alone
+    run_alone: Callable[[int], ContextManager[None]] = running_alone
     active = True
 
     # ---- construction ----
@@ -128,7 +134,7 @@ class GpuStage:
             if state is not ProcessState.RUNNING:
                 raise GpuStateError(f"process {pid} is already {state.name} (another tool is checkpointing it)",
                                     pid=pid, **(context or {}))
-            procs.append(GpuProcess(pid, ns_pid(pid), state))
+            procs.append(GpuProcess(pid, ns_pid(pid), state, restore_tid=driver.restore_thread(pid)))
         if not procs:
             return NullGpuStage()
         env = process_environ(procs[0].pid)
@@ -138,10 +144,10 @@ class GpuStage:
 
     @classmethod
     def adopt_restored(cls, driver: GpuDriver, record: dict[str, Any], tree_pids: Sequence[int],
-                       context: dict[str, Any] | None = None,
-                       cgroup_root: str = "/sys/fs/cgroup") -> GpuStage:
-        """Restore side: the processes of `record` (capture order), found among the CRIU-restored and thawed
-        tree by their PID-namespace pid (host pids change). Each must be CHECKPOINTED."""
+                       context: dict[str, Any] | None = None, cgroup_root: str = "/sys/fs/cgroup",
+                       run_alone: Callable[[int], ContextManager[None]] = running_alone) -> GpuStage:
+        """Restore side: the processes of `record` (capture order), found among the CRIU-restored tree, which
+        criu left stopped, by their PID-namespace pid (host pids change). Each must be CHECKPOINTED."""
         by_ns = {ns_pid(p): p for p in tree_pids}
         procs = []
         for item in record.get("processes", []):
@@ -149,19 +155,26 @@ class GpuStage:
             if host is None:
                 raise GpuStateError(f"restored tree has no process with namespace pid {item['ns_pid']}",
                                     **(context or {}))
-            _refuse_frozen(host, cgroup_root, context)
             try:
-                state = driver.state(host)
+                tid = driver.restore_thread(host)
             except GpuDriverError as e:
-                raise GpuStateError(f"GPU state of restored process {host} unreadable ({e.result}): "
+                raise GpuStateError(f"restored process {host} has no GPU restore thread ({e.result}): "
                                     f"{condition(host)}", pid=host, **(context or {})) from e
-            if state is not ProcessState.CHECKPOINTED:
-                raise GpuStateError(f"restored process {host} is {state.name}, expected CHECKPOINTED",
-                                    pid=host, **(context or {}))
-            procs.append(GpuProcess(host, item.get("ns_pid"), state, locked=True, checkpointed=True))
+            procs.append(GpuProcess(host, item.get("ns_pid"), ProcessState.CHECKPOINTED, locked=True,
+                                    checkpointed=True, restore_tid=tid))
         gpus = [GpuInfo.from_dict(g) for g in record.get("gpus", [])]
-        return cls(driver, procs, gpus, record.get("cuda_visible_devices"), adopted=True,
-                   context=dict(context or {}), cgroup_root=cgroup_root)
+        stage = cls(driver, procs, gpus, record.get("cuda_visible_devices"), adopted=True,
+                    context=dict(context or {}), cgroup_root=cgroup_root, stopped=True, run_alone=run_alone)
+        for p in procs:
+            try:
+                state = stage._drv(p, lambda: driver.state(p.pid))
+            except GpuDriverError as e:
+                raise GpuStateError(f"GPU state of restored process {p.pid} unreadable ({e.result}): "
+                                    f"{condition(p.pid)}", pid=p.pid, **(context or {})) from e
+            if state is not ProcessState.CHECKPOINTED:
+                raise GpuStateError(f"restored process {p.pid} is {state.name}, expected CHECKPOINTED",
+                                    pid=p.pid, **(context or {}))
+        return stage
 
     def record(self) -> dict[str, Any]:
         """What the manifest keeps for the restore: processes in checkpoint order, the GPUs they saw."""
@@ -210,15 +223,7 @@ class GpuStage:
             if not p.locked:
                 continue
             try:
-                _refuse_frozen(p.pid, self.cgroup_root, self.context)
-                state = self.driver.state(p.pid)
-                if state is ProcessState.CHECKPOINTED:
-                    self.driver.restore(p.pid, None)
-                    state = ProcessState.LOCKED
-                if state is ProcessState.LOCKED:
-                    self.driver.unlock(p.pid)
-                    state = ProcessState.RUNNING
-                if state is ProcessState.RUNNING:
+                if self._drv(p, lambda: self._back_to_running(p)) is ProcessState.RUNNING:
                     p.locked = p.checkpointed = False
             except GpuError as e:
                 log.error("GPU rollback of pid %d failed: %s (%s)", p.pid, e, condition(p.pid),
@@ -229,6 +234,33 @@ class GpuStage:
             raise GpuRollbackError("GPU rollback failed", stuck, **self.context)
 
     # ---- internals ----
+    def _back_to_running(self, p: GpuProcess) -> ProcessState:
+        state = self.driver.state(p.pid)
+        if state is ProcessState.CHECKPOINTED:
+            self.driver.restore(p.pid, None)
+            state = ProcessState.LOCKED
+        if state is ProcessState.LOCKED:
+            self.driver.unlock(p.pid)
+            state = ProcessState.RUNNING
+        return state
+
+    def _drv(self, p: GpuProcess, fn: Callable[[], T]) -> T:
+        """A driver call on `p`, refused while p is frozen or stopped (the driver's calls hang there), unless
+        criu left the tree stopped (`stopped`): then p's restore thread runs alone for the call."""
+        if not self.stopped:
+            _refuse_frozen(p.pid, self.cgroup_root, self.context)
+            return fn()
+        _refuse_frozen(p.pid, self.cgroup_root, self.context, stopped_ok=True)
+        if p.restore_tid is None:
+            raise GpuStateError(f"process {p.pid} is stopped and its GPU restore thread is not known", pid=p.pid,
+                                **self.context)
+        try:
+            with self.run_alone(p.restore_tid):
+                return fn()
+        except PtraceError as e:
+            raise GpuStateError(f"cannot run the GPU restore thread {p.restore_tid} of process {p.pid} alone: "
+                                f"{e.strerror}; {condition(p.pid)}", pid=p.pid, **self.context) from e
+
     def _release_ended(self) -> None:
         """A process whose GPU state the driver can no longer read, and which then ends within exit_grace_s,
         was exiting when the capture came: its program was tearing its CUDA context down (driver 580 answers
@@ -250,8 +282,7 @@ class GpuStage:
 
     def _unreadable(self, p: GpuProcess) -> bool:
         try:
-            _refuse_frozen(p.pid, self.cgroup_root, self.context)
-            self.driver.state(p.pid)
+            self._drv(p, lambda: self.driver.state(p.pid))
         except GpuDriverError:
             return True
         except GpuError:          # frozen: not this case
@@ -279,9 +310,8 @@ class GpuStage:
         p.checkpointed = False
 
     def _call(self, op: str, p: GpuProcess, fn: Callable[[], None]) -> None:
-        _refuse_frozen(p.pid, self.cgroup_root, self.context)
         log.debug("GPU %s pid %d", op, p.pid, extra={"pid": p.pid, **self.context})
-        fn()
+        self._drv(p, fn)
 
     def _each(self, op: str, wanted: Callable[[GpuProcess], bool], fn: Callable[[GpuProcess], None],
               together: bool = True) -> None:
@@ -329,8 +359,7 @@ class GpuStage:
         for p in self.processes:
             if p.locked:
                 try:
-                    _refuse_frozen(p.pid, self.cgroup_root, self.context)
-                    out[p.pid] = self.driver.state(p.pid).name
+                    out[p.pid] = self._drv(p, lambda: self.driver.state(p.pid)).name
                 except GpuStateError:
                     out[p.pid] = "FROZEN"
                 except GpuError:

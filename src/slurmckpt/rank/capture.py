@@ -24,7 +24,7 @@ from typing import Any
 
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
-from slurmckpt.node import proctree, tcp_ports
+from slurmckpt.node import proctree, stopped, tcp_ports
 from slurmckpt.rank import checks, ghost, images, output_pipes, output_snapshot
 from slurmckpt.rank.context import EpochState, RankContext
 from slurmckpt.rank.engine import Stage
@@ -154,11 +154,18 @@ def _dump(ctx: RankContext, st: EpochState) -> None:
         return
     rdir = images.area(ctx, st.epoch)
     rec = st.record
+    # a tree with CUDA processes stays stopped after a periodic dump: its GPU restore runs with only the
+    # driver's restore threads running (cuda/rank_stage.py; docs/gpu.md)
+    leave_stopped = not st.final and ctx.gpu.stops_for_resume()
+    pids = ctx.cgroup.pids()
+    stopped_before = stopped.stopped(pids)
     st.timings["criu_dump"] = ctx.criu.dump(
         ctx.root_pid or 0, rdir, leave_running=not st.final, freezer=ctx.cgroup.path, ghost_limit=st.ghost_limit,
         external=[f"unix[{e['ino']}]" for e in rec["pmi"] + rec["srun_standins"]] + rec["external_files"],
         link_remap=any(e["removed"] for e in rec["shm_files"]), mntns=rec["mntns"],
-        inherited_devices=inherited_device_majors(ctx.cgroup.pids()))
+        inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped)
+    if leave_stopped:
+        ctx.gpu.left_stopped(sorted(stopped.stopped(pids) - stopped_before))
     shm_files.note_remaps(rec["shm_files"], rdir)
     shm_files.remove_links(ctx.creds, rec["shm_files"])     # put back by the restore, on any node
     if not st.final and ctx.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from slurmckpt.criu.driver import InheritedFd
+from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.node import asuser, proctree, tcp_ports
 from slurmckpt.node.launch import Credentials
@@ -174,7 +175,8 @@ def _criu(ctx: RankContext, st: EpochState) -> None:
         with netlock.hold_during_restore(r.held, r.key, f"slurmckpt job {ctx.store.job}", ctx.packets):
             r.pid = ctx.criu.restore(r.images, r.inherit, freezer=ctx.cgroup.path, pidfile=r.images / "restore.pid",
                                      join=ctx.cgroup.add, tcp_close=r.manifest.get("tcp_close", []),
-                                     mntns=r.manifest.get("mntns", False))
+                                     mntns=r.manifest.get("mntns", False),
+                                     leave_stopped=holds_gpu_state(r.manifest.get("gpu")))
     except CriuInterrupted:    # criu did not take back what it had restored: none of it may run
         _end_restored_tree(ctx, st)
         raise
@@ -187,8 +189,8 @@ def _tcp_release(ctx: RankContext, st: EpochState) -> None:
 
 
 def _gpu_restore(ctx: RankContext, st: EpochState) -> None:
-    """After criu: the tree is back, thawed. Without its GPU state it must not run on (the undo of `criu`
-    kills it)."""
+    """After criu: the tree is back, and stopped if it holds GPU state, which is restored before it runs
+    again. Without its GPU state it must not run on (the undo of `criu` kills it)."""
     if st.replay:
         return
     try:
