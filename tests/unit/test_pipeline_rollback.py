@@ -452,20 +452,24 @@ def test_a_tree_with_gpu_state_is_left_stopped_by_a_periodic_dump_and_handed_to_
     capture ends the tree: nothing is left stopped."""
     p, j, store = make(tmp_path)
     p.ctx.gpu.stops = True
-    child = subprocess.Popen(["sleep", "60"])
-    already = subprocess.Popen(["sleep", "60"])
-    os.kill(already.pid, signal.SIGSTOP)
+    root = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    already = int(root.stdout.readline())          # a process of the tree the job had stopped itself
+    os.kill(already, signal.SIGSTOP)
     try:
-        _wait_for_state(already.pid, "T")
-        p.ctx.cgroup.members = [child.pid, already.pid]
-        p.ctx.criu.tree = [child.pid, already.pid]
+        _wait_for_state(already, "T")
+        p.ctx.cgroup.members = [root.pid, already]
+        p.ctx.criu.tree = [root.pid, already]
+        rooted(p, root.pid)
         p.prepare(1)
         p.capture(1, final=final)
         if final:
             assert "dump" in j.events and not any(e.startswith("left-stopped") for e in j.events)
         else:
-            assert j.events[-2:] == ["dump --leave-stopped", f"left-stopped {[child.pid]}"]
+            assert j.events[-2:] == ["dump --leave-stopped", f"left-stopped {[root.pid]}"]
     finally:
-        for c in (child, already):
-            c.kill()
-            c.wait()
+        for pid in (already, root.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        root.wait()

@@ -145,8 +145,8 @@ class PipelineGpu:
         check_free(captured, now, inventory, record.get("device_bytes", {}), self.context)
 
     def restore(self, record: dict[str, Any] | None, pids: list[int]) -> None:
-        """After criu restored the tree, left stopped (holds_gpu_state): GPU state back, unlocked, and the tree
-        let go. On failure it stays stopped (the restore's undo kills it)."""
+        """After criu restored the tree `pids`, left stopped (holds_gpu_state): GPU state back, unlocked, and
+        the tree let go. On failure it stays stopped (the restore's undo kills it)."""
         if not holds_gpu_state(record):
             return
         assert record is not None
@@ -160,4 +160,4 @@ class PipelineGpu:
         stage.restore_all(pairs)
         stage.unlock_all()
         stage.stopped = False
-        self.let_go(sorted(stopped.stopped(pids)))
+        self.let_go(sorted(pids))

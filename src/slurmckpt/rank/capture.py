@@ -158,14 +158,15 @@ def _dump(ctx: RankContext, st: EpochState) -> None:
     # driver's restore threads running (cuda/rank_stage.py; docs/gpu.md)
     leave_stopped = not st.final and ctx.gpu.stops_for_resume()
     pids = ctx.cgroup.pids()
-    stopped_before = stopped.stopped(pids)
+    tree = proctree.descendants(ctx.root_pid or 0)     # what criu dumps, and with leave_stopped stops
+    stopped_before = stopped.stopped(tree)
     st.timings["criu_dump"] = ctx.criu.dump(
         ctx.root_pid or 0, rdir, leave_running=not st.final, freezer=ctx.cgroup.path, ghost_limit=st.ghost_limit,
         external=[f"unix[{e['ino']}]" for e in rec["pmi"] + rec["srun_standins"]] + rec["external_files"],
         link_remap=any(e["removed"] for e in rec["shm_files"]), mntns=rec["mntns"],
         inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped)
-    if leave_stopped:
-        ctx.gpu.left_stopped(sorted(stopped.stopped(pids) - stopped_before))
+    if leave_stopped:     # (their state says so only after the thaw: criu's SIGSTOP waits behind the freeze)
+        ctx.gpu.left_stopped(sorted(set(tree) - stopped_before))
     shm_files.note_remaps(rec["shm_files"], rdir)
     shm_files.remove_links(ctx.creds, rec["shm_files"])     # put back by the restore, on any node
     if not st.final and ctx.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen

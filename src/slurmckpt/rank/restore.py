@@ -194,7 +194,8 @@ def _gpu_restore(ctx: RankContext, st: EpochState) -> None:
     if st.replay:
         return
     try:
-        ctx.gpu.restore(_r(st).manifest.get("gpu"), ctx.cgroup.pids())
+        pid = _r(st).pid
+        ctx.gpu.restore(_r(st).manifest.get("gpu"), proctree.descendants(pid) if pid else ctx.cgroup.pids())
     except SlurmckptError:
         raise
     except Exception as e:
