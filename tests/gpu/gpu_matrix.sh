@@ -74,7 +74,7 @@ for r in $ROWS; do
   case $r in
     T) for k in 0 1; do asjob 1 env SLURM_NTASKS=2 SLURM_PROCID=$k SLURM_LOCALID=$k MASTER_PORT=29411 \
          $PY ddp_train.py --device cuda --steps "$STEPS" --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
-    I|J) ;;          # I: the client checks it; J: refused
+    I) ;;            # I: the client checks it
     G) asjob 2 $PY workload_train.py --steps "$STEPS" > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
     *) asjob 3 bash -c "${CMD[$r]/--sleep 0.1/--sleep 0}" > "$H/ref/$r.out" 2>&1 & REFS+=($!) ;;
   esac
@@ -129,7 +129,9 @@ for r in $ROWS; do
   got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -c 'restored from checkpoint epoch' "$H/$r.out")
   ref="$H/ref/$r.out"; [ "$r" = T ] && ref="$H/ref/T.0.out"
   aborted=$(grep -c 'ABORTED' "$H/$r.out")
-  before_freeze='ABORTED \([^)]*stage (check|pmi-precheck|space|gpu-lock)\)'    # the PREPARE stages before any lock
+  # a refusal: an abort in a PREPARE stage before any lock, or the lock stage's refusal of what the CUDA
+  # checkpoint API cannot capture (not a lock that failed for another reason: that is FAILED)
+  before_freeze='ABORTED \([^)]*stage ((check|pmi-precheck|space)\)|gpu-lock\): GPU state cannot be checkpointed)'
   if grep -qE "$before_freeze" "$H/$r.out" && [ "$restores" = 0 ]; then    # refused before anything was frozen
     outcome=REFUSED; detail=$(grep -oE "$before_freeze[^;]*" "$H/$r.out" | head -1 | cut -c1-260)
   elif [ "$aborted" -gt 0 ] && [ "$restores" = 0 ]; then          # a capture that failed is no refusal
