@@ -607,3 +607,27 @@ def test_a_restored_tree_runs_again_only_after_its_gpu_state_is_back(proc, drive
     _pipeline(proc, driver, let_go.append).restore(rec, [150, 151])
     assert driver.ran_alone == [150 + RESTORE_TID_OFFSET] * 3     # state, restore, unlock
     assert let_go == [[150, 151]]
+
+
+def test_a_stopped_process_that_was_exiting_is_let_go_to_end_and_not_killed(proc, driver):
+    """A capture that met a program's exit, with the tree left stopped: the GPU restore fails and the driver can
+    no longer read the process. Stopped, it could never end: it is let go, ends, and is not left behind."""
+    import shutil
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
+    driver.add_process(101)
+
+    def let_go(pids: list[int]) -> None:
+        calls.append(pids)
+        driver.stopped.difference_update(pids)
+        shutil.rmtree(proc.root / "101", ignore_errors=True)        # it runs to its end
+    calls: list[list[int]] = []
+    gpu = _pipeline(proc, driver, let_go)
+    gpu.lock([101])
+    gpu.checkpoint()
+    gpu.left_stopped([101])
+    driver.stopped = {101}
+    driver.fail_next("restore", 101, 304)
+    driver.remove_process(101)
+    with pytest.raises(GpuStateError, match="the process ended during the capture"):
+        gpu.resume()
+    assert calls[0] == [101] and gpu.stage.ended == [101]

@@ -75,7 +75,7 @@ class PipelineGpu:
         self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
                                        nccl_env_required=self.nccl_env_required, context=self.context)
         if isinstance(self.stage, GpuStage):
-            self.stage.run_alone = self.run_alone
+            self.stage.run_alone, self.stage.let_go = self.run_alone, self.let_go
         self.stage.lock_all(self.lock_timeout_ms)
 
     def unlock(self) -> None:

@@ -30,6 +30,7 @@ from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, n
 from slurmckpt.cuda.remap import visible_gpus
 from slurmckpt.errors import GpuError, LockContended
 from slurmckpt.node import procfs
+from slurmckpt.node import stopped as stopped_processes
 from slurmckpt.node.stopped import PtraceError, running_alone
 
 T = TypeVar("T")
@@ -103,6 +104,7 @@ class GpuStage:
     ended: list[int] = field(default_factory=list)      # pids that ended during a step (_release_ended)
     stopped: bool = False        # criu left the tree stopped: each driver call runs the restore thread alone
     run_alone: Callable[[int], ContextManager[None]] = running_alone
+    let_go: Callable[[list[int]], None] = stopped_processes.let_go    # a stopped process given the chance to end
     active = True
 
     # ---- construction ----
@@ -266,8 +268,12 @@ class GpuStage:
         was exiting when the capture came: its program was tearing its CUDA context down (driver 580 answers
         CUDA_ERROR_OPERATING_SYSTEM then; seen on the H100 when a capture met a DataLoader job's exit). Its GPU
         state goes with it: nothing is lost and nothing is left to roll back. One that does not end is stuck,
-        and the tree is killed (runner.py)."""
+        and the tree is killed (runner.py). A process criu left stopped cannot end: it is let go first (if it
+        runs on without its GPU state, it is killed with its tree, and what it wrote meanwhile is cut back by
+        the restore of the previous commit)."""
         waiting = [p for p in self.processes if p.locked and self._unreadable(p)]
+        if waiting and self.stopped:
+            self.let_go([p.pid for p in waiting])
         deadline = self.clock() + self.exit_grace_s
         while waiting:
             for p in [p for p in waiting if procfs.ended(p.pid)]:
