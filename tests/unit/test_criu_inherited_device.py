@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from criu_processes import kill_all, wait_for_marker
 
 CRIU = os.environ.get("SLURMCKPT_CRIU", "/usr/local/sbin/criu")
 DEVICE = "/dev/fuse"              # misc major 10; the test cluster's GlusterFS mounts need it, so CI has it
@@ -42,18 +43,10 @@ def holder(tmp_path: Path):
     marker = tmp_path / "fd"
     p = subprocess.Popen([sys.executable, "-c", HOLDER, DEVICE, str(marker)], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        if marker.exists() and marker.read_text():
-            break
-        time.sleep(0.02)
+    wait_for_marker(marker)
     pids = [p.pid]
     yield p, pids, int(marker.read_text())
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait(timeout=10)
+    kill_all(p, pids)
 
 
 def criu(*args: str, log: Path) -> subprocess.CompletedProcess:

@@ -14,10 +14,10 @@ import signal
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from criu_processes import kill_all, wait_for_marker
 
 CRIU = os.environ.get("SLURMCKPT_CRIU", "/usr/local/sbin/criu")
 USER = "ckptuser1"
@@ -52,18 +52,10 @@ def listener(tmp_path: Path):
     p = subprocess.Popen(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
                           PYTHON, "-c", LISTENER, str(base), str(marker)], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
-    for _ in range(250):
-        if marker.exists() and marker.read_text():
-            break
-        time.sleep(0.02)
+    wait_for_marker(marker)
     pids = [p.pid]
     yield p, pids, Path(marker.read_text())
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait(timeout=10)
+    kill_all(p, pids)
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -541,19 +541,24 @@ def test_ended_tells_a_running_process_from_an_exited_one():
 
 # ---- the GPU restore with the tree stopped ----
 
+def _captured_and_left_stopped(proc, driver, let_go, tree=(101,)):
+    """pid 101's GPU state checkpointed, then criu left the tree `tree` stopped (a periodic dump)."""
+    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
+    driver.add_process(101)
+    gpu = _pipeline(proc, driver, let_go)
+    gpu.lock([100, 101])
+    gpu.checkpoint()
+    assert gpu.stops_for_resume()
+    gpu.left_stopped(list(tree))
+    driver.stopped = {101}
+    return gpu
+
 def test_resume_after_a_dump_that_left_the_tree_stopped_runs_restore_threads_alone_then_lets_go(proc, driver):
     """criu left the tree stopped after a periodic dump: the GPU restore and unlock of each process go through
     its restore thread run alone (the fake driver fails any call on a stopped process otherwise, as the real one
     hangs), and only then are the processes criu stopped let go."""
-    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
-    driver.add_process(101)
     let_go: list[list[int]] = []
-    gpu = _pipeline(proc, driver, let_go.append)
-    gpu.lock([100, 101])
-    gpu.checkpoint()
-    assert gpu.stops_for_resume()
-    gpu.left_stopped([101, 140])                       # 140: a CPU-only process of the tree
-    driver.stopped = {101}
+    gpu = _captured_and_left_stopped(proc, driver, let_go.append, tree=(101, 140))   # 140: CPU only
     gpu.resume()
     assert driver.ran_alone == [101 + RESTORE_TID_OFFSET] * 2      # restore, unlock
     assert let_go == [[101, 140]]
@@ -564,14 +569,8 @@ def test_resume_after_a_dump_that_left_the_tree_stopped_runs_restore_threads_alo
 def test_a_tree_whose_gpu_state_is_left_behind_stays_stopped(proc, driver):
     """A GPU restore that fails and cannot be rolled back (NO_CUDA: the state is lost): the processes are not let
     go; the runner kills the tree while it is still stopped."""
-    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
-    driver.add_process(101)
     let_go: list[list[int]] = []
-    gpu = _pipeline(proc, driver, let_go.append)
-    gpu.lock([101])
-    gpu.checkpoint()
-    gpu.left_stopped([101])
-    driver.stopped = {101}
+    gpu = _captured_and_left_stopped(proc, driver, let_go.append)
     driver.fail_next("restore", 101)
     driver.add_process(101, cuda=False)
     with pytest.raises(GpuRollbackError):
@@ -580,14 +579,8 @@ def test_a_tree_whose_gpu_state_is_left_behind_stays_stopped(proc, driver):
 
 
 def test_an_abort_after_a_dump_that_left_the_tree_stopped_lets_it_go_once_rolled_back(proc, driver):
-    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
-    driver.add_process(101)
     let_go: list[list[int]] = []
-    gpu = _pipeline(proc, driver, let_go.append)
-    gpu.lock([101])
-    gpu.checkpoint()
-    gpu.left_stopped([101])
-    driver.stopped = {101}
+    gpu = _captured_and_left_stopped(proc, driver, let_go.append)
     gpu.unlock()                                       # the undo of the GPU lock (the abort's last)
     assert let_go == [[101]]
     driver.stopped.clear()
@@ -613,19 +606,13 @@ def test_a_stopped_process_that_was_exiting_is_let_go_to_end_and_not_killed(proc
     """A capture that met a program's exit, with the tree left stopped: the GPU restore fails and the driver can
     no longer read the process. Stopped, it could never end: it is let go, ends, and is not left behind."""
     import shutil
-    proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
-    driver.add_process(101)
 
     def let_go(pids: list[int]) -> None:
         calls.append(pids)
         driver.stopped.difference_update(pids)
         shutil.rmtree(proc.root / "101", ignore_errors=True)        # it runs to its end
     calls: list[list[int]] = []
-    gpu = _pipeline(proc, driver, let_go)
-    gpu.lock([101])
-    gpu.checkpoint()
-    gpu.left_stopped([101])
-    driver.stopped = {101}
+    gpu = _captured_and_left_stopped(proc, driver, let_go)
     driver.fail_next("restore", 101, 304)
     driver.remove_process(101)
     with pytest.raises(GpuStateError, match="the process ended during the capture"):
