@@ -51,7 +51,8 @@ class FakeProc:
                                   + "\t".join(map(str, nspid or (pid,))) + "\n")
         (d / "comm").write_text(comm + "\n")
         (d / "stat").write_text(f"{pid} ({comm}) {state[0]} 1 " + "0 " * 20 + "\n")
-        for tid, name in {pid: comm, **(threads or {})}.items():
+        restore_thread = {pid + RESTORE_TID_OFFSET: "cuda-restore"} if cuda else {}   # the fake driver's tid
+        for tid, name in {pid: comm, **restore_thread, **(threads or {})}.items():
             (d / "task" / str(tid)).mkdir(parents=True)
             (d / "task" / str(tid) / "comm").write_text(name + "\n")
         return pid
@@ -618,3 +619,15 @@ def test_a_stopped_process_that_was_exiting_is_let_go_to_end_and_not_killed(proc
     with pytest.raises(GpuStateError, match="the process ended during the capture"):
         gpu.resume()
     assert calls[0] == [101] and gpu.stage.ended == [101]
+
+
+def test_a_restore_thread_that_is_not_the_processs_own_is_never_seized(proc, driver):
+    """The restore thread's tid comes from the driver inside the user's process: one that is not a thread of
+    that process (another user's, say) is refused before root seizes anything."""
+    seized: list[int] = []
+    gpu = _captured_and_left_stopped(proc, driver, lambda pids: None)
+    gpu.stage.processes[0].restore_tid = 4242
+    gpu.stage.run_alone = lambda tid: seized.append(tid)    # never reached
+    with pytest.raises(GpuStateError, match="4242 is not a GPU restore thread of it"):
+        gpu.stage._drv(gpu.stage.processes[0], lambda: None)
+    assert seized == []

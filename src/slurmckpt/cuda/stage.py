@@ -253,9 +253,10 @@ class GpuStage:
             _refuse_frozen(p.pid, self.cgroup_root, self.context)
             return fn()
         _refuse_frozen(p.pid, self.cgroup_root, self.context, stopped_ok=True)
-        if p.restore_tid is None:
-            raise GpuStateError(f"process {p.pid} is stopped and its GPU restore thread is not known", pid=p.pid,
-                                **self.context)
+        # the tid comes from the driver inside the user's process: root seizes it only as a thread of p
+        if p.restore_tid is None or p.restore_tid not in procfs.threads(p.pid):
+            raise GpuStateError(f"process {p.pid} is stopped and {p.restore_tid} is not a GPU restore thread of "
+                                "it", pid=p.pid, **self.context)
         try:
             with self.run_alone(p.restore_tid):
                 return fn()
