@@ -5,7 +5,9 @@
 # --checkpoint-interval=10s` job of a program as users run it, captured at an interval, `scontrol requeue`d
 # mid-run (twice for torch.distributed), restored, and its lines compared with an uninterrupted run of the
 # same program beside it (outside Slurm, as the same user): IDENTICAL, DIFFERS, REFUSED (with the cause the
-# job's output names, for what no transparent mechanism brings back) or FAILED.
+# job's output names, for what no transparent mechanism brings back), NOT-MID-RUN (the program ended before the
+# requeue could come mid-run: the row proves nothing), IDENTICAL-AFTER-1-OF-2-REQUEUES (the same, for the
+# second requeue of T) or FAILED.
 #   GM_ROWS="G T W ..." picks rows (default: all), in that order (one GPU: Slurm runs them one at a time).
 #   G PyTorch training + an NVML monitor beside it     T DDP over gloo, srun -n2 on one GPU, requeued twice
 #   W CUDA graph + DataLoader workers, default fork    P the same with workers started by spawn
@@ -52,17 +54,20 @@ declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tas
   [X]="torch.compile (Inductor compile workers)" [L]="PyTorch Lightning" [H]="Hugging Face generation, KV cache" \
   [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
 declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
-  [T]="srun -n2 $PY ddp_train.py --device cuda --steps $STEPS --sleep 0.15" \
+  [T]="srun -n2 $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0.15" \
   [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" \
   [P]="$PY workload_graph_loader.py --mp spawn --steps $((STEPS * 3)) --sleep 0.1" \
   [X]="$PY workload_compile.py --steps $STEPS --sleep 0.1" [L]="$PY workload_lightning.py --steps $STEPS --sleep 0.1" \
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps 450 --sleep 0.1 --port-file port-I.txt" \
-  [C]="$PY workload_cupy.py --steps $STEPS --sleep 0.1" [J]="$PY workload_jax.py --steps $STEPS --sleep 0.1")
+  [C]="$PY workload_cupy.py --steps $((STEPS * 3)) --sleep 0.1" \
+  [J]="env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY workload_jax.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
 # W and P run 3x the steps: their captures (the workers' trees, ~375 MiB) take ~13 s, and at 200 steps the run
-# ended before the commit the requeue waits for (both were requeued at their last line on the H100)
+# ended before the commit the requeue waits for (both were requeued at their last line on the H100); so do C,
+# whose 200 steps took ~20 s, and T, which ended before its second requeue. J's job sets XLA_FLAGS in its own command, as its reference does: without
+# deterministic ops the two differ from step 0 (seen on the H100), and nothing about the restore can be read
 declare -A MORE=([T]="-n2")
 declare -A REQUEUES=([T]=2)
 
@@ -73,7 +78,7 @@ REFS=()
 for r in $ROWS; do
   case $r in
     T) for k in 0 1; do asjob 1 env SLURM_NTASKS=2 SLURM_PROCID=$k SLURM_LOCALID=$k MASTER_PORT=29411 \
-         $PY ddp_train.py --device cuda --steps "$STEPS" --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
+         $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
     I) ;;            # I: the client checks it
     G) asjob 2 $PY workload_train.py --steps "$STEPS" > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
     *) asjob 3 bash -c "${CMD[$r]/--sleep 0.1/--sleep 0}" > "$H/ref/$r.out" 2>&1 & REFS+=($!) ;;
@@ -103,13 +108,18 @@ cycle() {   # ROW: interval commit (or a refusal), requeue(s), restore(s), the e
     fi
     while [ $n -le "${REQUEUES[$r]:-1}" ]; do
       grep -qE 'committed \(interval\)' "$H/$r.out" || break
-      # mid-run: once the program prints its steps, and at a commit taken since (not one of its start-up)
+      # mid-run: once the program prints its steps, and at a commit taken since (not one of its start-up); a
+      # job that ended meanwhile is not requeued (Slurm would run a finished job again)
       for _ in $(seq $((end - SECONDS))); do [ "$(grep -cE "${LINES[$r]}" "$H/$r.out")" -ge 5 ] && break; sleep 1; done
       c0=$(grep -cE 'committed \(interval\)' "$H/$r.out")
-      for _ in $(seq $((end - SECONDS))); do [ "$(grep -cE 'committed \(interval\)' "$H/$r.out")" -gt "$c0" ] && break; sleep 1; done
+      for _ in $(seq $((end - SECONDS))); do
+        [ "$(grep -cE 'committed \(interval\)' "$H/$r.out")" -gt "$c0" ] || [ -z "$(jstate "$id")" ] && break; sleep 1
+      done
+      [ -n "$(jstate "$id")" ] || { echo "[$((SECONDS - T0))s] $r: no requeue $n: the job ended first"; break; }
       echo "[$((SECONDS - T0))s] $r: requeue $n at $(grep -cE "${LINES[$r]}" "$H/$r.out") lines"
       scontrol requeue "$id"
-      for _ in $(seq $((end - SECONDS))); do [ "$(grep -c 'restored from checkpoint epoch\|starting from the beginning' "$H/$r.out")" -ge "$n" ] && break; sleep 1; done
+      # each rank of the job says "(restart N)"; the requeue is answered once one of them has
+      for _ in $(seq $((end - SECONDS))); do grep -qE "\(restart $n\)|starting from the beginning" "$H/$r.out" && break; sleep 1; done
       echo "[$((SECONDS - T0))s] $r: $(grep -E 'restored from checkpoint epoch|FAILED|beginning' "$H/$r.out" | tail -1)"
       n=$((n + 1)); sleep 12
     done
@@ -124,9 +134,10 @@ wait "${CYC[@]}" "${REFS[@]}"
 { echo "| row | program | outcome | detail |"; echo "| --- | --- | --- | --- |"; } > "$OUT/gpu-coverage.md"
 for r in $ROWS; do
   say "row $r: ${NAME[$r]} (job ${ID[$r]})"; cat "$OUT/cycle-$r.txt"
-  at=$(grep -oE 'requeue [0-9]+ at [0-9]+ lines' "$OUT/cycle-$r.txt" | awk '{print $4}' | paste -sd, -); rm -f "$OUT/cycle-$r.txt"
+  at=$(grep -oE 'requeue [0-9]+ at [0-9]+ lines' "$OUT/cycle-$r.txt" | awk '{print $4}' | paste -sd, -)
+  ended_first=$(grep -c ': no requeue [0-9]*: the job ended first' "$OUT/cycle-$r.txt"); rm -f "$OUT/cycle-$r.txt"
   grep -vE "${LINES[$r]}|^monitor " "$H/$r.out" | tail -8
-  got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -c 'restored from checkpoint epoch' "$H/$r.out")
+  got=$(grep -cE "${LINES[$r]}" "$H/$r.out"); restores=$(grep -oE 'restored from checkpoint epoch [0-9]+ in [0-9.]+s \(restart [0-9]+\)' "$H/$r.out" | grep -oE 'restart [0-9]+' | sort -u | wc -l)
   ref="$H/ref/$r.out"; [ "$r" = T ] && ref="$H/ref/T.0.out"
   aborted=$(grep -c 'ABORTED' "$H/$r.out")
   # a refusal: an abort in a PREPARE stage before any lock, or the lock stage's refusal of what the CUDA
@@ -145,10 +156,18 @@ for r in $ROWS; do
     outcome=FAILED; detail="a restore failed and an older epoch was taken: $(grep -oE '(FAILED|could not be)[^;]*' "$H/$r.out" | tail -1 | cut -c1-200)"
   elif [ "$restores" -ge 1 ] && [ "$got" -gt 0 ] && cmp -s <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref"); then
     outcome=IDENTICAL; detail="$got lines, $restores restore(s), requeued at line(s) ${at:-none}"
+    [ "$restores" -lt "${REQUEUES[$r]:-1}" ] && outcome="IDENTICAL-AFTER-$restores-OF-${REQUEUES[$r]}-REQUEUES"
     [ "$r" = G ] && detail="$detail; monitor lines after the last restore: $(awk '/restored from checkpoint/ {n=0} /^monitor / {n++} END {print n}' "$H/$r.out")"
+  elif [ "$restores" = 0 ] && [ "$ended_first" -gt 0 ]; then
+    outcome=NOT-MID-RUN; detail="the program ended before a commit after its start-up: no requeue came mid-run"
+  elif [ "$restores" -ge 1 ] && [ "$got" -gt 0 ]; then
+    # a first difference before the first requeue comes from the job's set-up, not from a restore
+    first=$(cmp <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref") | grep -oE 'line [0-9]+' | awk '{print $2}')
+    outcome=DIFFERS; detail="$got lines, $restores restore(s), requeued at line(s) ${at:-none}; first difference at line ${first:-EOF}"
+    [ -n "$first" ] && [ "$first" -le "${at%%,*}" ] && detail="$detail (before the first requeue: the job's set-up differs from its reference)"
+    echo "first difference:"; diff <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref") | head -4
   else
     outcome=FAILED; detail="$restores restore(s), $got vs $(grep -cE "${LINES[$r]}" "$ref") lines; $(grep -E 'FAILED|beginning|Error' "$H/$r.out" | head -1 | cut -c1-200)"
-    [ "$restores" -ge 1 ] && { echo "first difference:"; diff <(grep -E "${LINES[$r]}" "$H/$r.out") <(grep -E "${LINES[$r]}" "$ref") | head -4; }
   fi
   [ "$aborted" -gt 0 ] && [ "$restores" -gt 0 ] && detail="$detail; $aborted capture(s) ABORTED: $(grep -oE 'ABORTED[^;]*' "$H/$r.out" | head -1 | cut -c1-160)"
   echo "$r RESULT: $outcome: $detail"
