@@ -89,7 +89,9 @@ def test_an_epoch_open_when_the_coordinator_is_lost_is_aborted_here_then_the_ran
     jobs.append(Job(Committer()))                # the hosting wrapper started a new one and published it
     rank.address.update(port=jobs[1].port, token=jobs[1].token)
     wait_for(lambda: ENV.rank_name in jobs[1].coord.ranks)
-    assert any(f"reconnected to the job's coordinator at 127.0.0.1:{jobs[1].port}" in line for line in rank.said)
+    # the coordinator lists the rank on its hello; the rank says so once the answer is back, a moment later
+    wait_for(lambda: any(f"reconnected to the job's coordinator at 127.0.0.1:{jobs[1].port}" in line
+                         for line in rank.said))
     assert jobs[1].coord.next_epoch > epoch      # the new coordinator never reuses an epoch this rank saw
     assert rank.member.open_epoch is None and set(rank.scopes) == {"job"}
     rank.member.stop()
