@@ -81,9 +81,11 @@ def _copy(ctx: RankContext, st: EpochState, fd: int, t: proctree.FdTarget, dst: 
         os.close(src)
 
 
-def _wait_settled(wrapper_pid: int, quiet_s: float = 0.5, limit_s: float = 5.0) -> None:
+def _wait_settled(wrapper_pid: int, quiet_s: float = 1.5, limit_s: float = 10.0) -> None:
     """Every step rank is frozen by now; what they wrote before still travels through slurmstepd and srun
-    to the batch output file. Wait until the file stops growing, so the snapshot holds all of it."""
+    to the batch output file. Wait until the file stops growing, so the snapshot holds all of it. A quiet
+    time, not a count: slurmstepd's and srun's own buffers cannot be seen from here. 0.5 s was too short on
+    the 2-core CI machine (a ring step's line arrived later and was missing from the restored output)."""
     def size() -> int:
         try:
             return procfs.fd_stat(wrapper_pid, 1).st_size
