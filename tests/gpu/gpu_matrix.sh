@@ -53,7 +53,7 @@ declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tas
   [W]="CUDA graph + DataLoader workers (fork)" [P]="CUDA graph + DataLoader workers (spawn)" \
   [X]="torch.compile (Inductor compile workers)" [L]="PyTorch Lightning" [H]="Hugging Face generation, KV cache" \
   [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
-declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $STEPS --sleep 0.1; wait" \
+declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $((STEPS * 3)) --sleep 0.1; wait" \
   [T]="srun -n2 $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0.15" \
   [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" \
   [P]="$PY workload_graph_loader.py --mp spawn --steps $((STEPS * 3)) --sleep 0.1" \
@@ -61,12 +61,13 @@ declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py -
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps 450 --sleep 0.1 --port-file port-I.txt" \
   [C]="$PY workload_cupy.py --steps $((STEPS * 3)) --sleep 0.1" \
-  [J]="env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY workload_jax.py --steps $STEPS --sleep 0.1")
+  [J]="env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY workload_jax.py --steps $((STEPS * 4)) --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
   [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
 # W and P run 3x the steps: their captures (the workers' trees, ~375 MiB) take ~13 s, and at 200 steps the run
 # ended before the commit the requeue waits for (both were requeued at their last line on the H100); so do C,
-# whose 200 steps took ~20 s, and T, which ended before its second requeue. J's job sets XLA_FLAGS in its own command, as its reference does: without
+# whose 200 steps took ~20 s, and T, which ended before its second requeue; J runs 4x (at 200 steps it ended
+# in 58 s, before a commit after its start-up). J's job sets XLA_FLAGS in its own command, as its reference does: without
 # deterministic ops the two differ from step 0 (seen on the H100), and nothing about the restore can be read
 declare -A MORE=([T]="-n2")
 declare -A REQUEUES=([T]=2)
@@ -80,7 +81,7 @@ for r in $ROWS; do
     T) for k in 0 1; do asjob 1 env SLURM_NTASKS=2 SLURM_PROCID=$k SLURM_LOCALID=$k MASTER_PORT=29411 \
          $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
     I) ;;            # I: the client checks it
-    G) asjob 2 $PY workload_train.py --steps "$STEPS" > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
+    G) asjob 2 $PY workload_train.py --steps $((STEPS * 3)) > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
     *) asjob 3 bash -c "${CMD[$r]/--sleep 0.1/--sleep 0}" > "$H/ref/$r.out" 2>&1 & REFS+=($!) ;;
   esac
 done
