@@ -9,7 +9,7 @@ import pytest
 
 from fake_slurm import FakeSlurm, Ran
 from slurmckpt.errors import SlurmError
-from slurmckpt.slurm.control import CliSlurm
+from slurmckpt.slurm.control import CliSlurm, JobEnded
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
 TOOLS = ("scontrol", "squeue", "sacct", "scancel", "sbatch", "sinfo", "srun", "sstat")
@@ -22,6 +22,18 @@ def test_signal_batch_is_scancel_batch_and_a_refusal_is_an_error(monkeypatch):
     FakeSlurm(scancel=Ran(1, "", "scancel: error: Access/permission denied")).install(monkeypatch)
     with pytest.raises(SlurmError, match="permission denied"):
         CliSlurm().signal_batch(42, 38)
+
+
+@pytest.mark.parametrize("answer, ended", [
+    ("slurm_update error: Job has already finished", True),
+    ("slurm_update error: Job/step already completing or completed", True),
+    ("slurm_update error: Unable to contact slurm controller (connect failure)", False)])
+def test_an_update_of_an_ended_job_is_told_from_other_refusals(monkeypatch, answer, ended):
+    slurm = FakeSlurm(scontrol=Ran(1, "", answer)).install(monkeypatch)
+    with pytest.raises(SlurmError, match="neither AdminComment") as refused:
+        CliSlurm().annotate(7, "slurmckpt: last checkpoint: epoch 3")
+    assert isinstance(refused.value, JobEnded) == ended
+    assert [c[:3] for c in slurm.calls] == [["scontrol", "update", "JobId=7"]] * 2   # Comment tried as before
 
 
 @pytest.mark.parametrize("out, want", [("", None), ("7|\n", ""), ("7|sbatch --checkpoint-interval=5m j.sh\n",

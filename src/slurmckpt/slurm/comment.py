@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 from slurmckpt.errors import SlurmckptError
+from slurmckpt.slurm.control import JobEnded
 from slurmckpt.store.jobstore import JobStore, atomic_write_json
 from slurmckpt.sizes import size_text
 
@@ -28,8 +29,6 @@ STATE_FILE = "comment.json"
 PREFIX = "slurmckpt:"
 MAX_FIELD = 700                 # characters of the whole field (docs/contracts.md)
 CHECKPOINT_EVERY_S = 60.0
-# slurm_strerror's texts for an update of a job that has ended (ESLURM_JOB_FINISHED, ESLURM_ALREADY_DONE)
-JOB_ENDED = ("Job has already finished", "already completing or completed")
 
 Write = Callable[[int, str, str], str]        # (job, field, text) -> the field that was set
 Read = Callable[[int], dict[str, str]]         # job -> {field: current value}
@@ -160,14 +159,14 @@ class JobComment:
         text = compose(state.get("note"), Checkpoint(**cp) if cp else None, foreign_part(current))
         try:
             field = self._write(self.job, self.field, text)
+        except JobEnded:
+            # The last update races the job's end (the agent flushes as it exits): expected, and nothing is
+            # lost that matters, the checkpoint store and `slurmckpt status` keep the same state.
+            log.info("job %d ended before its %s took the last update; `slurmckpt status` has it",
+                     self.job, self.field)
+            return "none"
         except Exception as e:  # noqa: BLE001 - informs only; the job goes on either way
-            if any(done in str(e) for done in JOB_ENDED):
-                # The last update races the job's end (the agent flushes as it exits): expected, and nothing
-                # is lost that matters, the checkpoint store and `slurmckpt status` keep the same state.
-                log.info("job %d ended before its %s took the last update; `slurmckpt status` has it",
-                         self.job, self.field)
-            else:
-                log.error("could not set job %d's %s: %s", self.job, self.field, e)
+            log.error("could not set job %d's %s: %s", self.job, self.field, e)
             return "none"
         log.info("job %d %s set: %s", self.job, field, text)
         return field

@@ -26,6 +26,14 @@ class JobUnknown(SlurmError):
     """slurmctld does not know the job (it never existed, or it ended longer than MinJobAge ago)."""
 
 
+class JobEnded(SlurmError):
+    """slurmctld still knows the job but it has ended, so it takes no more updates."""
+
+
+# slurm_strerror's texts for an update of an ended job (ESLURM_JOB_FINISHED, ESLURM_ALREADY_DONE)
+JOB_ENDED_TEXTS = ("Job has already finished", "already completing or completed")
+
+
 class SlurmControl(Protocol):
     def requeue(self, job_id: int) -> None: ...
     def end_time(self, job_id: int) -> float | None: ...
@@ -65,8 +73,9 @@ class CliSlurm:
             try:
                 self._run("scontrol", "update", f"JobId={job_id}", f"Comment={text}")
             except SlurmError as second:
-                raise SlurmError(f"neither AdminComment ({first}) nor Comment ({second}) could be set",
-                                 job=job_id) from second
+                ended = any(t in str(first) for t in JOB_ENDED_TEXTS)
+                raise (JobEnded if ended else SlurmError)(
+                    f"neither AdminComment ({first}) nor Comment ({second}) could be set", job=job_id) from second
             log.warning("job %d: AdminComment refused (%s); the note went to Comment", job_id, first)
             return "Comment"
 
