@@ -12,7 +12,7 @@ import pytest
 from slurmckpt.rank import ghost
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError, ConfigError
-from slurmckpt.node.proctree import DeletedFile, deleted_files
+from slurmckpt.node.proctree import DeletedFile, deleted_files, relinked_files
 
 MiB = 1 << 20
 
@@ -50,6 +50,26 @@ def test_deleted_files_open_or_mapped_are_found_once_each_with_their_size(tmp_pa
         os.close(memfd)
     assert [(f.path, f.size) for f in found] == [(c, 4 * MiB), (b, 3 * MiB), (a, 2 * MiB)]
     assert {f.path: f.how for f in found}[a] == "open"      # (Python's mmap keeps an fd of its own)
+
+
+def test_a_file_held_by_a_removed_name_that_keeps_another_is_told_from_a_ghost(tmp_path: Path) -> None:
+    """A file opened by a name that was then removed while a second name remains (nlink 1) is what criu
+    dumps only with a link remap: relinked_files finds it (not deleted_files), unless it is on the file
+    system given as the exception (/dev/shm's, which shm_files.py saves itself)."""
+    (tmp_path / "a").write_text("x")
+    os.link(tmp_path / "a", tmp_path / "keep")
+    fd = os.open(tmp_path / "a", os.O_RDONLY)
+    os.unlink(tmp_path / "a")
+    try:
+        with deleted(tmp_path, "ghost", MiB, mapped=False, keep_fd=True) as g:
+            found = [f for f in relinked_files([os.getpid()], except_dev=-1) if f.path.startswith(str(tmp_path))]
+            ghosts = [f.path for f in deleted_files([os.getpid()]) if f.path.startswith(str(tmp_path))]
+            elsewhere = [f for f in relinked_files([os.getpid()], except_dev=os.stat(tmp_path).st_dev)
+                         if f.path.startswith(str(tmp_path))]
+    finally:
+        os.close(fd)
+    assert [(f.path, f.how) for f in found] == [(str(tmp_path / "a"), "open")]
+    assert ghosts == [g] and elsewhere == []
 
 
 def test_limit_is_the_biggest_file_never_below_criu_default() -> None:

@@ -149,10 +149,9 @@ class DeletedFile:
 _NOT_GHOSTS = ("/memfd:", "/dev/zero", "/SYSV")
 
 
-def deleted_files(pids: list[int]) -> list[DeletedFile]:
-    """Every unlinked regular file `pids` hold, once per inode, biggest first. Sizes are read from the
-    inode itself (stat through the fd or map_files link), never by path."""
-    found: dict[tuple[int, int], DeletedFile] = {}
+def _held_by_removed_names(pids: list[int]) -> Iterable[tuple[DeletedFile, os.stat_result]]:
+    """Every regular file `pids` hold open or mapped by a name that was removed (" (deleted)"), with its
+    inode's stat: read through the fd or map_files link, never by path."""
     for pid in pids:
         for kind, folder, names in (("open", "fd", procfs.fds(pid)), ("mapped", "map_files", procfs.map_files(pid))):
             for name in names:
@@ -164,9 +163,29 @@ def deleted_files(pids: list[int]) -> list[DeletedFile]:
                     st = os.stat(link_path)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and (st.st_dev, st.st_ino) not in found:
-                    found[(st.st_dev, st.st_ino)] = DeletedFile(link[:-len(" (deleted)")], st.st_size, pid, kind)
+                if stat.S_ISREG(st.st_mode):
+                    yield DeletedFile(link[:-len(" (deleted)")], st.st_size, pid, kind), st
+
+
+def deleted_files(pids: list[int]) -> list[DeletedFile]:
+    """Every unlinked regular file `pids` hold, once per inode, biggest first. Sizes are read from the
+    inode itself (stat through the fd or map_files link), never by path."""
+    found: dict[tuple[int, int], DeletedFile] = {}
+    for f, st in _held_by_removed_names(pids):
+        if st.st_nlink == 0 and (st.st_dev, st.st_ino) not in found:
+            found[(st.st_dev, st.st_ino)] = f
     return sorted(found.values(), key=lambda f: (-f.size, f.path))
+
+
+def relinked_files(pids: list[int], except_dev: int) -> list[DeletedFile]:
+    """Every regular file `pids` hold by a removed name while another name of it remains (nlink > 0), on
+    any file system but `except_dev`'s, once per (inode, removed name). criu dumps such a file only by making
+    a new name for it in the removed name's directory (--link-remap)."""
+    found: dict[tuple[int, int, str], DeletedFile] = {}
+    for f, st in _held_by_removed_names(pids):
+        if st.st_nlink > 0 and st.st_dev != except_dev:
+            found.setdefault((st.st_dev, st.st_ino, f.path), f)
+    return sorted(found.values(), key=lambda f: f.path)
 
 
 IO_URING = "anon_inode:[io_uring]"

@@ -11,7 +11,8 @@ from slurmckpt.rank.sharing import crossnode
 from slurmckpt.rank import ghost
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.rank.sharing import netlock
-from slurmckpt.node import proctree
+from slurmckpt.rank.sharing import shm_files
+from slurmckpt.node import procfs, proctree
 from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 
@@ -57,6 +58,7 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
     # Deleted files the tree still uses: refused here, before the freeze, when above the cap; sized again
     # once frozen (_record), since the tree runs on until then.
     ghost.limit_for(proctree.deleted_files(pids), ctx.limits.ghost_limit_max, step=ctx.step, rank=ctx.rank)
+    _refuse_relinked_files(ctx, pids)
     # What this rank shares with other ranks of the job, seen while every rank still runs (a final capture's
     # dump ends the tree it dumped): TCP on this node, held at restore until both ends are back (netlock.py);
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
@@ -64,6 +66,31 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
     st.tcp_peers = netlock.internal_connections(pids, peers)
     _refuse_replayed_peers(ctx, st, trees)
     st.shared_files = ipc.shared_files(pids, set(peers))
+
+
+def _refuse_relinked_files(ctx: RankContext, pids: list[int]) -> None:
+    """A file held by a removed name while another name of it remains can be dumped only by making a new
+    name for it in the directory the removed name was in, a directory the job's user controls (criu's
+    --link-remap), and restored from periodic images only if that name is still there. In /dev/shm
+    (sem_open's semaphores) slurmckpt saves such files itself and hands them to criu at the restore
+    (sharing/shm_files.py); anywhere else it is refused here, by name (docs/security.md, "Names criu
+    makes")."""
+    found = proctree.relinked_files(pids, except_dev=shm_files.shm_dev())
+    if not found:
+        return
+    named = "; ".join(f"pid {f.pid} ({_comm(f.pid)}) holds {f.path} by a removed name while the file keeps "
+                      "another name" for f in found[:3])
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    raise CaptureError(f"{named}{more}: criu can checkpoint such a file only by making a new name for it in "
+                       "that directory; outside /dev/shm this is not done. Close the file before removing "
+                       "its name, or keep the name until the program ends", step=ctx.step, rank=ctx.rank)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return f"{procfs.comm(pid)}, {procfs.exe(pid) or '?'}"
+    except OSError:
+        return "gone"
 
 
 def _refuse_replayed_peers(ctx: RankContext, st: EpochState, trees: dict[int, TreeName]) -> None:
