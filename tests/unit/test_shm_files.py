@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import shutil
 import struct
 import tempfile
@@ -99,8 +100,9 @@ def test_note_remaps_attaches_each_link_to_the_file_held_by_the_removed_name(tmp
 
 def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     """Root puts files back for a user: a name the user points at a root file (symlink) is refused and the
-    target is untouched; a missing name is created owned by the user with the saved content and linked
-    under criu's temporary name."""
+    target is untouched; a missing name is created owned by the user with the saved content and, for the
+    removed names the tree held it by, handed to criu as an fd, with no name made for it: another user's
+    file at criu's old link_remap name changes nothing."""
     if os.getuid() != 0:
         pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
     from slurmckpt.errors import PermissionDenied
@@ -121,21 +123,69 @@ def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
         shm_files.put_back(nobody, [{"name": str(shm / "sem.evil"), "size": 5, "mode": 0o600, "data": "shm-0.data",
                                      "links": []}], images)
     assert secret.read_text() == "root's"
+    squatted = shm / "link_remap.3"
+    squatted.write_text("another user's")
+    os.chown(squatted, 65533, 65533)
     entry = {"name": str(shm / "sem.mp-a"), "size": 5, "mode": 0o600, "data": "shm-0.data",
-             "links": [str(shm / "link_remap.3")]}
-    shm_files.put_back(nobody, [entry], images)
-    st = os.stat(shm / "sem.mp-a")
-    assert (st.st_uid, (shm / "sem.mp-a").read_bytes()) == (65534, b"saved")
-    assert os.stat(shm / "link_remap.3").st_ino == st.st_ino
-    shm_files.remove_links(nobody, [entry])
-    assert not (shm / "link_remap.3").exists()
+             "removed": [str(shm / "sem.Xy12ab")], "links": [str(squatted)]}
+    handed = shm_files.put_back(nobody, [entry], images)
+    try:
+        st = os.stat(shm / "sem.mp-a")
+        assert (st.st_uid, (shm / "sem.mp-a").read_bytes()) == (65534, b"saved")
+        assert [key for key, _ in handed.inherit] == [str(shm / "sem.Xy12ab").lstrip("/")]
+        fd = handed.inherit[0][1]
+        assert (os.fstat(fd).st_ino, os.get_blocking(fd) is False) == (st.st_ino, True)
+        assert os.read(fd, 5) == b"saved" and os.pwrite(fd, b"S", 0) == 1      # read-write, as criu maps it
+        assert squatted.read_text() == "another user's" and not (shm / "sem.Xy12ab").exists()
+    finally:
+        handed.close()
     shutil.rmtree(tmp_path)
+
+
+def test_a_name_another_user_took_is_worked_around_with_a_file_of_the_users_without_a_name(monkeypatch) -> None:
+    """While the job was away another user made a file at its semaphore's name: the restore leaves that file
+    alone and hands criu a new file of the job's user, without a name, holding the saved bytes, for the name
+    and the removed names; for a file other ranks map too it refuses, naming the other user."""
+    if os.getuid() != 0:
+        pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
+    from slurmckpt.errors import PermissionDenied
+    from slurmckpt.node.launch import Credentials
+    nobody = Credentials(65534, 65534, (), ())
+    tmp_path = Path(tempfile.mkdtemp(prefix="shm-taken-"))
+    try:
+        shm, images = tmp_path / "shm", tmp_path / "images"
+        shm.mkdir()
+        images.mkdir()
+        shm.chmod(0o1777)
+        tmp_path.chmod(0o755)
+        monkeypatch.setattr(shm_files, "SHM_DIR", str(shm))
+        (images / "shm-0.data").write_bytes(b"at the cut")
+        taken = shm / "sem.mp-a"
+        taken.write_text("a stranger's")
+        os.chown(taken, 65533, 65533)
+        entry = {"name": str(taken), "size": 10, "mode": 0o640, "data": "shm-0.data",
+                 "removed": [str(shm / "sem.tmpAb")], "links": []}
+        handed = shm_files.put_back(nobody, [entry], images)
+        try:
+            assert sorted(k for k, _ in handed.inherit) == sorted([str(taken).lstrip("/"),
+                                                                   str(shm / "sem.tmpAb").lstrip("/")])
+            fd = handed.inherit[0][1]
+            st = os.fstat(fd)
+            assert (st.st_uid, st.st_nlink, stat.S_IMODE(st.st_mode)) == (65534, 0, 0o640)
+            assert os.pread(fd, 64, 0) == b"at the cut"
+            assert taken.read_text() == "a stranger's" and taken.stat().st_uid == 65533
+        finally:
+            handed.close()
+        with pytest.raises(PermissionDenied, match="uid 65533"):
+            shm_files.put_back(nobody, [entry], images, shared={str(taken)})
+    finally:
+        shutil.rmtree(tmp_path)
 
 
 def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
     """Two ranks of one node saved the same segment: the first rank's restore writes it back; the second,
     coming after the first rank runs again and wrote to it, leaves the content alone (a second write-back
-    would put old slots under new counters) but still links its own link_remap name."""
+    would put old slots under new counters) but still hands the file in for its own removed name."""
     if os.getuid() != 0:
         pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")
     from slurmckpt.node.launch import Credentials
@@ -154,10 +204,11 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
         assert seg.read_bytes() == b"at the cut"
         os.chown(seg, 65534, 65534)
         seg.write_bytes(b"rank 1 ran on")                     # the first rank, restored, writes again
-        second = {**first, "links": [str(shm / "link_remap.5")]}
-        shm_files.put_back(nobody, [second], images, key="7.1.3.99", lock_dir=locks)
+        second = {**first, "removed": [str(shm / "sem.tmp5")]}
+        handed = shm_files.put_back(nobody, [second], images, key="7.1.3.99", lock_dir=locks)
         assert seg.read_bytes() == b"rank 1 ran on"
-        assert os.stat(shm / "link_remap.5").st_ino == seg.stat().st_ino
+        assert os.fstat(handed.inherit[0][1]).st_ino == seg.stat().st_ino
+        handed.close()
         shm_files.put_back(nobody, [first], images, key="7.2.3.99", lock_dir=locks)     # another restart
         assert seg.read_bytes() == b"at the cut"
     finally:

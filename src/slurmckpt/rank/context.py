@@ -105,6 +105,7 @@ class RestoreState(EpochState):
     manifest: dict[str, Any] = field(default_factory=dict)          # the rank's rank.json, as verified
     key: RestoreKey | None = None                         # this restore of the job on this node
     inherit: list[InheritedFd] = field(default_factory=list)
+    owned_fds: list[int] = field(default_factory=list)          # fds a stage opened for criu (closed after)
     hold: Hold | None = None                              # TCP to other nodes held until both ends are back
     held: list[Any] = field(default_factory=list)              # TCP between ranks of this node, held likewise
     pid: int | None = None                                # the restored root

@@ -94,16 +94,12 @@ def _shm(ctx: RankContext, st: EpochState) -> None:
         return
     assert r.images is not None
     try:
-        shm_files.put_back(ctx.creds, r.manifest.get("shm_files", []), r.images, r.key)
+        handed = shm_files.put_back(ctx.creds, r.manifest.get("shm_files", []), r.images, r.key,
+                                    shared={e["path"] for e in r.manifest.get("shared_files", [])})
     except PermissionDenied as err:
-        raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}", step=ctx.step, rank=ctx.rank) from err
-
-
-def _shm_links_gone(ctx: RankContext, st: EpochState) -> None:
-    try:
-        shm_files.remove_links(ctx.creds, _r(st).manifest.get("shm_files", []))
-    except SlurmckptError as e:
-        log.warning("%s", e)
+        raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}") from err
+    r.owned_fds += handed.fds            # closed once the restore is over (runner.py)
+    r.inherit += [InheritedFd(key, fd) for key, fd in handed.inherit]
 
 
 def _handovers(ctx: RankContext, st: EpochState) -> None:
@@ -223,7 +219,7 @@ RESTORE = (
     Stage("shared-files", _shared_files),
     Stage("output", _output),
     Stage("truncate", _truncate),                  # a replayed batch step stops after `output`
-    Stage("shm", _shm, undo=_shm_links_gone),
+    Stage("shm", _shm),
     Stage("handovers", _handovers),
     Stage("tcp-hold", _tcp_hold, undo=_tcp_unhold),
     Stage("criu", _criu, undo=_end_restored_tree),

@@ -5,6 +5,7 @@ current epoch's state, and why it killed the tree, if it did."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
@@ -126,6 +127,8 @@ class RankRunner:
         try:
             restore.run(ctx, st)
         finally:
+            for fd in st.owned_fds:
+                os.close(fd)
             if st.images is not None:
                 ctx.policy.staging.remove(st.images)
         if st.pid is not None:
