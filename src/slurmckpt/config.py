@@ -125,6 +125,9 @@ class Config:
                                             "string).")
     ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "
                                 "rank's images may hold: bytes or a number with KiB, MiB, GiB.", size=True)
+    host_copy_threads: int = _key(8, "Threads that copy a GPU checkpoint's host copy into the images and back "
+                                  "at the restore, instead of criu's one parasite (docs/gpu.md, \"The host copy, "
+                                  "copied in parallel\"); 0 leaves it to criu.")
     proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
                                    "process tracking plugin, which slurmckpt delegates to (read by every new "
                                    "slurmstepd).")

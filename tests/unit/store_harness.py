@@ -92,7 +92,7 @@ class Engine:
     restored_from: Path | None = None
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
-             mntns=False, inherited_devices=(), leave_stopped=False) -> float:
+             mntns=False, inherited_devices=(), leave_stopped=False, skip_pages=()) -> float:
         for name, data in self.files.items():
             (images / name).write_bytes(data)
         (images / "dump.log").write_text("criu dump log\n")

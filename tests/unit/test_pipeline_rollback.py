@@ -118,7 +118,7 @@ class FakeEngine:
     tree: list[int] = field(default_factory=list)      # the processes a dump leaves stopped (leave_stopped)
 
     def dump(self, pid, images, *, leave_running, freezer, ghost_limit=0, external=None, link_remap=False,
-             mntns=False, inherited_devices=(), leave_stopped=False):
+             mntns=False, inherited_devices=(), leave_stopped=False, skip_pages=()):
         self.journal.events.append("dump --leave-stopped" if leave_stopped else "dump")
         for stopped_pid in (self.tree if leave_stopped else []):      # what criu does to the tree it dumped
             os.kill(stopped_pid, signal.SIGSTOP)
@@ -151,7 +151,7 @@ def rooted(p: RankRunner, pid: int | None) -> None:
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
     assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint",
                                                 "freeze", "pmi-idle", "drain-output"]
-    assert [s.name for s in CAPTURE_STAGES] == ["record", "dump", "snapshot-output", "persist"]
+    assert [s.name for s in CAPTURE_STAGES] == ["record", "host-copy", "dump", "snapshot-output", "persist"]
 
 
 def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ class InheritedFd:
 class CheckpointEngine(Protocol):
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False) -> float: ...
+             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False,
+             skip_pages: Sequence[tuple[int, int, int]] = ()) -> float: ...
     def restore(self, images: Path, inherit: list[InheritedFd], *, freezer: Path | None,
                 pidfile: Path | None = None, join: Callable[[int], None] | None = None,
                 tcp_close: Sequence[int] = (), mntns: bool = False, leave_stopped: bool = False) -> int: ...
@@ -72,7 +73,8 @@ class CriuDriver:
 
     def dump(self, pid: int, images: Path, *, leave_running: bool, freezer: Path | None,
              ghost_limit: int = 0, external: list[str] | None = None, link_remap: bool = False,
-             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False) -> float:
+             mntns: bool = False, inherited_devices: Sequence[int] = (), leave_stopped: bool = False,
+             skip_pages: Sequence[tuple[int, int, int]] = ()) -> float:
         """Dump the tree rooted at `pid` (a PID-namespace init). Returns seconds spent in criu.
         `ghost_limit`: bytes of the biggest deleted file criu may copy into the images (0: criu's default;
         ghost.py sizes it from the tree). `external`: criu `--external` resources, e.g. `unix[INO]` for a
@@ -83,7 +85,8 @@ class CriuDriver:
         still holds though it uses no device (children forked from a CUDA process): kept as reservations
         (our criu patch 0004, cuda/procscan.inherited_device_majors). `leave_stopped`: the tree stays
         stopped (SIGSTOP) after the dump, for a GPU restore with only the driver's threads running (a failed
-        dump leaves it as it was)."""
+        dump leaves it as it was). `skip_pages`: (pid, start, end) ranges whose pages the caller copied
+        itself, dumped as untouched (our criu patch 0008; rank/host_copy.py)."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *COMMON,
                 *(MNTNS_DUMP if mntns else [])]
         for res in external or []:
@@ -94,6 +97,8 @@ class CriuDriver:
             args.append("--link-remap")
         for major in inherited_devices:
             args += ["--inherited-device-major", str(int(major))]
+        for spid, start, end in skip_pages:      # copied by slurmckpt itself (our criu patch 0008, host_copy.py)
+            args += ["--skip-pages", f"{int(spid)}:{int(start):x}-{int(end):x}"]
         if leave_stopped:
             args.append("--leave-stopped")
         elif leave_running:

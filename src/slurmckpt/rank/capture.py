@@ -7,7 +7,8 @@ epoch's state (context.py). The coordinator drives the phases across ranks:
               -> freeze the tree (cgroup freezer) -> no PMI exchange under way (else thaw and retry the
               round, slurm/pmi.py) -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
               ... barrier: all READY ...
-    CAPTURE   record fds/files -> criu dump into node-local staging (tree stays frozen) -> output snapshot
+    CAPTURE   record fds/files -> the GPU host copy into the images by several threads (host_copy.py)
+              -> criu dump into node-local staging (tree stays frozen) -> output snapshot
               -> (final only) persist: compress staging into the store, rank.json
     RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> persist at bounded priority
     then      COMMIT (coordinator's agent, atomic manifest rename) | final: COMMIT -> FINISH (kill)
@@ -22,10 +23,11 @@ import re
 import socket
 from typing import Any
 
+from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
 from slurmckpt.node import proctree, stopped, tcp_ports
-from slurmckpt.rank import checks, ghost, images, output_pipes, output_snapshot
+from slurmckpt.rank import checks, ghost, host_copy, images, output_pipes, output_snapshot
 from slurmckpt.rank.context import EpochState, RankContext
 from slurmckpt.rank.engine import Stage
 from slurmckpt.rank.sharing import ipc, netlock, shm_files
@@ -50,7 +52,13 @@ def _gpu_unlock(ctx: RankContext, st: EpochState) -> None:
 
 
 def _gpu_checkpoint(ctx: RankContext, st: EpochState) -> None:
+    """The driver's copy of each CUDA process's device memory into new memory of that process; that new
+    memory (its host copy) is noted for CAPTURE to copy in parallel (host_copy.py)."""
+    pids = ctx.cgroup.pids() if ctx.limits.host_copy_threads else []
+    before = host_copy.anonymous_ranges(pids)
     st.gpu_record = ctx.gpu.checkpoint()
+    if pids and holds_gpu_state(st.gpu_record):
+        st.host_copies = host_copy.grown(before, host_copy.anonymous_ranges(pids))
 
 
 def _gpu_resume(ctx: RankContext, st: EpochState) -> None:
@@ -146,6 +154,18 @@ def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
             if f"socket:[{ino}]" in held]
 
 
+def _host_copy(ctx: RankContext, st: EpochState) -> None:
+    """On the frozen tree, before criu: the GPU checkpoint's host copy into the images by several threads;
+    criu then dumps those pages as untouched (host_copy.py)."""
+    if st.record["kind"] != "image" or not st.host_copies:
+        return
+    entries, st.skip_pages, seconds = host_copy.copy_out(st.host_copies, images.area(ctx, st.epoch),
+                                                         ctx.limits.host_copy_threads, step=ctx.step,
+                                                         rank=ctx.rank, epoch=st.epoch)
+    st.record["host_copy"] = entries
+    st.timings["host_copy"] = seconds
+
+
 def _dump(ctx: RankContext, st: EpochState) -> None:
     """criu dump into the staging area. A final capture lets criu end the tree itself: it closes TCP sockets
     in repair mode, so no FIN and no TIME_WAIT holds the ports the restore must bind again (a plain kill
@@ -164,7 +184,7 @@ def _dump(ctx: RankContext, st: EpochState) -> None:
         ctx.root_pid or 0, rdir, leave_running=not st.final, freezer=ctx.cgroup.path, ghost_limit=st.ghost_limit,
         external=[f"unix[{e['ino']}]" for e in rec["pmi"] + rec["srun_standins"]] + rec["external_files"],
         link_remap=any(e["removed"] for e in rec["shm_files"]), mntns=rec["mntns"],
-        inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped)
+        inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped, skip_pages=st.skip_pages)
     if leave_stopped:     # (their state says so only after the thaw: criu's SIGSTOP waits behind the freeze)
         ctx.gpu.left_stopped(sorted(set(tree) - stopped_before))
     shm_files.note_remaps(rec["shm_files"], rdir)
@@ -204,6 +224,7 @@ PREPARE = (
 )
 CAPTURE = (
     Stage("record", _record, undo=_discard_images),
+    Stage("host-copy", _host_copy),
     Stage("dump", _dump),
     Stage("snapshot-output", _snapshot_output),
     Stage("persist", _persist_final),     # periodic captures persist in RESUME, after the thaw

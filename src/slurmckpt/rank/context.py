@@ -38,6 +38,7 @@ class Handovers:
 class Limits:
     stall_after: tuple[str, float] | None = None       # Config.debug_stall_after (tests only)
     ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
+    host_copy_threads: int = 8                          # Config.host_copy_threads (host_copy.py); 0: criu's
 
 
 def _no_addresses() -> set[str]:
@@ -91,6 +92,9 @@ class EpochState:
     # bytes this epoch may copy from the user's files (PREPARE's count, images.reserve; store/space.py)
     copy_budget: CopyBudget = field(default_factory=lambda: CopyBudget(0))
     ghost_limit: int = 0                                  # criu --ghost-limit for this epoch's dump
+    # the GPU checkpoint's host copy per process (PREPARE), and what CAPTURE copied of it for criu to skip
+    host_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    skip_pages: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def dumped(self) -> bool:

@@ -7,7 +7,8 @@
     files written back: sharing/shm_files.py) -> handovers (stdio, batch script, PMI and srun stand-in
     sockets in the old ones' places) -> tcp-hold (TCP to other nodes held: sharing/crossnode.py) -> criu
     (criu restore into the task cgroup, TCP to other ranks of the node held: sharing/netlock.py;
-    connections to outside the job restored closed) -> tcp-release -> gpu-restore (+ remap, unlock).
+    connections to outside the job restored closed) -> host-copy (the GPU host copy the capture saved
+    itself, back into the stopped processes: host_copy.py) -> tcp-release -> gpu-restore (+ remap, unlock).
 
 A replayed batch step stops after `output`. A failure undoes what was done in reverse: above all, once criu
 brought the tree back, the tree is killed and waited for, so that the wrapper's fallback (an older epoch, a
@@ -28,7 +29,7 @@ from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, SlurmckptError
 from slurmckpt.node import asuser, proctree, tcp_ports
 from slurmckpt.node.launch import Credentials
-from slurmckpt.rank import images, output_snapshot
+from slurmckpt.rank import host_copy, images, output_snapshot
 from slurmckpt.rank.context import EpochState, RankContext, RestoreState
 from slurmckpt.rank.engine import Stage, run_table, settle, undo_steps
 from slurmckpt.rank.sharing import crossnode, ipc, netlock, rendezvous, shm_files
@@ -178,6 +179,19 @@ def _criu(ctx: RankContext, st: EpochState) -> None:
         raise
 
 
+def _host_copy_back(ctx: RankContext, st: EpochState) -> None:
+    """The GPU host copy the capture saved itself, back into the restored (stopped) processes before the
+    GPU restore reads it (host_copy.py)."""
+    r = _r(st)
+    entries = r.manifest.get("host_copy", [])
+    if st.replay or not entries:
+        return
+    assert r.images is not None
+    pids = proctree.descendants(r.pid) if r.pid else ctx.cgroup.pids()
+    st.timings["host_copy"] = host_copy.copy_in(entries, r.images, pids, max(1, ctx.limits.host_copy_threads),
+                                                step=ctx.step, rank=ctx.rank, epoch=st.epoch)
+
+
 def _tcp_release(ctx: RankContext, st: EpochState) -> None:
     hold = _r(st).hold
     if hold is not None:
@@ -223,6 +237,7 @@ RESTORE = (
     Stage("handovers", _handovers),
     Stage("tcp-hold", _tcp_hold, undo=_tcp_unhold),
     Stage("criu", _criu, undo=_end_restored_tree),
+    Stage("host-copy", _host_copy_back),
     Stage("tcp-release", _tcp_release),
     Stage("gpu-restore", _gpu_restore),
 )

@@ -1,0 +1,126 @@
+"""The GPU checkpoint's host copy, moved by slurmckpt in parallel instead of by criu (docs/gpu.md, "The host
+copy, copied in parallel").
+
+cuCheckpointProcessCheckpoint copies each CUDA process's device memory into new anonymous memory of that
+process. At 8-32 GiB per GPU that copy is nearly all of the image, and criu dumps it through its parasite at
+2.2-2.6 GB/s while the job is stopped. So:
+
+- PREPARE's gpu-checkpoint notes each process's private anonymous writable ranges before and after the
+  driver's copy (`ranges_before`, `grown`): what appeared is the host copy;
+- CAPTURE, on the frozen tree before criu dumps: each process's new ranges go into `host-copy-N.img` in the
+  rank's images, `threads` threads at a time (node/process_memory.py), and criu dumps them as untouched
+  pages (`--skip-pages`, our criu patch 0008): its image holds their mappings, not their bytes;
+- RESTORE, once criu has brought the tree back stopped: the files are written back into the restored
+  processes (found by their pid inside the tree's PID namespace, which the restore keeps) before the GPU
+  restore reads them.
+
+The file is one more file of the rank's images: persisted, checksummed and unpacked like criu's own.
+`threads` 0 leaves the copy to criu, as before.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from slurmckpt.errors import CaptureError, RestoreError
+from slurmckpt.node import procfs, process_memory
+
+log = logging.getLogger("slurmckpt.host_copy")
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MIN_BYTES = 64 << 20        # below this criu's own copy costs less than the threads' start
+
+
+def anonymous_ranges(pids: list[int]) -> dict[int, list[tuple[int, int]]]:
+    """Each process's private anonymous writable mappings (no file, not the heap or stack)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for pid in pids:
+        try:
+            maps = procfs.maps(pid)
+        except OSError:
+            continue
+        out[pid] = [(int(a, 16), int(b, 16)) for parts in maps if len(parts) == 5 and parts[1].startswith("rw")
+                    and parts[1][3] == "p" for a, b in [parts[0].split("-")]]
+    return out
+
+
+def grown(before: dict[int, list[tuple[int, int]]], after: dict[int, list[tuple[int, int]]]
+          ) -> dict[int, list[tuple[int, int]]]:
+    """The addresses each process has in `after` and not in `before` (its new anonymous memory), as
+    page-aligned ranges, for processes whose new memory reaches MIN_BYTES."""
+    out = {}
+    for pid, ranges in after.items():
+        new = _subtract(sorted(ranges), sorted(before.get(pid, [])))
+        if sum(e - s for s, e in new) >= MIN_BYTES:
+            out[pid] = new
+    return out
+
+
+def _subtract(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for start, end in ranges:
+        pieces = [(start, end)]
+        for ts, te in taken:
+            pieces = [p for s, e in pieces for p in ((s, min(e, ts)), (max(s, te), e)) if p[0] < p[1]]
+        out += pieces
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(out):
+        if merged and merged[-1][1] == s:
+            merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    return [(s, e) for s, e in merged if s % PAGE == 0 and e % PAGE == 0]
+
+
+def copy_out(copies: dict[int, list[tuple[int, int]]], images: Path, threads: int,
+             **context: object) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]], float]:
+    """Each process's host copy into images/host-copy-N.img. Returns the rank record's entries, criu's
+    --skip-pages list (pid, start, end) and the seconds the copy took."""
+    entries, skip, seconds = [], [], 0.0
+    for i, (pid, ranges) in enumerate(sorted(copies.items())):
+        name = f"host-copy-{i}.img"
+        layout = process_memory.spans(ranges)
+        fd = os.open(images / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, sum(s.size for s in layout))
+            seconds += process_memory.copy_out(pid, layout, fd, threads)
+        except OSError as e:
+            raise CaptureError(f"copying the GPU host copy of pid {pid}: {e}", **context) from e
+        finally:
+            os.close(fd)
+        entries.append({"nspid": _nspid(pid), "file": name, "ranges": [list(r) for r in ranges]})
+        skip += [(pid, s, e) for s, e in ranges]
+    return entries, skip, seconds
+
+
+def copy_in(entries: list[dict[str, Any]], images: Path, pids: list[int], threads: int,
+            **context: object) -> float:
+    """The saved host copies back into the restored processes `pids` (matched by their pid inside the
+    tree's PID namespace). Seconds taken."""
+    by_nspid: dict[int, int] = {}
+    for pid in pids:
+        try:
+            by_nspid[_nspid(pid)] = pid
+        except (OSError, KeyError, ValueError):
+            continue
+    seconds = 0.0
+    for e in entries:
+        target = by_nspid.get(e["nspid"])
+        if target is None:
+            raise RestoreError(f"no restored process has pid {e['nspid']} in the tree's namespace for "
+                               f"{e['file']}", **context)
+        fd = os.open(images / e["file"], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            seconds += process_memory.copy_in(target, process_memory.spans([(int(s), int(t)) for s, t in e["ranges"]]),
+                                              fd, threads)
+        except OSError as err:
+            raise RestoreError(f"writing the GPU host copy back into pid {target}: {err}", **context) from err
+        finally:
+            os.close(fd)
+    return seconds
+
+
+def _nspid(pid: int) -> int:
+    return int(procfs.status(pid)["NSpid"][-1])
