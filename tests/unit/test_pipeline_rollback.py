@@ -98,6 +98,9 @@ class FakeGpu:
         if what == self.fail:
             raise GpuError(f"injected {what} failure")
 
+    refused: tuple[str, ...] = ()         # what the check stage's GPU view refuses
+
+    def refusals(self, pids): return list(self.refused)
     def footprint(self, pids): return self.use
     def check_restore(self, record): self._do("gpu-check-restore")
     def lock(self, pids): self._do("gpu-lock")
@@ -273,6 +276,16 @@ def test_a_tree_that_ended_is_typed_ended_before_anything_is_touched(tmp_path: P
         with pytest.raises(TaskEnded, match="no running task tree"):
             phase(1)
     assert j.events == []
+
+
+def test_what_the_gpu_cannot_capture_is_refused_at_the_check_stage_before_anything_is_locked(tmp_path: Path) -> None:
+    """CUDA IPC, MPS, MIG...: named by the check stage (the GPU view of /proc), so the capture fails in
+    `check` with nothing reserved, locked or frozen (docs/gpu.md, "CUDA IPC")."""
+    p, j, _ = make(tmp_path)
+    p.ctx.gpu.refused = ("pid 71 (learner) and pid 72 (actor) share GPU memory through CUDA IPC",)
+    with pytest.raises(CaptureError, match="GPU state cannot be checkpointed: pid 71 .learner. and pid 72"):
+        p.prepare(1)
+    assert p.failed_stage == "check" and j.events == []
 
 
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:

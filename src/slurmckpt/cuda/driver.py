@@ -26,6 +26,14 @@ CHECKPOINT_SYMBOLS = ("cuCheckpointProcessGetState", "cuCheckpointProcessLock", 
                       "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                       "cuCheckpointProcessGetRestoreThreadId")
 
+RELEASE_FILE = "/sys/module/nvidia/version"     # the kernel module's release, e.g. 580.159.04 (world-readable)
+# The first driver release whose checkpoint API checkpoints legacy CUDA IPC (cuIpcGetMemHandle /
+# cuIpcOpenMemHandle) between the processes of one cuda-checkpoint job: processes started under
+# `cuda-checkpoint --launch-job` (CUDA_CHECKPOINT_JOB_FILE in their environment), locked all before any is
+# checkpointed, then checkpointed, restored and unlocked one after another in one order (docs/gpu.md,
+# "CUDA IPC"). Not yet run here: the GPU machine has 580.
+IPC_JOB_RELEASE = 610
+
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_INITIALIZED = 3        # GetState of a process that has no CUDA state
 CUDA_ERROR_OPERATING_SYSTEM = 304     # GetState of a pid that does not exist
@@ -41,6 +49,27 @@ CU_RESULT_NAMES = {
     801: "CUDA_ERROR_NOT_SUPPORTED", 802: "CUDA_ERROR_SYSTEM_NOT_READY", 803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
     909: "CUDA_ERROR_TIMEOUT", 999: "CUDA_ERROR_UNKNOWN",
 }
+
+
+def release(path: str = RELEASE_FILE) -> tuple[int, ...] | None:
+    """The NVIDIA kernel module's release as numbers (580.159.04 -> (580, 159, 4)); None without a driver.
+    Read from sysfs, so neither libcuda nor NVML is loaded for it."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    parts = text.split(".")
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
+
+
+def release_text(numbers: tuple[int, ...] | None) -> str:
+    return ".".join(f"{n:02d}" if i == 2 else str(n) for i, n in enumerate(numbers)) if numbers else "unknown"
+
+
+def ipc_jobs(numbers: tuple[int, ...] | None) -> bool:
+    """Whether a driver of this release checkpoints CUDA IPC between the members of one cuda-checkpoint job."""
+    return numbers is not None and len(numbers) > 0 and numbers[0] >= IPC_JOB_RELEASE
 
 
 def result_name(code: int) -> str:
@@ -107,6 +136,7 @@ class GpuDriver(Protocol):
     def unlock(self, pid: int) -> None: ...
     def restore_thread(self, pid: int) -> int: ...
     def devices(self) -> list[GpuInfo]: ...
+    def ipc_jobs(self) -> bool: ...       # checkpoints CUDA IPC within one cuda-checkpoint job (IPC_JOB_RELEASE)
 
 
 def uuid_to_str(raw: bytes) -> str:
@@ -191,6 +221,12 @@ class CudaDriver:
             raise GpuDriverError("cuInit", rc, name=self._name(rc))
         version = ctypes.c_int(0)
         self.version = version.value if lib.cuDriverGetVersion(ctypes.pointer(version)) == 0 else 0
+        self.driver_release = release()
+
+    def ipc_jobs(self) -> bool:
+        """The same calls, per process, do it (the job is made at launch, not named to the calls): what
+        changes is their order (cuda/stage.py). The release decides; no call of 580 tells."""
+        return ipc_jobs(self.driver_release)
 
     def _bind(self) -> None:
         lib, i, p = self._lib, ctypes.c_int, ctypes.c_void_p
