@@ -20,6 +20,7 @@ from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, St
 from slurmckpt.agent.events import AgentEvents
 from slurmckpt.store.fresh_start import FailureReporter, reason_of
 from slurmckpt.store.instance import JobInstance, claim
+from slurmckpt.cuda import nccl
 from slurmckpt.cuda.rank_stage import PipelineGpu
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.slurm import pmi
@@ -234,6 +235,11 @@ class Agent(TaskPlan):
         self.runner.started(self._context(creds, pid))
         log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
                  "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
+        # the NCCL trade, told from what the task was started with and Slurm's GPUs here (cuda/nccl.py)
+        in_job = argv[:2] == [self.config.cuda_checkpoint_launch, "--launch-job"]
+        trade = nccl.describe(env, len(allocated), node, in_job)
+        if trade and self.events:
+            self.events.gpu_transports(trade)
         return {"pid": pid}
 
     def _place_with_slurm(self) -> None:

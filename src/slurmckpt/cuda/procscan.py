@@ -3,8 +3,8 @@ use a GPU feature the CUDA checkpoint API cannot capture, which cannot run right
 
 What a GPU job must do to be checkpointable (driver 580): no MPS, no MIG instance, no managed (UVM) memory,
 no CUDA IPC between processes (ipc_peers.py: named with both pids; from driver 610 on, checkpointed within one
-cuda-checkpoint job); several GPUs or ranks per node with NCCL only with NCCL_P2P_DISABLE=1
-NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 (NCCL then moves intra-node traffic through the network path).
+cuda-checkpoint job); several GPUs or ranks per node with NCCL only with its intra-node transports off or in
+the form the driver checkpoints (cuda/nccl.py says which and what it costs).
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ from typing import Sequence
 
 from slurmckpt.node import procfs
 from slurmckpt.cuda import ipc_peers
-from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
+from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState, ipc_jobs
+from slurmckpt.cuda.nccl import CHECKPOINT_ENV as NCCL_CHECKPOINT_ENV, DOC as NCCL_DOC, NVLINK_ENV as NCCL_NVLINK_ENV
 from slurmckpt.rank.sharing.ipc import unix_sockets
 
 log = logging.getLogger("slurmckpt.cuda")
-
-NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
@@ -155,12 +154,15 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True,
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
             # every PyTorch process maps libnccl, used or not: refused only on evidence that NCCL runs here
             missing = [f"{k}={v}" for k, v in NCCL_CHECKPOINT_ENV.items() if env.get(k) != v]
+            if missing and ipc_jobs(release) and ipc_peers.job_of(pid) \
+                    and all(env.get(k) == v for k, v in NCCL_NVLINK_ENV.items()):
+                missing = []      # NVLink kept through legacy CUDA IPC in a cuda-checkpoint job (cuda/nccl.py)
             evidence = nccl_at_work(pid, fds, unix_names) if missing else None
             if evidence:
                 reasons.append(f"pid {pid} runs NCCL ({evidence}) with several GPUs or ranks on this node and "
                                f"without {' '.join(missing)} (slurmckpt sets them unless the job set them "
-                               f"itself): NCCL's P2P/SHM/NVLS transports hold cross-GPU state the CUDA "
-                               f"checkpoint API refuses")
+                               f"itself or nccl_multi_gpu=nvlink keeps NVLink): NCCL's P2P/SHM/NVLS transports "
+                               f"hold cross-GPU state the CUDA checkpoint API refuses ({NCCL_DOC})")
     return reasons
 
 
