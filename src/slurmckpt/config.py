@@ -130,6 +130,11 @@ class Config:
                                        "tasks start under `cuda-checkpoint --launch-job`, so that the driver "
                                        "checkpoints CUDA IPC between their processes (docs/gpu.md, \"CUDA IPC\"); "
                                        "empty: not used.")
+    gpu_capture_memory_raise: bool = _key(False, "Root raises the limit of the job's memory cgroup (Slurm's "
+                                          "--mem: memory.max, and memory.high where set) by what a GPU capture "
+                                          "adds to it, for the capture, and puts it back after; false: a capture "
+                                          "that does not fit under the limit is refused, naming the --mem it "
+                                          "needs (docs/gpu.md, \"Host memory of a GPU capture\").")
     torch_store_without_libuv: bool = _key(True, "Every task gets USE_LIBUV=0 unless the job set USE_LIBUV: "
                                            "PyTorch's TCPStore (torch.distributed) then runs without libuv's "
                                            "io_uring, which criu cannot checkpoint (docs/gpu.md).")

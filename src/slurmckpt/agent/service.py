@@ -25,7 +25,7 @@ from slurmckpt.cuda.rank_stage import PipelineGpu
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.slurm import pmi
 from slurmckpt.store import durable
-from slurmckpt.node import watchdog
+from slurmckpt.node import host_memory, watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
@@ -95,15 +95,18 @@ class Agent(TaskPlan):
         except StorageError as e:       # this run's first commit enters it instead
             log.warning("cannot record run %d in the store: %s", ident.restart_count, e)
         self.cgroup = TaskCgroup.for_task(config.freezer_root, ident.tree)
+        # memory limits raised for a capture are recorded here (host_memory.py), put back by the watchdog too
+        self.ledger = host_memory.ledger_path(config.run_dir, str(ident.tree)) if config.gpu_capture_memory_raise \
+            else None
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
-        self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
+        self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120, ledger=self.ledger)
         lock = packet_filter.method(config.network_lock)      # iptables, or nftables where it is missing
         # the drivers of every tree this task runs (rank/context.py: the agent builds each tree's context)
         self.criu = CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s, network_lock=lock)
         self.gpu = PipelineGpu(config.gpu_lock_timeout_ms,
                                context={"job": ident.job, "step": ident.step, "rank": ident.rank})
         self.packets = packet_filter.for_method(lock)
-        self.limits = Limits(config.stall(), config.ghost_limit_max)
+        self.limits = Limits(config.stall(), config.ghost_limit_max, self.ledger)
         self.handovers = Handovers()              # what the wrapper hands over for the tree (rank/context.py)
         self.step = ident.step                   # or the step a relayed srun takes over (_adopt_step)
         self.step_token = ""
@@ -255,7 +258,7 @@ class Agent(TaskPlan):
             self.peer.require()
             os.close(self.watchdog_fd)
             self.cgroup.remove()
-            self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120)
+            self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120, ledger=self.ledger)
         self.cgroup = placed
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.cgroup.slurm_procs) or "-",
                  self.cgroup.path)

@@ -38,6 +38,7 @@ class Handovers:
 class Limits:
     stall_after: tuple[str, float] | None = None       # Config.debug_stall_after (tests only)
     ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
+    memory_ledger: Path | None = None    # Config.gpu_capture_memory_raise: where raises are recorded; None: off
 
 
 def _no_addresses() -> set[str]:
@@ -91,6 +92,7 @@ class EpochState:
     # bytes this epoch may copy from the user's files (PREPARE's count, images.reserve; store/space.py)
     copy_budget: CopyBudget = field(default_factory=lambda: CopyBudget(0))
     ghost_limit: int = 0                                  # criu --ghost-limit for this epoch's dump
+    memory_raised: list[Any] = field(default_factory=list)    # host_memory.Raise made for this capture
 
     @property
     def dumped(self) -> bool:
