@@ -523,6 +523,30 @@ def test_a_job_with_several_gpus_on_a_node_is_told_the_nccl_trade_and_can_choose
     assert not any("GPUs of this job on node" in line for line in said)
 
 
+def test_a_step_started_from_the_batch_script_chooses_again_what_the_batch_wrapper_added(make, said, monkeypatch):
+    """A step inherits the batch task's environment, with what slurmckpt added there (SLURMCKPT_ADDED): not
+    the job's own values, so a step that keeps NVLink gets none of them; a value the job changed stands."""
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    batch = w.agent.calls[-1][1]["env"]
+    assert batch["SLURMCKPT_ADDED"].split() == sorted(f"{k}={v}" for k, v in batch.items()
+                                                      if k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                                                               "NCCL_NVLS_ENABLE", "USE_LIBUV",
+                                                               "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                               "TF_FORCE_GPU_ALLOW_GROWTH"))
+    for k, v in batch.items():                                   # the step's environment: the batch task's
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")                   # ... which the job changed for one variable
+    monkeypatch.setenv("SLURMCKPT_CFG_NCCL_MULTI_GPU", "nvlink")
+    w._launch(relay=False)
+    step = w.agent.calls[-1][1]["env"]
+    assert "NCCL_P2P_DISABLE" not in step and "NCCL_NVLS_ENABLE" not in step and step["NCCL_SHM_DISABLE"] == "0"
+    assert step["USE_LIBUV"] == "0" and "NCCL" not in step["SLURMCKPT_ADDED"]
+
+
 def test_gpu_tasks_start_in_a_cuda_checkpoint_job_where_the_site_and_the_driver_allow(make, said, monkeypatch):
     for name in GPU_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -28,6 +28,10 @@ from slurmckpt.cuda.frameworks import growth_defaults
 from slurmckpt.cuda.ipc_peers import JOB_FILE_VAR
 
 LIBUV_DEFAULTS = {"USE_LIBUV": "0"}
+# What a wrapper added, as NAME=VALUE words: a step started from the batch script inherits the batch task's
+# environment, and a value slurmckpt set there is not the job's own choice for the step (the job may choose
+# otherwise for it: cuda/nccl.py)
+ADDED = "SLURMCKPT_ADDED"
 
 
 class DefaultsConfig(Protocol):
@@ -58,6 +62,18 @@ def uses_gpus(env: Mapping[str, str]) -> bool:
     (Agent._slurm_gpus_here), never from this."""
     value = env.get("CUDA_VISIBLE_DEVICES", "")
     return bool(value) and value not in ("NoDevFiles", "-1")
+
+
+def without_inherited(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less what an outer wrapper added (ADDED) and the job left as it was: a variable the job changed
+    since is its own."""
+    added = dict(word.partition("=")[::2] for word in env.get(ADDED, "").split())
+    return {k: v for k, v in env.items() if k != ADDED and not (k in added and added[k] == v)}
+
+
+def marked(added: Mapping[str, str]) -> dict[str, str]:
+    """The ADDED variable for what a wrapper added (none if nothing)."""
+    return {ADDED: " ".join(f"{k}={v}" for k, v in sorted(added.items()))} if added else {}
 
 
 def defaults(env: Mapping[str, str], config: DefaultsConfig, release: tuple[int, ...] | None) -> Launch:

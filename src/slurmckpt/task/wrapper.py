@@ -176,11 +176,12 @@ class Wrapper(TaskStart, EpochHandling):
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
         if self.srun_relay:
             env = self.srun_relay.tree_env(env)
-        # docs/gpu.md, "What slurmckpt sets in a checkpointed job"
+        # docs/gpu.md, "What slurmckpt sets in a checkpointed job" (recomputed for a step: not inherited)
+        env = task_defaults.without_inherited(env)
         launch = task_defaults.defaults(env, self.config, driver_release())
         added = launch.env
         argv = [*launch.argv_prefix, *self.argv]
-        env.update(added)
+        env.update({**added, **task_defaults.marked(added)})
         if task_defaults.uses_gpus(env) and (added or launch.argv_prefix) and self.env.rank == 0:  # once a step
             say(self.env, "checkpointable GPU job: set " + " ".join(f"{k}={v}" for k, v in sorted(added.items()))
                 + (f"; started under {' '.join(launch.argv_prefix)}" if launch.argv_prefix else "")
