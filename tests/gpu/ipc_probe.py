@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "src"))
 from slurmckpt.cuda import ipc_peers  # noqa: E402
-from slurmckpt.cuda.driver import release  # noqa: E402
+from slurmckpt.cuda.release import release  # noqa: E402
 from slurmckpt.cuda.procscan import unsupported_reasons  # noqa: E402
 from slurmckpt.node import procfs  # noqa: E402
 

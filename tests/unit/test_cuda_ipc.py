@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from slurmckpt.cuda import ipc_peers
-from slurmckpt.cuda.driver import ProcessState, ipc_jobs, release, release_text
+from slurmckpt.cuda.driver import ProcessState
+from slurmckpt.cuda.release import ipc_jobs, release, release_text
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.procscan import unsupported_reasons
 from slurmckpt.cuda.rank_stage import PipelineGpu

@@ -19,20 +19,13 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from slurmckpt.cuda.release import ipc_jobs, release
 from slurmckpt.errors import GpuError
 
 LIBRARY = "libcuda.so.1"
 CHECKPOINT_SYMBOLS = ("cuCheckpointProcessGetState", "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                       "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                       "cuCheckpointProcessGetRestoreThreadId")
-
-RELEASE_FILE = "/sys/module/nvidia/version"     # the kernel module's release, e.g. 580.159.04 (world-readable)
-# The first driver release whose checkpoint API checkpoints legacy CUDA IPC (cuIpcGetMemHandle /
-# cuIpcOpenMemHandle) between the processes of one cuda-checkpoint job: processes started under
-# `cuda-checkpoint --launch-job` (CUDA_CHECKPOINT_JOB_FILE in their environment), locked all before any is
-# checkpointed, then checkpointed, restored and unlocked one after another in one order (docs/gpu.md,
-# "CUDA IPC"). Not yet run here: the GPU machine has 580.
-IPC_JOB_RELEASE = 610
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_INITIALIZED = 3        # GetState of a process that has no CUDA state
@@ -49,27 +42,6 @@ CU_RESULT_NAMES = {
     801: "CUDA_ERROR_NOT_SUPPORTED", 802: "CUDA_ERROR_SYSTEM_NOT_READY", 803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
     909: "CUDA_ERROR_TIMEOUT", 999: "CUDA_ERROR_UNKNOWN",
 }
-
-
-def release(path: str = RELEASE_FILE) -> tuple[int, ...] | None:
-    """The NVIDIA kernel module's release as numbers (580.159.04 -> (580, 159, 4)); None without a driver.
-    Read from sysfs, so neither libcuda nor NVML is loaded for it."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    parts = text.split(".")
-    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else None
-
-
-def release_text(numbers: tuple[int, ...] | None) -> str:
-    return ".".join(f"{n:02d}" if i == 2 else str(n) for i, n in enumerate(numbers)) if numbers else "unknown"
-
-
-def ipc_jobs(numbers: tuple[int, ...] | None) -> bool:
-    """Whether a driver of this release checkpoints CUDA IPC between the members of one cuda-checkpoint job."""
-    return numbers is not None and len(numbers) > 0 and numbers[0] >= IPC_JOB_RELEASE
 
 
 def result_name(code: int) -> str:

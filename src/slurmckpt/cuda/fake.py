@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from slurmckpt.cuda.driver import (CUDA_ERROR_NOT_READY, CUDA_ERROR_OPERATING_SYSTEM, GpuDriverError, GpuInfo,
-                                   GpuPair, ProcessState, ipc_jobs)
+                                   GpuPair, ProcessState)
+from slurmckpt.cuda.release import ipc_jobs
 
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_ILLEGAL_STATE = 401

@@ -28,11 +28,10 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from slurmckpt.cuda.driver import IPC_JOB_RELEASE, ipc_jobs, release_text
+from slurmckpt.cuda.release import IPC_JOB_RELEASE, JOB_FILE_VAR, ipc_jobs, release_text
 from slurmckpt.node import procfs
 
 IPC_FILE_PREFIX = "/dev/shm/cuda.shm"
-JOB_FILE_VAR = "CUDA_CHECKPOINT_JOB_FILE"        # set by `cuda-checkpoint --launch-job` (driver >= 590)
 _OWN_FD = re.compile(r"/proc/self/fd/(\d+)")
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from slurmckpt.cuda.driver import IPC_JOB_RELEASE, ipc_jobs, release_text
+from slurmckpt.cuda.release import IPC_JOB_RELEASE, ipc_jobs, release_text
 
 CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 NVLINK_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}

@@ -7,7 +7,8 @@ import logging
 from typing import Any, Callable, ContextManager
 
 from slurmckpt.cuda import frameworks
-from slurmckpt.cuda.driver import GpuDriver, GpuInfo, load_driver, release
+from slurmckpt.cuda.driver import GpuDriver, GpuInfo, load_driver
+from slurmckpt.cuda.release import release
 from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_inventory
 from slurmckpt.cuda.procscan import find_cuda_pids, process_environ, unsupported_reasons
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 from slurmckpt.cuda import ipc_peers
-from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver, release
+from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, ns_pid, process_environ,
                                      unsupported_reasons)
+from slurmckpt.cuda.release import release
 from slurmckpt.cuda.remap import visible_gpus
 from slurmckpt.errors import GpuError, LockContended
-from slurmckpt.node import procfs
-from slurmckpt.node import stopped as stopped_processes
+from slurmckpt.node import procfs, stopped as stopped_processes
 from slurmckpt.node.stopped import PtraceError, running_alone
 
 T = TypeVar("T")

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
 from slurmckpt.cuda import nccl
-from slurmckpt.cuda.driver import ipc_jobs
 from slurmckpt.cuda.frameworks import growth_defaults
-from slurmckpt.cuda.ipc_peers import JOB_FILE_VAR
+from slurmckpt.cuda.release import JOB_FILE_VAR, ipc_jobs
 
 LIBUV_DEFAULTS = {"USE_LIBUV": "0"}
 # What a wrapper added, as NAME=VALUE words: a step started from the batch script inherits the batch task's

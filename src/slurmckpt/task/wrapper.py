@@ -22,7 +22,7 @@ from slurmckpt.node import procfs
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
-from slurmckpt.cuda.driver import release as driver_release
+from slurmckpt.cuda.release import release as driver_release
 from slurmckpt.config import load_user_config
 from slurmckpt.task.membership import HostEvents, Membership
 from slurmckpt.errors import SlurmckptError
