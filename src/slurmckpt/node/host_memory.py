@@ -20,9 +20,11 @@ The raise (config `gpu_capture_memory_raise`): only Slurm's own levels (root's d
 cgroup down), by what the capture adds to each, under a node-wide lock (ranks of one job on a node share its
 cgroup: each adds and takes back its own amount), recorded in a root-only ledger per tree before the epoch
 goes on. It is put back after the GPU restore (periodic), on every abort (the stage's undo), and by the
-thaw watchdog when the agent is gone (node/watchdog.py). A level whose resident memory still exceeds its
-own limit keeps the raise (lowering would make the kernel's OOM killer end the job): it stays in the ledger
-and is tried again at the next put-back, at the latest when the agent ends.
+thaw watchdog when the agent is gone (node/watchdog.py). It always goes back: a job that holds more than its
+own limit then is reclaimed or OOM-killed by the kernel as at any other time over its --mem (a raise kept
+for it would let a job grow past its limit capture after capture). That the driver lets go of its host copy
+at the GPU restore is what tests/gpu/nvml_probe.py checks. A tree's level raised and not yet put back is not
+raised again.
 """
 from __future__ import annotations
 
@@ -168,8 +170,9 @@ def raise_limits(plan: list[tuple[Headroom, int]], ledger: Path) -> list[Raise]:
     """Raise each planned level by its amount; each raise is in the ledger before the next is made."""
     done: list[Raise] = []
     with _locked(ledger):
+        pending = {r.directory for r in _read_ledger(ledger)}
         for level, by in plan:
-            if not level.raisable or by <= 0:
+            if not level.raisable or by <= 0 or level.directory in pending:
                 continue
             for name in level.files:
                 _add(Path(level.directory) / name, by)
@@ -180,48 +183,42 @@ def raise_limits(plan: list[tuple[Headroom, int]], ledger: Path) -> list[Raise]:
 
 
 def put_back(raises: list[Raise], ledger: Path) -> list[str]:
-    """Take each raise back (those of `raises` still in the ledger); what has to stay raised, one line each."""
-    kept = []
+    """Take each raise back (those of `raises` still in the ledger); a level left holding more than its own
+    limit, one line each (the kernel reclaims or OOM-kills there, as at any time over the job's --mem)."""
+    over = []
     with _locked(ledger):
         pending = _read_ledger(ledger)
         for r in [r for r in raises if r in pending]:
-            why = _lower(r)
-            if why:
-                kept.append(why)
-                continue
+            over += _lower(r)
             pending.remove(r)
         _write_ledger(ledger, pending)
-    return kept
+    return over
 
 
 def put_back_all(ledger: Path) -> list[str]:
-    """Every raise the ledger holds (the agent is gone, or ends): the thaw watchdog's and the agent's last act."""
+    """Every raise the ledger holds (the agent is gone, or ends): the thaw watchdog's act."""
+    raises = _read_ledger(ledger)
+    over = put_back(raises, ledger) if raises else []
     try:
-        raises = _read_ledger(ledger)
+        ledger.unlink()
     except OSError:
-        return []
-    kept = put_back(raises, ledger) if raises else []
-    if not kept:
-        try:
-            ledger.unlink()
-        except OSError:
-            pass
-    return kept
+        pass
+    return over
 
 
-def _lower(r: Raise) -> str | None:
+def _lower(r: Raise) -> list[str]:
     d = Path(r.directory)
     if not d.is_dir():
-        return None                             # the job's cgroup is gone, and its limit with it
+        return []                               # the job's cgroup is gone, and its limit with it
     reader = _V1Level if "memory.limit_in_bytes" in r.files else _V2Level
     level = reader(d, r.cgroup).level(inside=False, slurms=False)
-    if level is not None and level.resident > level.limit - r.by:
-        return (f"memory cgroup {r.cgroup} keeps its raised limit: the job holds {level.resident} bytes there, more "
-                f"than its own limit of {level.limit - r.by} (put back at the next capture or when the task ends)")
     for name in reversed(r.files):
         _add(d / name, -r.by)
     log.info("memory cgroup %s: limit put back (-%d bytes)", r.cgroup, r.by)
-    return None
+    if level is not None and level.resident > level.limit - r.by:
+        return [f"memory cgroup {r.cgroup}: the job holds {level.resident} bytes there after the capture, more than "
+                f"its own limit of {level.limit - r.by}, to which it went back"]
+    return []
 
 
 def _add(path: Path, by: int) -> None:

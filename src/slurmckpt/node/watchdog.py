@@ -6,7 +6,7 @@ cannot act: it thaws the tree when the agent dies (kill -9, crash), and removes 
 has ended, and it thaws the tree when it has been frozen longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds;
 the agent writes `limit SECONDS` lines there when an epoch's sizes call for a longer limit (set_limit).
 When the agent is gone it also puts back any memory limit the agent raised for a capture and did not put
-back yet (its ledger: node/host_memory.py), again once the tree has ended if a level had to keep its raise.
+back yet (its ledger: node/host_memory.py).
 """
 from __future__ import annotations
 
@@ -73,10 +73,8 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
             data = os.read(agent_fd, 256)
             if not data:
                 _thaw(cgroup, "the agent is gone")
-                kept = _put_back(ledger)
+                _put_back(ledger)
                 _remove_once_empty(cgroup, poll_s)
-                if kept:
-                    _put_back(ledger)          # the tree has ended: what it held is no longer resident
                 return
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
@@ -97,17 +95,14 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
             frozen_since = None
 
 
-def _put_back(ledger: Path | None) -> list[str]:
+def _put_back(ledger: Path | None) -> None:
     if ledger is None:
-        return []
+        return
     try:
-        kept = host_memory.put_back_all(ledger)
+        for line in host_memory.put_back_all(ledger):
+            log.warning("watchdog: %s", line)
     except OSError as e:
         log.error("watchdog could not put back the memory limits raised for a capture: %s", e)
-        return [str(e)]
-    for line in kept:
-        log.warning("watchdog: %s", line)
-    return kept
 
 
 def _remove_once_empty(cgroup: TaskCgroup, poll_s: float) -> None:

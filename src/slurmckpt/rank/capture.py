@@ -70,12 +70,12 @@ def _raise_memory(ctx: RankContext, st: EpochState) -> None:
 
 
 def put_back_memory(ctx: RankContext, st: EpochState) -> None:
-    """The raise taken back; a level whose resident memory does not fit under its own limit again keeps it
-    (lowering would get the job OOM-killed): logged, kept in the ledger, tried again later."""
+    """The raise taken back, always: a job left holding more than its own limit meets the kernel's
+    enforcement of its --mem, as at any other time (said in the agent's log)."""
     if ctx.limits.memory_ledger is None or not st.memory_raised:
         return
-    for kept in host_memory.put_back(st.memory_raised, ctx.limits.memory_ledger):
-        log.warning("%s", kept, extra={"step": ctx.step, "rank": ctx.rank})
+    for over in host_memory.put_back(st.memory_raised, ctx.limits.memory_ledger):
+        log.warning("%s", over, extra={"step": ctx.step, "rank": ctx.rank})
     st.memory_raised = []
 
 
