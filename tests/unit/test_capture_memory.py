@@ -60,10 +60,11 @@ def test_16gib_on_the_gpu_under_mem_24g_is_refused_naming_the_mem_it_needs(node)
     [level] = fp.levels
     assert (level.cgroup, level.limit, level.resident, level.writer_inside) == (JOB, 24 * GIB, 4 * GIB, True)
     [why] = fp.refusals()
-    assert why.startswith(f"the capture needs 39.0 GiB in the job's memory cgroup {JOB} (limit 24.0 GiB): the "
-                          "job's 4.0 GiB in use there, the GPU checkpoint's copy of 16.0 GiB")
-    assert "and the images' page cache of 19.0 GiB (slurmckpt's criu writes them from inside this cgroup)" in why
-    assert "15.0 GiB short; ask Slurm for --mem=39G or more" in why
+    assert why.startswith("the job's memory limit cannot hold the capture: ask Slurm for --mem=39G or more")
+    assert (f"Its memory cgroup {JOB} (limit 24.0 GiB) would need 39.0 GiB, 15.0 GiB more: the job's 4.0 GiB in use "
+            "there, the GPU checkpoint's copy of 16.0 GiB") in why
+    assert why.endswith("and the images' page cache of 19.0 GiB (slurmckpt's criu writes them from inside this "
+                        "cgroup)")
     assert fp.reply()["cgroup_headroom"] == GIB         # 24 - 4 in use - 19 of images: room for the copies
 
 

@@ -134,8 +134,8 @@ def test_a_gpu_copy_over_the_jobs_memory_limit_and_images_over_the_store_are_ref
                    (Headroom(50 * GIB, 64 * GIB, "/job_7", 14 * GIB),), 70 * GIB)
     cgroup, store = fp.refusals()
     assert "copy of 80.0 GiB of device memory (2 CUDA process(es)) into the job's host memory" in cgroup
-    assert "needs 94.0 GiB in the job's memory cgroup /job_7 (limit 64.0 GiB): the job's 14.0 GiB in use" in cgroup
-    assert "30.0 GiB short; ask Slurm for --mem=94G or more" in cgroup
+    assert "memory cgroup /job_7 (limit 64.0 GiB) would need 94.0 GiB, 30.0 GiB more: the job's 14.0 GiB in use" in cgroup
+    assert cgroup.startswith("the job's memory limit cannot hold the capture: ask Slurm for --mem=94G or more")
     assert store == ("the images take about 84.0 GiB (host 4.0 GiB + GPU 80.0 GiB), but the image store has "
                      "70.0 GiB free: 14.0 GiB short")
     assert fp.reply() == {"host_bytes": 4 * GIB, "gpu_bytes": 80 * GIB, "gpu_processes": 2,

@@ -85,11 +85,11 @@ class Footprint:
         need = self.need(lv)
         pages = (f", and the images' page cache of {size_text(self.image_bytes)} (slurmckpt's criu writes them from "
                  "inside this cgroup)") if lv.writer_inside else ""
-        return (f"the capture needs {size_text(need)} in the job's memory cgroup {lv.cgroup} (limit "
-                f"{size_text(lv.limit)}): the job's {size_text(lv.resident)} in use there, the GPU checkpoint's copy of "
-                f"{size_text(self.gpu_bytes)} of device memory ({procs}) into the job's host memory{pages}: "
-                f"{size_text(need - lv.limit)} short; ask Slurm for --mem={-(-need // GIB)}G or more, or hold less GPU "
-                "memory (the limit must hold the GPU copy on top of what the job uses)")
+        return (f"the job's memory limit cannot hold the capture: ask Slurm for --mem={-(-need // GIB)}G or more, "
+                f"or hold less GPU memory. Its memory cgroup {lv.cgroup} (limit {size_text(lv.limit)}) would need "
+                f"{size_text(need)}, {size_text(need - lv.limit)} more: the job's {size_text(lv.resident)} in use there, the "
+                f"GPU checkpoint's copy of {size_text(self.gpu_bytes)} of device memory ({procs}) into the job's host "
+                f"memory{pages}")
 
     def notes(self) -> list[str]:
         """For the job's stderr, once a run: a raise the site makes for every capture."""
