@@ -114,10 +114,27 @@ class Config:
     network_lock: str = _key("auto", "How TCP is held while a tree is dumped or restored, by criu and by "
                              "slurmckpt: auto (iptables where `iptables-restore` is installed, else nftables), "
                              "iptables or nftables (through libnftables).", choices=("auto", "iptables", "nftables"))
-    nccl_checkpoint_transports: bool = _key(True, "GPU tasks get NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
-                                            "NCCL_NVLS_ENABLE=0 unless the job set that variable itself: NCCL's "
-                                            "intra-node transports hold state the CUDA checkpoint API refuses "
-                                            "(docs/gpu.md, \"What slurmckpt sets in a checkpointed job\").")
+    nccl_checkpoint_transports: bool = _key(True, "GPU tasks get NCCL settings that keep them checkpointable "
+                                            "unless the job set that variable itself: with one GPU of the job on "
+                                            "the node NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 "
+                                            "(nothing to lose), with several what nccl_multi_gpu says (docs/gpu.md, "
+                                            "\"NCCL on a node with several GPUs\"); false: none at all.")
+    nccl_multi_gpu: str = _key("sockets", "A job with several GPUs on a node: sockets (NCCL's intra-node "
+                               "transports off: checkpointable, collectives between the node's GPUs at about 1/82 "
+                               "of NVLink's bandwidth per connection), nvlink (NCCL as without slurmckpt: captures "
+                               "are refused while NCCL runs them) or nvlink-ipc (P2P through legacy CUDA IPC in a "
+                               "cuda-checkpoint job, driver >= 610 and cuda_checkpoint_launch; else sockets). A job "
+                               "chooses with SLURMCKPT_CFG_NCCL_MULTI_GPU; the job's output and `slurmckpt status` "
+                               "say which applies.", choices=("sockets", "nvlink", "nvlink-ipc"))
+    cuda_checkpoint_launch: str = _key("", "NVIDIA's cuda-checkpoint utility: where the driver is >= 610, GPU "
+                                       "tasks start under `cuda-checkpoint --launch-job`, so that the driver "
+                                       "checkpoints CUDA IPC between their processes (docs/gpu.md, \"CUDA IPC\"); "
+                                       "empty: not used.")
+    gpu_capture_memory_raise: bool = _key(False, "Root raises the limit of the job's memory cgroup (Slurm's "
+                                          "--mem: memory.max, and memory.high where set) by what a GPU capture "
+                                          "adds to it, for the capture, and puts it back after; false: a capture "
+                                          "that does not fit under the limit is refused, naming the --mem it "
+                                          "needs (docs/gpu.md, \"Host memory of a GPU capture\").")
     torch_store_without_libuv: bool = _key(True, "Every task gets USE_LIBUV=0 unless the job set USE_LIBUV: "
                                            "PyTorch's TCPStore (torch.distributed) then runs without libuv's "
                                            "io_uring, which criu cannot checkpoint (docs/gpu.md).")

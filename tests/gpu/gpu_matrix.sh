@@ -143,7 +143,7 @@ for r in $ROWS; do
   aborted=$(grep -c 'ABORTED' "$H/$r.out")
   # a refusal: an abort in a PREPARE stage before any lock, or the lock stage's refusal of what the CUDA
   # checkpoint API cannot capture (not a lock that failed for another reason: that is FAILED)
-  before_freeze='ABORTED \([^)]*stage ((check|pmi-precheck|space)\)|gpu-lock\): GPU state cannot be checkpointed)'
+  before_freeze='ABORTED \([^)]*stage ((size|check|pmi-precheck|space)\)|gpu-lock\): GPU state cannot be checkpointed)'
   if grep -qE "$before_freeze" "$H/$r.out" && [ "$restores" = 0 ]; then    # refused before anything was frozen
     outcome=REFUSED; detail=$(grep -oE "$before_freeze[^;]*" "$H/$r.out" | head -1 | cut -c1-260)
   elif [ "$aborted" -gt 0 ] && [ "$restores" = 0 ]; then          # a capture that failed is no refusal

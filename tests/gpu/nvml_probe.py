@@ -3,7 +3,8 @@
 1. `slurmckpt doctor`'s GPU lines (cuda/inventory.doctor_checks) from the real pynvml.
 2. A process holding --gib GiB (workload_hold.py): NVML's bytes for it (PipelineGpu.footprint) against what
    the driver's checkpoint really copies into its host memory (RssAnon before/after cuCheckpointProcessCheckpoint),
-   the measured checkpoint/restore seconds against coordinator/budget.py's estimate, and the data intact.
+   the measured checkpoint/restore seconds against coordinator/budget.py's estimate, the host copy freed again
+   after the GPU restore (node/host_memory.py's put-back relies on it), and the data intact.
 3. If jax is installed: a JAX process with its default preallocation and one with
    XLA_PYTHON_CLIENT_PREALLOCATE=false: which framework /proc/PID/maps shows, what each holds, and the note.
 Prints one `key: json` line per fact; exits 1 if a check that the fakes rely on does not hold.
@@ -89,6 +90,12 @@ def main() -> int:
         driver.restore(hold.pid, None)
         driver.unlock(hold.pid)
         restore_s = time.monotonic() - t0
+        # host_memory.py puts a raised memory limit back after the GPU restore: only if the driver lets go
+        # of its host copy there (else the raise is kept until the task ends)
+        time.sleep(1)
+        after = rss_anon(hold.pid) - before
+        say("host_copy_after_restore", {"bytes": after, "share_of_copy": round(after / max(copied, 1), 3)})
+        check(after <= 0.2 * copied, "the driver frees its host copy at the GPU restore (the raise's put-back)")
         e = Estimate.of([RankSize("0.0", "here", fp.host_bytes, nvml_bytes, 1, nvml_bytes)])
         say("copy", {"nvml_bytes": nvml_bytes, "host_copy_bytes": copied, "ratio": round(copied / nvml_bytes, 3),
                      "checkpoint_s": round(ckpt_s, 2), "estimate_checkpoint_s": round(e.gpu_checkpoint, 2),

@@ -8,6 +8,8 @@
 #   infer[:PAIRS] - benchmarks/inference_restore.py: inference server, restore-to-serving vs cold start from disk
 #   jaxwhy[:CASES] - tests/gpu/jax_why_probe.py: why JAX in its own PID namespace loses its GPU state (CASES
 #     comma-separated, default all); one VERDICT line per case
+#   ipc[:CASES] - tests/gpu/ipc_probe.py: what CUDA IPC (torch.multiprocessing, raw cuIpc*) leaves in /proc and
+#     what the checkpoint API answers for it (CASES comma-separated: torch,raw); one VERDICT line per case
 # Each phase's output goes to $OUT/<phase>.txt (and stdout); a phase that fails does not stop the next.
 set -u
 cd "$(dirname "$0")/../.."
@@ -41,6 +43,8 @@ for phase in "$@"; do
     jaxwhy) cases=${phase#jaxwhy}; cases=${cases#:}
             SLURMCKPT_CRIU_EXTRA="--ext-mount-map auto --enable-external-sharing --enable-external-masters" \
               timeout 280 python3 tests/gpu/jax_why_probe.py $W/jaxwhy ${cases//,/ } 2>&1 | tee -a "$log" ;;
+    ipc) cases=${phase#ipc}; cases=${cases#:}
+         timeout 400 python3 tests/gpu/ipc_probe.py $W/ipc ${cases//,/ } 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)

@@ -74,6 +74,7 @@ class Cgroup:
 
 
 class Gpu:
+    def refusals(self, pids): return []
     def lock(self, pids): pass
     def unlock(self): pass
     def checkpoint(self): return None

@@ -32,7 +32,7 @@ class FakeProc:
     def add(self, pid: int, *, cuda: bool = True, maps: list[str] = (), fds: list[str] = (),
             env: dict[str, str] | None = None, nspid: tuple[int, ...] | None = None, comm: str = "python3",
             uvm: list[int] = (), state: str = "S (sleeping)", cgroup: str = "0::/job\n",
-            threads: dict[int, str] | None = None) -> int:
+            threads: dict[int, str] | None = None, raw_maps: list[str] = ()) -> int:
         d = self.root / str(pid)
         (d / "fd").mkdir(parents=True)
         paths = (CUDA_MAPS if cuda else []) + list(maps)
@@ -40,6 +40,7 @@ class FakeProc:
         uvm = list(uvm) or ([2 << 20] if cuda else [])        # every CUDA process: one 2 MiB uvm mapping
         lines += [f"{0x204a00000 + (i << 32):x}-{0x204a00000 + (i << 32) + n:x} rw-s 0 00:06 144 /dev/nvidia-uvm"
                   for i, n in enumerate(uvm)]
+        lines += list(raw_maps)                 # whole lines: a file's device and inode chosen by the test
         (d / "maps").write_text("\n".join(lines + ["7fff0000-7fff1000 rw-p 00000000 00:00 0"]) + "\n")
         (d / "cgroup").write_text(cgroup)
         links = (["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap1",
@@ -151,9 +152,8 @@ def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
 @pytest.mark.parametrize("setup, cause", [
     (dict(env={"CUDA_VISIBLE_DEVICES": "MIG-1b2c3d4e-aaaa-bbbb-cccc-000000000000"}), "MIG"),
     (dict(fds=["/dev/nvidia-caps/nvidia-cap21"]), "MIG"),
-    (dict(maps=["/dev/shm/cuda.shm.0.1a.1"]), "MPS client"),
+    (dict(maps=["/dev/shm/cuda.shm.0.1a.1"]), "holds CUDA IPC state (/dev/shm/cuda.shm.0.1a.1)"),
     (dict(uvm=[2 << 20, 64 << 20]), "managed (UVM) memory (2 /dev/nvidia-uvm mappings, 66 MiB)"),
-    (dict(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"}), "MPS client"),
     (dict(maps=["/dev/shm/nccl-Xy12ab"]), "NCCL_SHM_DISABLE=1"),
     (dict(maps=["/opt/venv/nvidia/nccl/lib/libnccl.so.2"], env={"CUDA_VISIBLE_DEVICES": "0,1"},
           threads={31: "NCCL Progress 0"}),

@@ -96,7 +96,9 @@ def test_the_tightest_v2_memory_limit_above_the_process_wins(node):
     node.limit("job_7/step_0/user/task_0", {"memory.max": str(90 * GIB), "memory.current": str(20 * GIB)})
     room = host_memory.cgroup_headroom(pid)
     # job: 100 - 30 + 5 (page cache) = 75 GiB; task: 90 - 20 = 70 GiB
-    assert room == Headroom(70 * GIB, 90 * GIB, "/job_7/step_0/user/task_0")
+    assert (room.bytes, room.limit, room.cgroup, room.resident) == (70 * GIB, 90 * GIB, "/job_7/step_0/user/task_0",
+                                                                    20 * GIB)
+    assert [lv.cgroup for lv in host_memory.levels(pid)] == ["/job_7/step_0/user/task_0", "/job_7"]
     assert host_memory.node_available() == 512 * GIB
 
 
@@ -108,7 +110,8 @@ def test_v1_memory_controller_limits_count_and_unlimited_is_none(node):
                                                "memory.usage_in_bytes": str(10 * GIB),
                                                "memory.stat": f"cache 5\ntotal_inactive_file {GIB}"})
     node.limit("memory/slurm", {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "1"})
-    assert host_memory.cgroup_headroom(pid) == Headroom(55 * GIB, 64 * GIB, "/slurm/uid_1000/job_7")
+    room = host_memory.cgroup_headroom(pid)
+    assert (room.bytes, room.limit, room.cgroup) == (55 * GIB, 64 * GIB, "/slurm/uid_1000/job_7")
     free = node.process(11, cgroup="5:memory:/other")
     assert host_memory.cgroup_headroom(free) is None
 
@@ -121,18 +124,18 @@ def test_tree_memory_counts_anonymous_shared_and_swapped_pages(node):
 
 # ---- refusals ---------------------------------------------------------------------------------------------
 def test_a_gpu_copy_larger_than_available_host_memory_is_refused_by_how_much():
-    fp = Footprint(4 * GIB, GpuUse({10: {A: 108 * GIB}}), 100 * GIB, None, None)
+    fp = Footprint(4 * GIB, GpuUse({10: {A: 108 * GIB}}), 100 * GIB, (), None)
     assert fp.refusals() == ["the GPU checkpoint copies 108.0 GiB of device memory (1 CUDA process(es)) into host "
                              "memory, but the node has 100.0 GiB available (MemAvailable): 8.0 GiB short"]
 
 
 def test_a_gpu_copy_over_the_jobs_memory_limit_and_images_over_the_store_are_refused():
     fp = Footprint(4 * GIB, GpuUse({10: {A: 60 * GIB}, 11: {B: 20 * GIB}}), 500 * GIB,
-                   Headroom(50 * GIB, 64 * GIB, "/job_7"), 70 * GIB)
+                   (Headroom(50 * GIB, 64 * GIB, "/job_7", 14 * GIB),), 70 * GIB)
     cgroup, store = fp.refusals()
-    assert "copies 80.0 GiB of device memory (2 CUDA process(es)) into the job's host memory" in cgroup
-    assert "memory cgroup /job_7 (limit 64.0 GiB) has room for 50.0 GiB: 30.0 GiB short" in cgroup
-    assert "--mem" in cgroup
+    assert "copy of 80.0 GiB of device memory (2 CUDA process(es)) into the job's host memory" in cgroup
+    assert "memory cgroup /job_7 (limit 64.0 GiB) would need 94.0 GiB, 30.0 GiB more: the job's 14.0 GiB in use" in cgroup
+    assert cgroup.startswith("the job's memory limit cannot hold the capture: ask Slurm for --mem=94G or more")
     assert store == ("the images take about 84.0 GiB (host 4.0 GiB + GPU 80.0 GiB), but the image store has "
                      "70.0 GiB free: 14.0 GiB short")
     assert fp.reply() == {"host_bytes": 4 * GIB, "gpu_bytes": 80 * GIB, "gpu_processes": 2,
@@ -141,7 +144,7 @@ def test_a_gpu_copy_over_the_jobs_memory_limit_and_images_over_the_store_are_ref
 
 
 def test_what_fits_is_not_refused():
-    fits = Footprint(GIB, GpuUse({10: {A: 8 * GIB}}), 9 * GIB, Headroom(8 * GIB, 9 * GIB, "/j"), 9 * GIB)
+    fits = Footprint(GIB, GpuUse({10: {A: 8 * GIB}}), 9 * GIB, (Headroom(8 * GIB, 9 * GIB, "/j", GIB),), 9 * GIB)
     assert fits.refusals() == []
 
 
@@ -153,14 +156,15 @@ def test_measure_takes_gpu_bytes_from_nvml_and_room_from_the_cuda_process_cgroup
     fp = measure([10, 11], gpu, tmp_path)
     assert fp.gpu.held == {11: {A: 30 * GIB}} and fp.gpu_bytes == 30 * GIB
     assert fp.host_bytes == 4 * GIB + (1 << 20) + 2 * (1 << 20)
-    assert fp.headroom == Headroom(59 * GIB, 64 * GIB, "/job_7") and fp.refusals() == []
+    [level] = fp.levels
+    assert (level.bytes, level.limit, level.cgroup) == (59 * GIB, 64 * GIB, "/job_7") and fp.refusals() == []
     assert fp.store_free is not None and fp.store_free > 0
 
 
 def test_a_tree_without_nvidia_devices_never_touches_nvml(node, tmp_path):
     node.process(10, anon_kb=1024)
     fp = measure([10], pipeline_gpu(None), tmp_path)           # NVML "missing": not asked
-    assert fp.gpu_bytes == 0 and fp.headroom is None and fp.refusals() == []
+    assert fp.gpu_bytes == 0 and fp.levels == () and fp.refusals() == []
     assert measure([10], NullGpu(), tmp_path).gpu == GpuUse()
 
 

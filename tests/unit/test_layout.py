@@ -17,7 +17,8 @@ LEAVES = {"slurmckpt", "slurmckpt.errors", "slurmckpt.validate", "slurmckpt.dura
 # /proc, the frameworks' GPU defaults it sets, and the leaves. Anything else (agent/, rank/, store/, criu/,
 # the node's privileged drivers, the CUDA checkpoint driver) is root's.
 USER_SIDE = LEAVES | {"slurmckpt.channel", "slurmckpt.config", "slurmckpt.policy", "slurmckpt.node.procfs",
-                      "slurmckpt.node.proctree", "slurmckpt.cuda.frameworks", "slurmckpt.slurm.control",
+                      "slurmckpt.node.proctree", "slurmckpt.cuda.frameworks", "slurmckpt.cuda.nccl",
+                      "slurmckpt.cuda.release", "slurmckpt.slurm.control",
                       "slurmckpt.slurm.env", "slurmckpt.slurm.jobrecord", "slurmckpt.slurm.queue",
                       "slurmckpt.slurm.pmi", "slurmckpt.node", "slurmckpt.cuda", "slurmckpt.slurm"}
 USER_PACKAGES = ("slurmckpt.task", "slurmckpt.coordinator", "slurmckpt.barrier")

@@ -98,6 +98,9 @@ class FakeGpu:
         if what == self.fail:
             raise GpuError(f"injected {what} failure")
 
+    refused: tuple[str, ...] = ()         # what the check stage's GPU view refuses
+
+    def refusals(self, pids): return list(self.refused)
     def footprint(self, pids): return self.use
     def check_restore(self, record): self._do("gpu-check-restore")
     def lock(self, pids): self._do("gpu-lock")
@@ -149,8 +152,8 @@ def rooted(p: RankRunner, pid: int | None) -> None:
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
-    assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint",
-                                                "freeze", "pmi-idle", "drain-output"]
+    assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "memory", "gpu-lock",
+                                                "gpu-checkpoint", "freeze", "pmi-idle", "drain-output"]
     assert [s.name for s in CAPTURE_STAGES] == ["record", "host-copy", "dump", "snapshot-output", "persist"]
 
 
@@ -273,6 +276,52 @@ def test_a_tree_that_ended_is_typed_ended_before_anything_is_touched(tmp_path: P
         with pytest.raises(TaskEnded, match="no running task tree"):
             phase(1)
     assert j.events == []
+
+
+def test_what_the_gpu_cannot_capture_is_refused_at_the_check_stage_before_anything_is_locked(tmp_path: Path) -> None:
+    """CUDA IPC, MPS, MIG...: named by the check stage (the GPU view of /proc), so the capture fails in
+    `check` with nothing reserved, locked or frozen (docs/gpu.md, "CUDA IPC")."""
+    p, j, _ = make(tmp_path)
+    p.ctx.gpu.refused = ("pid 71 (learner) and pid 72 (actor) share GPU memory through CUDA IPC",)
+    with pytest.raises(CaptureError, match="GPU state cannot be checkpointed: pid 71 .learner. and pid 72"):
+        p.prepare(1)
+    assert p.failed_stage == "check" and j.events == []
+
+
+@pytest.mark.parametrize("path", ["resume", "abort", "final"])
+def test_a_memory_limit_raised_for_the_capture_is_put_back_on_every_path(tmp_path: Path, monkeypatch, path: str):
+    """The site lets root raise the job's limit (gpu_capture_memory_raise): raised after the space is
+    reserved and before any GPU work, put back after the GPU restore (periodic), after the GPU rollback (an
+    abort), or once the tree is killed (final); the watchdog covers a dead agent (test_capture_memory.py)."""
+    from slurmckpt.node import host_memory
+    from slurmckpt.rank import capture
+    from slurmckpt.rank.context import EpochState
+    from slurmckpt.rank.fit import Footprint
+    level = host_memory.Headroom(0, 24 << 30, "/job_7", 4 << 30, True, "/sys/fs/cgroup/job_7", True, ("memory.max",))
+    made = host_memory.Raise("/sys/fs/cgroup/job_7", ("memory.max",), 35 << 30, "/job_7")
+    p, j, _ = make(tmp_path, gpu_fail="gpu-checkpoint" if path == "abort" else "")
+    monkeypatch.setattr(capture.host_memory, "raise_limits",
+                        lambda plan, ledger: j.events.append(f"raise {plan[0][1] >> 30}") or [made])
+    monkeypatch.setattr(capture.host_memory, "put_back",
+                        lambda raised, ledger: j.events.append(f"put back {raised[0].by >> 30}") or [])
+    p.ctx = replace(p.ctx, limits=Limits(memory_ledger=tmp_path / "ledger"))
+    p.state = EpochState(1, footprint=Footprint(3 << 30, GpuUse({11: {"GPU-a": 16 << 30}}), 500 << 30, (level,),
+                                                 None, raise_allowed=True))
+    if path == "abort":
+        with pytest.raises(GpuError):
+            p.prepare(1)
+        assert j.events == ["raise 35", "gpu-lock", "gpu-checkpoint", "gpu-unlock", "put back 35"]
+        return
+    p.prepare(1)
+    p.capture(1, final=path == "final")
+    if path == "resume":
+        p.resume(1)
+        assert j.events[-3:] == ["gpu-resume", "gpu-unlock", "put back 35"]
+    else:
+        p.ctx.cgroup.members = []                # (the fake's tree is this test's own process otherwise)
+        p.finish(1)
+        assert j.events[-2:] == ["kill", "put back 35"]
+    assert j.events[0] == "raise 35" and j.events.count("put back 35") == 1
 
 
 def test_gpu_checkpoint_failure_unlocks_and_never_freezes(tmp_path: Path) -> None:

@@ -492,6 +492,76 @@ def test_every_task_starts_with_pytorchs_store_off_libuv_and_gpu_tasks_with_chec
     assert not {"USE_LIBUV", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"} & set(env)
 
 
+GPU_ENV = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_LOCALID", "NCCL_P2P_DISABLE",
+           "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE", "SLURMCKPT_CFG_NCCL_MULTI_GPU",
+           "CUDA_CHECKPOINT_JOB_FILE")
+
+
+def test_a_job_with_several_gpus_on_a_node_is_told_the_nccl_trade_and_can_choose_nvlink(make, said, monkeypatch):
+    """Four GPUs of the job on the node (one seen by the task, --gpus-per-task): NCCL's intra-node transports
+    are turned off only as the site's explicit choice, and the job's output says what that costs; the job's
+    own choice keeps NVLink (docs/gpu.md, "NCCL on a node with several GPUs")."""
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    env = w.agent.calls[-1][1]["env"]
+    assert (env["NCCL_P2P_DISABLE"], env["NCCL_SHM_DISABLE"], env["NCCL_NVLS_ENABLE"]) == ("1", "1", "0")
+    [trade] = [line for line in said if "GPUs of this job on node" in line]
+    assert trade.startswith("4 GPUs of this job on node n1: NCCL's intra-node transports are off") and "1/82" in trade
+    said.clear()
+    monkeypatch.setenv("SLURMCKPT_CFG_NCCL_MULTI_GPU", "nvlink")
+    w._launch(relay=False)
+    env = w.agent.calls[-1][1]["env"]
+    assert not {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"} & set(env)
+    assert any(line.startswith("4 GPUs of this job on node n1: NCCL keeps NVLink (the job's choice") for line in said)
+    said.clear()
+    monkeypatch.setenv("SLURM_LOCALID", "1")                       # the node's other tasks say nothing
+    w._launch(relay=False)
+    assert not any("GPUs of this job on node" in line for line in said)
+
+
+def test_a_step_started_from_the_batch_script_chooses_again_what_the_batch_wrapper_added(make, said, monkeypatch):
+    """A step inherits the batch task's environment, with what slurmckpt added there (SLURMCKPT_ADDED): not
+    the job's own values, so a step that keeps NVLink gets none of them; a value the job changed stands."""
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    batch = w.agent.calls[-1][1]["env"]
+    assert batch["SLURMCKPT_ADDED"].split() == sorted(f"{k}={v}" for k, v in batch.items()
+                                                      if k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                                                               "NCCL_NVLS_ENABLE", "USE_LIBUV",
+                                                               "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                               "TF_FORCE_GPU_ALLOW_GROWTH"))
+    for k, v in batch.items():                                   # the step's environment: the batch task's
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")                   # ... which the job changed for one variable
+    monkeypatch.setenv("SLURMCKPT_CFG_NCCL_MULTI_GPU", "nvlink")
+    w._launch(relay=False)
+    step = w.agent.calls[-1][1]["env"]
+    assert "NCCL_P2P_DISABLE" not in step and "NCCL_NVLS_ENABLE" not in step and step["NCCL_SHM_DISABLE"] == "0"
+    assert step["USE_LIBUV"] == "0" and "NCCL" not in step["SLURMCKPT_ADDED"]
+
+
+def test_gpu_tasks_start_in_a_cuda_checkpoint_job_where_the_site_and_the_driver_allow(make, said, monkeypatch):
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    w = make({"launch": {"pid": 99}})
+    w.config = Config(cuda_checkpoint_launch="/usr/bin/cuda-checkpoint")
+    monkeypatch.setattr(wrapper, "driver_release", lambda: (610, 57, 4))
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["argv"] == ["/usr/bin/cuda-checkpoint", "--launch-job", "app"]
+    assert any("started under /usr/bin/cuda-checkpoint --launch-job" in line for line in said)
+    monkeypatch.setattr(wrapper, "driver_release", lambda: (580, 159, 4))
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["argv"] == ["app"]
+
+
 def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)

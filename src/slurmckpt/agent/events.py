@@ -122,6 +122,17 @@ class AgentEvents:
             log.warning("run record not written: %s", e)
         self.publish_summary()
 
+    def gpu_transports(self, line: str) -> None:
+        """A step's NCCL trade on a node with several of the job's GPUs (cuda/nccl.py), for `slurmckpt status`:
+        recorded by the step's rank 0."""
+        if self.task.rank != 0:
+            return
+        try:
+            summary.record_gpu_transports(self.store, self.task.step, line)
+        except OSError as e:
+            log.warning("GPU transports not recorded: %s", e)
+        self.publish_summary()
+
     def fresh_start(self, notice: str) -> None:
         self._run(fresh_start=notice)
 

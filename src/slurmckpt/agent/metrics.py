@@ -39,9 +39,9 @@ MAX_GAUGE_ENTRIES = 65536   # agents of a node that a gauge keeps (they are live
 MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger state file is not ours
 # The pipeline's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
 # them in step), and the triggers of captures (triggers.TRIGGERS)
-STAGES = ("check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle", "drain-output",
-          "record", "host-copy", "dump", "snapshot-output", "persist", "size", "prepare", "capture", "resume",
-          "allocate", "membership", "commit")
+STAGES = ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
+          "drain-output", "record", "host-copy", "dump", "snapshot-output", "persist", "size", "prepare", "capture",
+          "resume", "allocate", "membership", "commit")
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,12 @@ from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, St
 from slurmckpt.agent.events import AgentEvents
 from slurmckpt.store.fresh_start import FailureReporter, reason_of
 from slurmckpt.store.instance import JobInstance, claim
+from slurmckpt.cuda import nccl
 from slurmckpt.cuda.rank_stage import PipelineGpu
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.slurm import pmi
 from slurmckpt.store import durable
-from slurmckpt.node import watchdog
+from slurmckpt.node import host_memory, watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
@@ -94,15 +95,18 @@ class Agent(TaskPlan):
         except StorageError as e:       # this run's first commit enters it instead
             log.warning("cannot record run %d in the store: %s", ident.restart_count, e)
         self.cgroup = TaskCgroup.for_task(config.freezer_root, ident.tree)
+        # memory limits raised for a capture are recorded here (host_memory.py), put back by the watchdog too
+        self.ledger = host_memory.ledger_path(config.run_dir, str(ident.tree)) if config.gpu_capture_memory_raise \
+            else None
         # Root alone writes the freeze control; the watchdog thaws the tree if this agent dies with it frozen.
-        self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120)
+        self.watchdog_fd = watchdog.start(self.cgroup, config.capture_timeout_s + 120, ledger=self.ledger)
         lock = packet_filter.method(config.network_lock)      # iptables, or nftables where it is missing
         # the drivers of every tree this task runs (rank/context.py: the agent builds each tree's context)
         self.criu = CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s, network_lock=lock)
         self.gpu = PipelineGpu(config.gpu_lock_timeout_ms,
                                context={"job": ident.job, "step": ident.step, "rank": ident.rank})
         self.packets = packet_filter.for_method(lock)
-        self.limits = Limits(config.stall(), config.ghost_limit_max, config.host_copy_threads)
+        self.limits = Limits(config.stall(), config.ghost_limit_max, self.ledger, config.host_copy_threads)
         self.handovers = Handovers()              # what the wrapper hands over for the tree (rank/context.py)
         self.step = ident.step                   # or the step a relayed srun takes over (_adopt_step)
         self.step_token = ""
@@ -234,6 +238,11 @@ class Agent(TaskPlan):
         self.runner.started(self._context(creds, pid))
         log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
                  "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
+        # the NCCL trade, told from what the task was started with and Slurm's GPUs here (cuda/nccl.py)
+        in_job = argv[:2] == [self.config.cuda_checkpoint_launch, "--launch-job"]
+        trade = nccl.describe(env, len(allocated), node, in_job)
+        if trade and self.events:
+            self.events.gpu_transports(trade)
         return {"pid": pid}
 
     def _place_with_slurm(self) -> None:
@@ -249,7 +258,7 @@ class Agent(TaskPlan):
             self.peer.require()
             os.close(self.watchdog_fd)
             self.cgroup.remove()
-            self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120)
+            self.watchdog_fd = watchdog.start(placed, self.config.capture_timeout_s + 120, ledger=self.ledger)
         self.cgroup = placed
         log.info("tree cgroups: %s + %s", ", ".join(str(p.parent) for p in self.cgroup.slurm_procs) or "-",
                  self.cgroup.path)

@@ -141,6 +141,8 @@ def _details(cfg: Config, r: dict[str, Any], fmt: Format) -> None:
                        + (f", disabled: {shown(run['disabled'])}" if run.get("disabled") else ""))
         for line in interval_lines(info.get("interval") or {}):
             click.echo(line)
+        for step, trade in (run.get("gpu_transports") or {}).items():    # cuda/nccl.py: the NCCL trade
+            click.echo(f"   GPUs: step {shown(step)}: {shown(trade)}")
         epochs = info.get("epochs") or []
         click.echo("newest checkpoint: " + (f"epoch {epochs[0]['epoch']} ({shown(epochs[0]['trigger'])})"
                                             if epochs else "none committed"))

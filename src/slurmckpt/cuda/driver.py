@@ -19,6 +19,7 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+from slurmckpt.cuda.release import ipc_jobs, release
 from slurmckpt.errors import GpuError
 
 LIBRARY = "libcuda.so.1"
@@ -107,6 +108,7 @@ class GpuDriver(Protocol):
     def unlock(self, pid: int) -> None: ...
     def restore_thread(self, pid: int) -> int: ...
     def devices(self) -> list[GpuInfo]: ...
+    def ipc_jobs(self) -> bool: ...       # checkpoints CUDA IPC within one cuda-checkpoint job (IPC_JOB_RELEASE)
 
 
 def uuid_to_str(raw: bytes) -> str:
@@ -191,6 +193,12 @@ class CudaDriver:
             raise GpuDriverError("cuInit", rc, name=self._name(rc))
         version = ctypes.c_int(0)
         self.version = version.value if lib.cuDriverGetVersion(ctypes.pointer(version)) == 0 else 0
+        self.driver_release = release()
+
+    def ipc_jobs(self) -> bool:
+        """The same calls, per process, do it (the job is made at launch, not named to the calls): what
+        changes is their order (cuda/stage.py). The release decides; no call of 580 tells."""
+        return ipc_jobs(self.driver_release)
 
     def _bind(self) -> None:
         lib, i, p = self._lib, ctypes.c_int, ctypes.c_void_p

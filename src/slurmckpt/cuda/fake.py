@@ -11,6 +11,13 @@ entered a collective that not every member has entered yet has a kernel spinning
 locked (or checkpointed) process makes no progress, so it never enters a collective: one locked peer blocks the
 lock of every peer that already entered. `step()` lets every RUNNING process enter its next collective (the
 workload making progress between lock rounds). Thread-safe: lock rounds call it from several threads.
+
+CUDA IPC (`share_ipc`): processes that share device memory. A driver older than IPC_JOB_RELEASE refuses their
+checkpoint (CUDA_ERROR_NOT_SUPPORTED; what 580 answers is for tests/gpu/ipc_probe.py to show). From that
+release on, what the public cuda-checkpoint sources say (docs/gpu.md, "CUDA IPC"): members of one
+cuda-checkpoint job are checkpointed once every member is locked, one at a time, and restored in the order
+they were checkpointed; outside a job, or out of that order, the checkpoint hangs (seen on 610 with
+gVisor), which the fake turns into an AssertionError, as for a call on a stopped process.
 """
 from __future__ import annotations
 
@@ -22,9 +29,11 @@ from typing import Callable, Iterator, Sequence
 
 from slurmckpt.cuda.driver import (CUDA_ERROR_NOT_READY, CUDA_ERROR_OPERATING_SYSTEM, GpuDriverError, GpuInfo,
                                    GpuPair, ProcessState)
+from slurmckpt.cuda.release import ipc_jobs
 
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_ILLEGAL_STATE = 401
+CUDA_ERROR_NOT_SUPPORTED = 801
 RESTORE_TID_OFFSET = 100_000
 
 OPS = {"lock": "cuCheckpointProcessLock", "checkpoint": "cuCheckpointProcessCheckpoint",
@@ -62,7 +71,11 @@ class FakeCollective:
 
 class FakeGpuDriver:
     def __init__(self, gpus: Sequence[GpuInfo] | None = None, *, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, release: tuple[int, ...] = (580, 159, 4)) -> None:
+        self.release = release
+        self._ipc: list[tuple[frozenset[int], bool]] = []     # (members, started in one cuda-checkpoint job)
+        self._copying: set[int] = set()                       # IPC members inside a checkpoint or restore call
+        self._checkpoint_order: list[int] = []                # IPC members, in the order they were checkpointed
         self._gpus = list(gpus if gpus is not None else fake_gpus(1))
         self._sleep, self._clock = sleep, clock
         self._procs: dict[int, FakeProcess] = {}
@@ -122,6 +135,14 @@ class FakeGpuDriver:
                     if pid not in c.entered and self._procs[pid].state is ProcessState.RUNNING:
                         c.entered.add(pid)
 
+    def share_ipc(self, pids: Sequence[int], job: bool = False) -> None:
+        """`pids` share device memory through CUDA IPC; `job`: they were started in one cuda-checkpoint job."""
+        with self._mutex:
+            self._ipc.append((frozenset(pids), job))
+
+    def ipc_jobs(self) -> bool:
+        return ipc_jobs(self.release)
+
     def fail_next(self, op: str, pid: int, code: int = 999) -> None:
         """The next `op` ("lock", "checkpoint", "restore", "unlock") on `pid` fails with `code`; the state stays."""
         with self._mutex:
@@ -153,11 +174,32 @@ class FakeGpuDriver:
 
     def checkpoint(self, pid: int) -> None:
         with self._mutex:
-            self._enter("checkpoint", pid, ProcessState.LOCKED).state = ProcessState.CHECKPOINTED
+            p = self._enter("checkpoint", pid, ProcessState.LOCKED)
+            peers = self._ipc_peers("checkpoint", pid)
+            if peers is None:
+                p.state = ProcessState.CHECKPOINTED
+                return
+            running = sorted(q for q in peers if self._procs[q].state is ProcessState.RUNNING)
+            if running:
+                raise AssertionError(f"checkpoint of IPC job member {pid} while {running} run: the real driver "
+                                     "would hang (lock every member first)")
+        self._copy(pid, peers)
+        with self._mutex:
+            p.state = ProcessState.CHECKPOINTED
+            self._checkpoint_order.append(pid)
 
     def restore(self, pid: int, pairs: Sequence[GpuPair] | None = None) -> None:
         with self._mutex:
             p = self._enter("restore", pid, ProcessState.CHECKPOINTED)
+            peers = self._ipc_peers("restore", pid)
+            if peers is not None:       # (a process restored from images has no order here: its own)
+                first = next((q for q in self._checkpoint_order if q in peers | {pid}), pid)
+                if first != pid:
+                    raise AssertionError(f"restore of IPC job member {pid} before {first}: the real driver would "
+                                         "hang (restore in the order of the checkpoints)")
+        if peers is not None:
+            self._copy(pid, peers)
+        with self._mutex:
             here = {g.uuid for g in self._gpus}
             if pairs:
                 remap = dict(pairs)
@@ -170,6 +212,8 @@ class FakeGpuDriver:
                                      detail="checkpointed GPU absent and no GPU pairs given")
             self.restore_pairs[pid] = list(pairs) if pairs else None
             p.state = ProcessState.LOCKED
+            if pid in self._checkpoint_order:
+                self._checkpoint_order.remove(pid)
 
     def unlock(self, pid: int) -> None:
         with self._mutex:
@@ -201,6 +245,30 @@ class FakeGpuDriver:
                 self.alone.discard(tid)
 
     # ---- internals ----
+    def _ipc_peers(self, op: str, pid: int) -> frozenset[int] | None:
+        """The other members of `pid`'s IPC group (None: it shares nothing), refusing what the driver does."""
+        group = next(((members, job) for members, job in self._ipc if pid in members), None)
+        if group is None:
+            return None
+        if not ipc_jobs(self.release):
+            raise GpuDriverError(OPS[op], CUDA_ERROR_NOT_SUPPORTED, pid=pid, detail="CUDA IPC")
+        if not group[1]:
+            raise AssertionError(f"{op} of pid {pid}, which shares CUDA IPC outside a cuda-checkpoint job: the "
+                                 "real driver would hang")
+        return group[0] - {pid}
+
+    def _copy(self, pid: int, peers: frozenset[int]) -> None:
+        """A checkpoint or restore of an IPC job member takes a while, without the mutex: another member's
+        call meanwhile is the concurrency the driver does not take."""
+        with self._mutex:
+            busy = sorted(self._copying & peers)
+            if busy:
+                raise AssertionError(f"IPC job members {busy} and {pid} in the driver at once: one after another")
+            self._copying.add(pid)
+        time.sleep(0.02)
+        with self._mutex:
+            self._copying.discard(pid)
+
     def _proc(self, op: str, pid: int) -> FakeProcess:
         if pid in self.stopped and pid + RESTORE_TID_OFFSET not in self.alone:
             raise AssertionError(f"{OPS[op]} on stopped process {pid} with its restore thread stopped too: the "

@@ -23,6 +23,7 @@ def holds_gpu_state(record: dict[str, Any] | None) -> bool:
 
 
 class GpuStage(Protocol):
+    def refusals(self, pids: list[int]) -> list[str]: ...  # check: what the driver cannot capture (no libcuda)
     def footprint(self, pids: list[int]) -> GpuUse: ...   # SIZE: bytes per process; refuses what cannot be
     def lock(self, pids: list[int]) -> None: ...          # PREPARE: lock every CUDA process (timeout)
     def unlock(self) -> None: ...                          # undo of lock
@@ -36,6 +37,9 @@ class GpuStage(Protocol):
 
 class NullGpu:
     """No CUDA in the tree: every step is a no-op."""
+
+    def refusals(self, pids: list[int]) -> list[str]:
+        return []
 
     def footprint(self, pids: list[int]) -> GpuUse:
         return GpuUse()

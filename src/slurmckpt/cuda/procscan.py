@@ -2,11 +2,9 @@
 use a GPU feature the CUDA checkpoint API cannot capture, which cannot run right now (stopped or frozen).
 
 What a GPU job must do to be checkpointable (driver 580): no MPS, no MIG instance, no managed (UVM) memory,
-no CUDA IPC / peer-to-peer mappings between processes; several GPUs or ranks per node with NCCL only with
-NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 (NCCL then moves intra-node traffic through host
-memory / the network instead of NVLink: on an NVLink node intra-node collectives get several times slower;
-inter-node traffic is unchanged). CUDA IPC between processes cannot be seen here: the driver refuses it at
-checkpoint time and the stage rolls back.
+no CUDA IPC between processes (ipc_peers.py: named with both pids; from driver 610 on, checkpointed within one
+cuda-checkpoint job); several GPUs or ranks per node with NCCL only with its intra-node transports off or in
+the form the driver checkpoints (cuda/nccl.py says which and what it costs).
 """
 from __future__ import annotations
 
@@ -16,12 +14,14 @@ import re
 from typing import Sequence
 
 from slurmckpt.node import procfs
+from slurmckpt.cuda import ipc_peers
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
+from slurmckpt.cuda.release import ipc_jobs
+from slurmckpt.cuda.nccl import CHECKPOINT_ENV as NCCL_CHECKPOINT_ENV, DOC as NCCL_DOC, NVLINK_ENV as NCCL_NVLINK_ENV
 from slurmckpt.rank.sharing.ipc import unix_sockets
 
 log = logging.getLogger("slurmckpt.cuda")
 
-NCCL_CHECKPOINT_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
 MPS_DAEMONS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 
@@ -128,14 +128,17 @@ def _mps_daemon(pid: int) -> str | None:
     return next((d for d in MPS_DAEMONS if comm in (d, d[:15])), None)
 
 
-def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> list[str]:
-    """What in these (CUDA) processes the driver cannot checkpoint, each reason naming the cause and pid."""
+def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True,
+                        release: tuple[int, ...] | None = None) -> list[str]:
+    """What in these (CUDA) processes the driver of `release` (driver.release(); None: unknown, taken as
+    the oldest) cannot checkpoint, each reason naming the cause and the pids."""
     reasons: list[str] = []
     for other in (procfs.pids() if pids else []):
         if (daemon := _mps_daemon(other)):
             reasons.append(f"CUDA MPS daemon running (pid {other}, {daemon}): "
                            f"processes under MPS cannot be checkpointed; run the job without MPS")
             break
+    reasons += ipc_peers.refusals(pids, release)
     unix_names = _unix_socket_names()
     for pid in pids:
         env, maps, fds = process_environ(pid), _map_paths(pid), procfs.fd_links(pid)
@@ -147,19 +150,20 @@ def unsupported_reasons(pids: Sequence[int], nccl_env_required: bool = True) -> 
             reasons.append(f"pid {pid} uses managed (UVM) memory ({len(uvm)} /dev/nvidia-uvm mappings, "
                            f"{sum(uvm) >> 20} MiB): cudaMallocManaged memory is not supported by the CUDA "
                            f"checkpoint API (driver 580 answers CUDA_ERROR_NOT_SUPPORTED)")
-        if any(p.startswith("/dev/shm/cuda.shm") for p in maps) or env.get("CUDA_MPS_PIPE_DIRECTORY"):
-            reasons.append(f"pid {pid} is an MPS client: MPS is not supported by the CUDA checkpoint API")
         if any(p.startswith("/dev/shm/nccl-") for p in maps + fds):
             reasons.append(f"pid {pid} uses NCCL's shared-memory transport (/dev/shm/nccl-*): set NCCL_SHM_DISABLE=1")
         if nccl_env_required and any("libnccl" in os.path.basename(p) for p in maps) and _shares_node(env):
             # every PyTorch process maps libnccl, used or not: refused only on evidence that NCCL runs here
             missing = [f"{k}={v}" for k, v in NCCL_CHECKPOINT_ENV.items() if env.get(k) != v]
+            if missing and ipc_jobs(release) and ipc_peers.job_of(pid) \
+                    and all(env.get(k) == v for k, v in NCCL_NVLINK_ENV.items()):
+                missing = []      # NVLink kept through legacy CUDA IPC in a cuda-checkpoint job (cuda/nccl.py)
             evidence = nccl_at_work(pid, fds, unix_names) if missing else None
             if evidence:
                 reasons.append(f"pid {pid} runs NCCL ({evidence}) with several GPUs or ranks on this node and "
                                f"without {' '.join(missing)} (slurmckpt sets them unless the job set them "
-                               f"itself): NCCL's P2P/SHM/NVLS transports hold cross-GPU state the CUDA "
-                               f"checkpoint API refuses")
+                               f"itself or nccl_multi_gpu=nvlink keeps NVLink): NCCL's P2P/SHM/NVLS transports "
+                               f"hold cross-GPU state the CUDA checkpoint API refuses ({NCCL_DOC})")
     return reasons
 
 

@@ -8,8 +8,9 @@ from typing import Any, Callable, ContextManager
 
 from slurmckpt.cuda import frameworks
 from slurmckpt.cuda.driver import GpuDriver, GpuInfo, load_driver
+from slurmckpt.cuda.release import release
 from slurmckpt.cuda.inventory import GpuInventory, NvmlUnavailable, load_inventory
-from slurmckpt.cuda.procscan import find_cuda_pids, process_environ
+from slurmckpt.cuda.procscan import find_cuda_pids, process_environ, unsupported_reasons
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError
 from slurmckpt.cuda.interface import GpuUse, holds_gpu_state
@@ -37,8 +38,9 @@ class PipelineGpu:
                  inventory_factory: Callable[[], GpuInventory] = load_inventory,
                  nccl_env_required: bool = True, context: dict[str, Any] | None = None,
                  run_alone: Callable[[int], ContextManager[None]] = stopped.running_alone,
-                 let_go: Callable[[list[int]], None] = stopped.let_go):
-        self.run_alone, self.let_go = run_alone, let_go
+                 let_go: Callable[[list[int]], None] = stopped.let_go,
+                 release_of: Callable[[], tuple[int, ...] | None] = release):
+        self.run_alone, self.let_go, self.release_of = run_alone, let_go, release_of
         self.to_let_go: list[int] = []
         self.lock_timeout_ms, self.driver_factory = lock_timeout_ms, driver_factory
         self.inventory_factory = inventory_factory
@@ -47,6 +49,13 @@ class PipelineGpu:
         self.use: GpuUse | None = None            # the last footprint (this epoch's, if it was sized)
         self.visible_devices: str | None = None
         self.device_order: str | None = None      # set with visible_devices (the agent: Slurm's index order)
+
+    def refusals(self, pids: list[int]) -> list[str]:
+        """The check stage's view (/proc, sysfs; no libcuda, no NVML): what in the tree's CUDA processes the
+        driver here cannot checkpoint (MPS, MIG, managed memory, CUDA IPC, NCCL's intra-node transports),
+        each naming the cause and the processes. The GPU lock looks again (GpuStage.for_tree)."""
+        candidates = find_cuda_pids(pids)
+        return unsupported_reasons(candidates, self.nccl_env_required, self.release_of()) if candidates else []
 
     def footprint(self, pids: list[int]) -> GpuUse:
         """Bytes each process of the tree holds on each GPU, and notes on allocators that hold far more than
@@ -73,7 +82,8 @@ class PipelineGpu:
 
     def lock(self, pids: list[int]) -> None:
         self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
-                                       nccl_env_required=self.nccl_env_required, context=self.context)
+                                       nccl_env_required=self.nccl_env_required, context=self.context,
+                                       release_of=self.release_of)
         if isinstance(self.stage, GpuStage):
             self.stage.run_alone, self.stage.let_go = self.run_alone, self.let_go
         self.stage.lock_all(self.lock_timeout_ms)

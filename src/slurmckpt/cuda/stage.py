@@ -6,14 +6,11 @@ Restore:             [CRIU restore] -> adopt_restored -> restore_all(pairs) -> u
 GPU lock and checkpoint run while the tree is still running (the driver's helper thread inside each process
 does the work): they go before any freezer/CRIU freeze, and restore/unlock after the thaw.
 
-Every failure rolls back what this stage did: a process this stage checkpointed is restored, one it locked is
-unlocked, so nothing is left locked or checkpointed by us; a rollback that itself fails raises
-GpuRollbackError naming the processes left behind. Locks and unlocks go one process after another; the
-processes' checkpoints, and their restores, run at once (one driver call each, in threads: the driver copies
-several processes' memory faster together than one after another).
-
-A tree with no process touching /dev/nvidia* gets a NullGpuStage, and libcuda is never loaded for it.
-
+Every failure rolls back what this stage did (restore what it checkpointed, unlock what it locked); a
+rollback that itself fails raises GpuRollbackError naming the processes left behind. Locks and unlocks go one
+process after another; checkpoints and restores run at once (threads: the driver copies several processes'
+memory faster together), except in a cuda-checkpoint job (CUDA IPC, ipc_peers.py): one after another, in one
+order. A tree with no process touching /dev/nvidia* gets a NullGpuStage: libcuda is never loaded for it.
 What a GPU job must do to be checkpointable, and what is refused before anything is locked: procscan.py.
 """
 from __future__ import annotations
@@ -24,19 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
+from slurmckpt.cuda import ipc_peers
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, GpuInfo, GpuPair, ProcessState, load_driver
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, ns_pid, process_environ,
                                      unsupported_reasons)
+from slurmckpt.cuda.release import release
 from slurmckpt.cuda.remap import visible_gpus
 from slurmckpt.errors import GpuError, LockContended
-from slurmckpt.node import procfs
-from slurmckpt.node import stopped as stopped_processes
+from slurmckpt.node import procfs, stopped as stopped_processes
 from slurmckpt.node.stopped import PtraceError, running_alone
 
 T = TypeVar("T")
-
 log = logging.getLogger("slurmckpt.cuda")
-
 
 
 class GpuUnsupportedError(GpuError):
@@ -74,7 +70,6 @@ def _refuse_frozen(pid: int, cgroup_root: str, context: dict[str, Any] | None, s
 
 
 # ---- the stage --------------------------------------------------------------------------------------------
-
 @dataclass
 class GpuProcess:
     pid: int
@@ -103,6 +98,7 @@ class GpuStage:
     clock: Callable[[], float] = time.monotonic
     ended: list[int] = field(default_factory=list)      # pids that ended during a step (_release_ended)
     stopped: bool = False        # criu left the tree stopped: each driver call runs the restore thread alone
+    ipc_job: bool = False        # CUDA IPC in one cuda-checkpoint job: every call in turn, in process order
     run_alone: Callable[[int], ContextManager[None]] = running_alone
     let_go: Callable[[list[int]], None] = stopped_processes.let_go    # a stopped process given the chance to end
     active = True
@@ -111,18 +107,24 @@ class GpuStage:
     @classmethod
     def for_tree(cls, pids: Sequence[int], *, driver_factory: Callable[[], GpuDriver] = load_driver,
                  nccl_env_required: bool = True, cgroup_root: str = "/sys/fs/cgroup",
-                 context: dict[str, Any] | None = None) -> GpuStage | NullGpuStage:
+                 context: dict[str, Any] | None = None,
+                 release_of: Callable[[], tuple[int, ...] | None] = release) -> GpuStage | NullGpuStage:
         """Capture side, on the running (not yet frozen) tree. Refuses (GpuUnsupportedError, GpuStateError)
         before anything is locked."""
         candidates = find_cuda_pids(pids)
         if not candidates:
             return NullGpuStage()
-        reasons = unsupported_reasons(candidates, nccl_env_required)
+        driver_release = release_of()
+        reasons = unsupported_reasons(candidates, nccl_env_required, driver_release)
         if reasons:
             raise GpuUnsupportedError(reasons, **(context or {}))
         for pid in candidates:
             _refuse_frozen(pid, cgroup_root, context)
         driver = driver_factory()
+        ipc_job = ipc_peers.job_members(candidates, driver_release)
+        if ipc_job and not driver.ipc_jobs():
+            raise GpuUnsupportedError(["CUDA IPC in a cuda-checkpoint job, which this driver does not checkpoint"],
+                                      **(context or {}))
         procs = []
         for pid in candidates:
             try:
@@ -142,7 +144,7 @@ class GpuStage:
         env = process_environ(procs[0].pid)
         cvd = env.get("CUDA_VISIBLE_DEVICES")
         gpus = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
-        return cls(driver, procs, gpus, cvd, context=dict(context or {}), cgroup_root=cgroup_root)
+        return cls(driver, procs, gpus, cvd, context=dict(context or {}), cgroup_root=cgroup_root, ipc_job=ipc_job)
 
     @classmethod
     def adopt_restored(cls, driver: GpuDriver, record: dict[str, Any], tree_pids: Sequence[int],
@@ -166,7 +168,8 @@ class GpuStage:
                                     checkpointed=True, restore_tid=tid))
         gpus = [GpuInfo.from_dict(g) for g in record.get("gpus", [])]
         stage = cls(driver, procs, gpus, record.get("cuda_visible_devices"), adopted=True,
-                    context=dict(context or {}), cgroup_root=cgroup_root, stopped=True, run_alone=run_alone)
+                    context=dict(context or {}), cgroup_root=cgroup_root, stopped=True, run_alone=run_alone,
+                    ipc_job=bool(record.get("ipc_job")))
         for p in procs:
             try:
                 state = stage._drv(p, lambda: driver.state(p.pid))
@@ -181,7 +184,7 @@ class GpuStage:
     def record(self) -> dict[str, Any]:
         """What the manifest keeps for the restore: processes in checkpoint order, the GPUs they saw."""
         return {"processes": [p.to_dict() for p in self.processes], "gpus": [g.to_dict() for g in self.gpus],
-                "cuda_visible_devices": self.cuda_visible_devices}
+                "cuda_visible_devices": self.cuda_visible_devices, **({"ipc_job": True} if self.ipc_job else {})}
 
     @property
     def pids(self) -> list[int]:
@@ -197,14 +200,15 @@ class GpuStage:
         for p in self.processes:
             if not p.locked:
                 raise GpuStateError(f"checkpoint of process {p.pid} before it was locked", pid=p.pid)
-        self._each("checkpoint", lambda p: not p.checkpointed, self._checkpoint)
+        self._each("checkpoint", lambda p: not p.checkpointed, self._checkpoint, together=not self.ipc_job)
 
     def restore_all(self, pairs: Sequence[GpuPair] | None = None) -> None:
         """GPU state back onto the GPUs (full old->new `pairs` when remapped); processes stay LOCKED."""
         if self.adopted:     # nothing of the previous run to go back to: the caller kills the tree on failure
-            self._all("restore", [p for p in self.processes if p.checkpointed], lambda p: self._restore(p, pairs))
+            self._all("restore", [p for p in self.processes if p.checkpointed], lambda p: self._restore(p, pairs),
+                      together=not self.ipc_job)
             return
-        self._each("restore", lambda p: p.checkpointed, lambda p: self._restore(p, pairs))
+        self._each("restore", lambda p: p.checkpointed, lambda p: self._restore(p, pairs), together=not self.ipc_job)
 
     def unlock_all(self) -> None:
         errors: list[GpuError] = []
@@ -362,16 +366,15 @@ class GpuStage:
             raise _Failed(pid, failed[pid])
 
     def _stuck(self) -> dict[int, str]:
-        out = {}
-        for p in self.processes:
-            if p.locked:
-                try:
-                    out[p.pid] = self._drv(p, lambda: self.driver.state(p.pid)).name
-                except GpuStateError:
-                    out[p.pid] = "FROZEN"
-                except GpuError:
-                    out[p.pid] = "UNKNOWN"
-        return out
+        return {p.pid: self._state_name(p) for p in self.processes if p.locked}
+
+    def _state_name(self, p: GpuProcess) -> str:
+        try:
+            return self._drv(p, lambda: self.driver.state(p.pid)).name
+        except GpuStateError:
+            return "FROZEN"
+        except GpuError:
+            return "UNKNOWN"
 
 
 class _Failed(Exception):

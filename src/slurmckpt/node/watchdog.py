@@ -5,6 +5,8 @@ cannot kill a frozen tree and drains the node). The watchdog stands in for the a
 cannot act: it thaws the tree when the agent dies (kill -9, crash), and removes its cgroup once the tree
 has ended, and it thaws the tree when it has been frozen longer than any capture may take. It holds the read end of a pipe whose write end only the agent holds;
 the agent writes `limit SECONDS` lines there when an epoch's sizes call for a longer limit (set_limit).
+When the agent is gone it also puts back any memory limit the agent raised for a capture and did not put
+back yet (its ledger: node/host_memory.py).
 """
 from __future__ import annotations
 
@@ -13,20 +15,24 @@ import os
 import select
 import time
 
+from pathlib import Path
+
+from slurmckpt.node import host_memory
 from slurmckpt.node.task_cgroup import TaskCgroup
 
 log = logging.getLogger("slurmckpt.watchdog")
 
 
-def start(cgroup: TaskCgroup, max_frozen_s: float, poll_s: float = 1.0) -> int:
-    """Fork the watchdog; returns the write end the agent keeps open for as long as it lives."""
+def start(cgroup: TaskCgroup, max_frozen_s: float, poll_s: float = 1.0, ledger: Path | None = None) -> int:
+    """Fork the watchdog; returns the write end the agent keeps open for as long as it lives. `ledger`: the
+    agent's record of memory limits it raised (None: it raises none)."""
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             _close_inherited(keep={r})
-            watch(cgroup, r, max_frozen_s, poll_s)
+            watch(cgroup, r, max_frozen_s, poll_s, ledger)
         except BaseException:  # noqa: BLE001 - a watchdog exits, it never returns into the agent's code
             code = 1
         os._exit(code)
@@ -57,7 +63,8 @@ def set_limit(agent_fd: int, max_frozen_s: float) -> None:
     os.write(agent_fd, f"limit {max_frozen_s:.0f}\n".encode())
 
 
-def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0) -> None:
+def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float = 1.0,
+          ledger: Path | None = None) -> None:
     frozen_since: float | None = None
     pending = b""
     while True:
@@ -66,6 +73,7 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
             data = os.read(agent_fd, 256)
             if not data:
                 _thaw(cgroup, "the agent is gone")
+                _put_back(ledger)
                 _remove_once_empty(cgroup, poll_s)
                 return
             *lines, pending = (pending + data).split(b"\n")
@@ -85,6 +93,16 @@ def watch(cgroup: TaskCgroup, agent_fd: int, max_frozen_s: float, poll_s: float 
         elif now - frozen_since > max_frozen_s:
             _thaw(cgroup, f"frozen for more than {max_frozen_s:.0f}s")
             frozen_since = None
+
+
+def _put_back(ledger: Path | None) -> None:
+    if ledger is None:
+        return
+    try:
+        for line in host_memory.put_back_all(ledger):
+            log.warning("watchdog: %s", line)
+    except OSError as e:
+        log.error("watchdog could not put back the memory limits raised for a capture: %s", e)
 
 
 def _remove_once_empty(cgroup: TaskCgroup, poll_s: float) -> None:

@@ -3,14 +3,16 @@ epoch's state (context.py). The coordinator drives the phases across ranks:
 
     SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (fit.py; runner.py)
     PREPARE   refuse unrestorable state (checks.py) -> no PMI exchange under way (cheap early look)
-              -> reserve room in the store and staging (images.py) -> lock its GPUs -> GPU checkpoint
+              -> reserve room in the store and staging (images.py) -> (where the site allows) raise the
+              job's memory limits by what the capture adds (host_memory.py) -> lock its GPUs -> GPU checkpoint
               -> freeze the tree (cgroup freezer) -> no PMI exchange under way (else thaw and retry the
               round, slurm/pmi.py) -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
               ... barrier: all READY ...
     CAPTURE   record fds/files -> the GPU host copy into the images by several threads (host_copy.py)
               -> criu dump into node-local staging (tree stays frozen) -> output snapshot
               -> (final only) persist: compress staging into the store, rank.json
-    RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> persist at bounded priority
+    RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> memory limits put back
+              -> persist at bounded priority
     then      COMMIT (coordinator's agent, atomic manifest rename) | final: COMMIT -> FINISH (kill)
     or        ABORT at any point -> the undos of what was done, in reverse: the previous commit stays.
 
@@ -19,6 +21,7 @@ process (measured on the H200). The restore is a table of its own (restore.py).
 """
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from typing import Any
@@ -26,12 +29,14 @@ from typing import Any
 from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
-from slurmckpt.node import proctree, stopped, tcp_ports
+from slurmckpt.node import host_memory, proctree, stopped, tcp_ports
 from slurmckpt.rank import checks, ghost, host_copy, images, output_pipes, output_snapshot
 from slurmckpt.rank.context import EpochState, RankContext
 from slurmckpt.rank.engine import Stage
 from slurmckpt.rank.sharing import ipc, netlock, shm_files
 from slurmckpt.slurm import pmi
+
+log = logging.getLogger("slurmckpt.pipeline")
 
 
 def _freeze(ctx: RankContext, st: EpochState) -> None:
@@ -63,6 +68,23 @@ def _gpu_checkpoint(ctx: RankContext, st: EpochState) -> None:
 
 def _gpu_resume(ctx: RankContext, st: EpochState) -> None:
     ctx.gpu.resume()
+
+
+def _raise_memory(ctx: RankContext, st: EpochState) -> None:
+    """Where the site lets root, the job's memory limits go up by what the GPU copy (and the images' page
+    cache) add, as SIZE planned (rank/fit.py, node/host_memory.py); put back after the GPU restore."""
+    if ctx.limits.memory_ledger is not None and st.footprint is not None and st.footprint.raises:
+        st.memory_raised = host_memory.raise_limits(st.footprint.raises, ctx.limits.memory_ledger)
+
+
+def put_back_memory(ctx: RankContext, st: EpochState) -> None:
+    """The raise taken back, always: a job left holding more than its own limit meets the kernel's
+    enforcement of its --mem, as at any other time (said in the agent's log)."""
+    if ctx.limits.memory_ledger is None or not st.memory_raised:
+        return
+    for over in host_memory.put_back(st.memory_raised, ctx.limits.memory_ledger):
+        log.warning("%s", over, extra={"step": ctx.step, "rank": ctx.rank})
+    st.memory_raised = []
 
 
 def _pmi_between_exchanges(ctx: RankContext, st: EpochState) -> None:
@@ -216,6 +238,7 @@ PREPARE = (
     # freeze is the one that counts
     Stage("pmi-precheck", _pmi_between_exchanges),
     Stage("space", images.reserve, undo=images.release),
+    Stage("memory", _raise_memory, undo=put_back_memory),
     Stage("gpu-lock", _gpu_lock, undo=_gpu_unlock),
     Stage("gpu-checkpoint", _gpu_checkpoint, undo=_gpu_resume),
     Stage("freeze", _freeze, undo=_thaw),
@@ -236,5 +259,6 @@ RESUME_TREE = (
     Stage("thaw", _thaw),
     Stage("gpu-restore", _gpu_resume),
     Stage("gpu-unlock", _gpu_unlock),
+    Stage("memory", put_back_memory),
 )
 RESUME = RESUME_TREE + (Stage("persist", _persist_resumed),)

@@ -66,6 +66,11 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
     st.tcp_peers = netlock.internal_connections(pids, peers)
     _refuse_replayed_peers(ctx, st, trees)
     st.shared_files = ipc.shared_files(pids, set(peers))
+    # What the CUDA checkpoint API cannot capture (MPS, MIG, managed memory, CUDA IPC, NCCL's intra-node
+    # transports), from /proc alone: named here, before the GPU lock (cuda/procscan.py, cuda/ipc_peers.py)
+    gpu = ctx.gpu.refusals(pids)
+    if gpu:
+        raise CaptureError("GPU state cannot be checkpointed: " + "; ".join(gpu), step=ctx.step, rank=ctx.rank)
 
 
 def _refuse_relinked_files(ctx: RankContext, pids: list[int]) -> None:

@@ -38,6 +38,7 @@ class Handovers:
 class Limits:
     stall_after: tuple[str, float] | None = None       # Config.debug_stall_after (tests only)
     ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
+    memory_ledger: Path | None = None    # Config.gpu_capture_memory_raise: where raises are recorded; None: off
     host_copy_threads: int = 8                          # Config.host_copy_threads (host_copy.py); 0: criu's
 
 
@@ -95,6 +96,7 @@ class EpochState:
     # the GPU checkpoint's host copy per process (PREPARE), and what CAPTURE copied of it for criu to skip
     host_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     skip_pages: list[tuple[int, int, int]] = field(default_factory=list)
+    memory_raised: list[Any] = field(default_factory=list)    # host_memory.Raise made for this capture
 
     @property
     def dumped(self) -> bool:

@@ -51,7 +51,8 @@ class RankRunner:
         ctx = self._require_tree()
         self.state = EpochState(epoch)
         try:
-            measured = measure_footprint(ctx.cgroup.pids(), ctx.gpu, ctx.store.job_dir)
+            measured = measure_footprint(ctx.cgroup.pids(), ctx.gpu, ctx.store.job_dir,
+                                         raise_allowed=ctx.limits.memory_ledger is not None)
             why = measured.refusals()
             if why:
                 raise CaptureError("capture refused before anything was locked: " + "; ".join(why),
@@ -60,7 +61,7 @@ class RankRunner:
             self.failed_stage = "size"
             raise
         self.state.footprint = measured
-        return {**measured.reply(), "notes": list(measured.gpu.notes)}
+        return {**measured.reply(), "notes": list(measured.gpu.notes) + measured.notes()}
 
     def prepare(self, epoch: int) -> dict[str, Any]:
         ctx = self._require_tree()
@@ -113,6 +114,8 @@ class RankRunner:
             self.ctx.cgroup.kill_all()
         if self.state is not None:
             self.state.done = []
+            if self.ctx is not None:
+                capture.put_back_memory(self.ctx, self.state)
 
     # ---- the tree -----------------------------------------------------------------------------------------
     def started(self, ctx: RankContext) -> None:

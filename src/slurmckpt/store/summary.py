@@ -39,6 +39,7 @@ MAX_STALLS = 16                  # stall samples an interval record keeps (coord
 FAILURES_SHOWN = 5
 MAX_BYTES = 1 << 20              # a summary holds keep_epochs epochs and 5 failures: far below this
 MAX_LIST = 1000                  # entries of a list in a summary that a reader keeps
+MAX_STEPS, MAX_LINE = 16, 600    # GPU transport lines of a run: steps kept, characters of a line
 ACL_XATTR = "system.posix_acl_access"
 
 
@@ -63,6 +64,24 @@ def update_run(store: JobStore, fields: dict[str, Any]) -> None:
     with store_lock(store):
         run = {} if "restart_count" in fields else _json(store.job_dir / RUN_FILE)
         atomic_write_json(store.job_dir / RUN_FILE, {**run, **fields})
+
+
+def record_gpu_transports(store: JobStore, step: str, line: str) -> None:
+    """What a step's GPU tasks run NCCL's intra-node traffic over, on a node with several of the job's GPUs
+    (cuda/nccl.py): one line per step in the current run's record, said by the step's rank 0."""
+    from slurmckpt.store.instance import store_lock
+    with store_lock(store):
+        run = _json(store.job_dir / RUN_FILE)
+        lines = _lines(run.get("gpu_transports"))
+        lines[step] = line
+        atomic_write_json(store.job_dir / RUN_FILE, {**run, "gpu_transports": dict(list(lines.items())[-MAX_STEPS:])})
+
+
+def _lines(v: object) -> dict[str, str]:
+    """step -> line, as record_gpu_transports writes them (others dropped)."""
+    if not isinstance(v, dict):
+        return {}
+    return {k[:64]: t[:MAX_LINE] for k, t in list(v.items())[:MAX_STEPS] if isinstance(k, str) and isinstance(t, str)}
 
 
 def interval_record(choice: object) -> dict[str, Any]:
@@ -255,6 +274,8 @@ def checked(value: object, cluster: str, job: int) -> dict[str, Any] | None:
     run_types = {"restart_count": _int, "started_at": _num, "batch_node": _str, "interval_s": _int,
                  "disabled": _str, "restored_epoch": _int, "fresh_start": _str}
     kept_run: dict[str, Any] = {k: check(run[k]) for k, check in run_types.items() if k in run and check(run[k]) is not None}
+    if run.get("gpu_transports"):
+        kept_run["gpu_transports"] = _lines(run["gpu_transports"])
     if isinstance(run.get("policy"), dict):            # policy.JobPolicy.describe(): scalars and "settings"
         kept_run["policy"] = {k: _scalars(v) if k == "settings" else v for k, v in run["policy"].items()
                               if isinstance(k, str) and (v is None or type(v) in (int, str, bool)

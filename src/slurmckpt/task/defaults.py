@@ -9,19 +9,28 @@ off in slurmckpt.yaml.
   versions >= 1.45 hold an io_uring instance, and criu cannot checkpoint io_uring; with USE_LIBUV=0 PyTorch
   uses its own socket loop (read by init_process_group's env:// and tcp:// rendezvous and by torchrun's).
   Config `torch_store_without_libuv`.
-- GPU tasks: NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1, NCCL_NVLS_ENABLE=0. NCCL's intra-node transports hold
-  cross-GPU state (CUDA IPC, shared host memory, NVLink multicast) that the CUDA checkpoint API refuses;
-  without them NCCL moves intra-node traffic through the network path. Config `nccl_checkpoint_transports`.
+- GPU tasks: NCCL's intra-node transports, by how many GPUs the job has on the node (cuda/nccl.py: off with
+  one GPU, the site's or the job's choice with several, said in the job's output). Config
+  `nccl_checkpoint_transports` (all of it), `nccl_multi_gpu` (several GPUs).
+- GPU tasks: started under `cuda-checkpoint --launch-job` where the site names the utility
+  (`cuda_checkpoint_launch`) and the driver checkpoints CUDA IPC within such a job (>= 610): CUDA IPC between
+  the task's processes is then checkpointed (cuda/ipc_peers.py).
 - GPU tasks: each framework's memory on demand (cuda/frameworks.py). Config `gpu_growth_defaults`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
+from slurmckpt.cuda import nccl
 from slurmckpt.cuda.frameworks import growth_defaults
+from slurmckpt.cuda.release import JOB_FILE_VAR, ipc_jobs
 
 LIBUV_DEFAULTS = {"USE_LIBUV": "0"}
-NCCL_DEFAULTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+# What a wrapper added, as NAME=VALUE words: a step started from the batch script inherits the batch task's
+# environment, and a value slurmckpt set there is not the job's own choice for the step (the job may choose
+# otherwise for it: cuda/nccl.py)
+ADDED = "SLURMCKPT_ADDED"
 
 
 class DefaultsConfig(Protocol):
@@ -30,7 +39,20 @@ class DefaultsConfig(Protocol):
     @property
     def nccl_checkpoint_transports(self) -> bool: ...
     @property
+    def nccl_multi_gpu(self) -> str: ...
+    @property
+    def cuda_checkpoint_launch(self) -> str: ...
+    @property
     def gpu_growth_defaults(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a task starts with beyond its own: variables to add, a command to start it under, and what the
+    job's output says about GPU transports (None: nothing to say)."""
+    env: dict[str, str] = field(default_factory=dict)
+    argv_prefix: tuple[str, ...] = ()
+    transports: nccl.Transports | None = None
 
 
 def uses_gpus(env: Mapping[str, str]) -> bool:
@@ -41,18 +63,37 @@ def uses_gpus(env: Mapping[str, str]) -> bool:
     return bool(value) and value not in ("NoDevFiles", "-1")
 
 
-def defaults(env: Mapping[str, str], config: DefaultsConfig) -> dict[str, str]:
-    """What to add to a task's environment `env`: every setting of a group the site keeps on whose variable
-    the job did not set itself."""
+def without_inherited(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less what an outer wrapper added (ADDED) and the job left as it was: a variable the job changed
+    since is its own."""
+    added = dict(word.partition("=")[::2] for word in env.get(ADDED, "").split())
+    return {k: v for k, v in env.items() if k != ADDED and not (k in added and added[k] == v)}
+
+
+def marked(added: Mapping[str, str]) -> dict[str, str]:
+    """The ADDED variable for what a wrapper added (none if nothing)."""
+    return {ADDED: " ".join(f"{k}={v}" for k, v in sorted(added.items()))} if added else {}
+
+
+def defaults(env: Mapping[str, str], config: DefaultsConfig, release: tuple[int, ...] | None) -> Launch:
+    """What to add to a task's environment `env` on a node whose NVIDIA driver is `release`: every setting of
+    a group the site keeps on whose variable the job did not set itself."""
     added: dict[str, str] = {}
     if config.torch_store_without_libuv:
         added.update(_unset(LIBUV_DEFAULTS, env))
-    if uses_gpus(env):
-        if config.nccl_checkpoint_transports:
-            added.update(_unset(NCCL_DEFAULTS, env))
-        if config.gpu_growth_defaults:
-            added.update(growth_defaults(env))
-    return added
+    if not uses_gpus(env):
+        return Launch(added)
+    transports = None
+    if config.nccl_checkpoint_transports:
+        transports = nccl.choose(env, nccl.gpus_on_node(env), config.nccl_multi_gpu, release,
+                                 config.cuda_checkpoint_launch)
+        added.update(transports.env)
+    if config.gpu_growth_defaults:
+        added.update(growth_defaults(env))
+    # a task already started in a cuda-checkpoint job (the job ran cuda-checkpoint itself) keeps its own
+    in_job = bool(config.cuda_checkpoint_launch) and ipc_jobs(release) and JOB_FILE_VAR not in env
+    prefix = (config.cuda_checkpoint_launch, "--launch-job") if in_job else ()
+    return Launch(added, prefix, transports)
 
 
 def _unset(settings: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:

@@ -22,6 +22,7 @@ from slurmckpt.node import procfs
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
+from slurmckpt.cuda.release import release as driver_release
 from slurmckpt.config import load_user_config
 from slurmckpt.task.membership import HostEvents, Membership
 from slurmckpt.errors import SlurmckptError
@@ -175,12 +176,19 @@ class Wrapper(TaskStart, EpochHandling):
         env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
         if self.srun_relay:
             env = self.srun_relay.tree_env(env)
-        argv = self.argv
-        added = task_defaults.defaults(env, self.config)    # docs/gpu.md, "What slurmckpt sets ..."
-        env.update(added)
-        if task_defaults.uses_gpus(env) and added and self.env.rank == 0:     # one line per step
+        # docs/gpu.md, "What slurmckpt sets in a checkpointed job" (recomputed for a step: not inherited)
+        env = task_defaults.without_inherited(env)
+        launch = task_defaults.defaults(env, self.config, driver_release())
+        added = launch.env
+        argv = [*launch.argv_prefix, *self.argv]
+        env.update({**added, **task_defaults.marked(added)})
+        if task_defaults.uses_gpus(env) and (added or launch.argv_prefix) and self.env.rank == 0:  # once a step
             say(self.env, "checkpointable GPU job: set " + " ".join(f"{k}={v}" for k, v in sorted(added.items()))
+                + (f"; started under {' '.join(launch.argv_prefix)}" if launch.argv_prefix else "")
                 + " (a job's own value stands; docs/gpu.md, \"What slurmckpt sets in a checkpointed job\")")
+        trade = launch.transports.line(self.env.node) if launch.transports else None
+        if trade and os.environ.get("SLURM_LOCALID", "0") == "0":     # once a node and step
+            say(self.env, trade)
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
             env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks
