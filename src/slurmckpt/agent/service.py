@@ -214,9 +214,12 @@ class Agent(TaskPlan):
         if self.runner.root_pid:
             raise PermissionDenied("a tree was already started for this task")
         argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
+        allow_io_uring = m.get("allow_io_uring", False)
         if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
-                and isinstance(env, dict) and isinstance(cwd, str) and len(fds) == 3):
-            raise ProtocolError("launch needs argv (list of str), env (dict), cwd and 3 stdio fds")
+                and isinstance(env, dict) and isinstance(cwd, str) and len(fds) == 3
+                and isinstance(allow_io_uring, bool)):
+            raise ProtocolError("launch needs argv (list of str), env (dict), cwd, 3 stdio fds and, if any, "
+                                "allow_io_uring (bool)")
         env = {str(k): str(v) for k, v in env.items()}
         if any("\0" in a for a in [*argv, *env, *env.values(), cwd]) or any("=" in k or not k for k in env):
             raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
@@ -229,11 +232,16 @@ class Agent(TaskPlan):
         own_mntns = bool(allocated)
         creds = self._task_credentials()
         self._place_with_slurm()
+        # io_uring, which criu cannot dump, blocked in the tree unless the site or the job (its own tree's
+        # checkpointability, nothing else) said otherwise (docs/gpu.md, "io_uring").
+        block_io_uring = self.config.block_io_uring and not allow_io_uring
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
-                         init_home(self.config.run_dir, self._task_name, creds), own_mntns)
+                         init_home(self.config.run_dir, self._task_name, creds), own_mntns,
+                         block_io_uring=block_io_uring)
         self.runner.started(self._context(creds, pid))
-        log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
-                 "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
+        log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s; io_uring %s)", argv[0], pid,
+                 "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node,
+                 "blocked" if block_io_uring else "allowed")
         return {"pid": pid}
 
     def _place_with_slurm(self) -> None:

@@ -181,11 +181,14 @@ class Wrapper(TaskStart, EpochHandling):
         if task_defaults.uses_gpus(env) and added and self.env.rank == 0:     # one line per step
             say(self.env, "checkpointable GPU job: set " + " ".join(f"{k}={v}" for k, v in sorted(added.items()))
                 + " (a job's own value stands; docs/gpu.md, \"What slurmckpt sets in a checkpointed job\")")
+        allow_io_uring, complaint = task_defaults.io_uring_wanted(env)
+        if complaint and self.env.rank == 0:
+            say(self.env, complaint)
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
             env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks
             argv = pmi.attach_argv(argv)
-        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd())
+        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd(), allow_io_uring=allow_io_uring)
         if relay:
             for fd in stdio[1:]:
                 os.close(fd)
