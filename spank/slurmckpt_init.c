@@ -1,7 +1,7 @@
 /*
  * slurmckpt-init - PID 1 of the workload's PID namespace.
  *
- *   slurmckpt-init [--chdir HOME] [--workdir DIR] [--env-fd N] -- PROG ARGS...
+ *   slurmckpt-init [--chdir HOME] [--workdir DIR] [--env-fd N] [--block-io-uring] -- PROG ARGS...
  *
  * Forwards HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH to the root child,
  * reaps every child, and exits with the root child's code (128+N when it
@@ -20,6 +20,11 @@
  * environment: nothing of the user's reaches the dynamic loader while capabilities are held. The
  * workload's environment comes through --env-fd (NUL-separated, read by the child), and the child
  * drops every capability before it enters the workload's directory (--workdir: as the user) and execs.
+ *
+ * --block-io-uring: the child first installs the seccomp filter of io_uring_block.c, which every process
+ * of the tree inherits and criu dumps and restores with each task. It does so while it still holds
+ * CAP_SYS_ADMIN, as container runtimes do, so the tree needs no no_new_privs: setuid and file-capability
+ * programs (fusermount, newuidmap, apptainer's starter) work in the job as without slurmckpt.
  */
 #include <errno.h>
 #include <linux/capability.h>
@@ -31,6 +36,8 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "io_uring_block.h"
 
 static const int forwarded[] = {
 	SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTERM, SIGCONT,
@@ -112,7 +119,7 @@ static char **read_env(int fd)
 
 extern char **environ;
 
-static void child_exec(char **argv, const char *workdir, int env_fd)
+static void child_exec(char **argv, const char *workdir, int env_fd, int block_io_uring)
 {
 	sigset_t empty;
 	int sig;
@@ -121,6 +128,11 @@ static void child_exec(char **argv, const char *workdir, int env_fd)
 		reset_signal(sig, SIG_DFL);
 	sigemptyset(&empty);
 	sigprocmask(SIG_SETMASK, &empty, NULL);
+	/* Before the capabilities go: with CAP_SYS_ADMIN the filter needs no no_new_privs. Without it the job
+	 * still runs; a ring it makes gets its captures refused, naming the process. */
+	if (block_io_uring && io_uring_block() != 0)
+		fprintf(stderr, "slurmckpt-init: cannot block io_uring: %s; a process of this task that makes an "
+			"io_uring will have its captures refused\n", strerror(errno));
 	if (drop_capabilities() != 0) {
 		fprintf(stderr, "slurmckpt-init: cannot drop capabilities: %s\n", strerror(errno));
 		_exit(126);
@@ -161,13 +173,19 @@ int main(int argc, char **argv)
 	pid_t pid;
 	int status, i;
 	const char *home = NULL, *workdir = NULL;
-	int env_fd = -1;
+	int env_fd = -1, block_io_uring = 0;
 
 	/* --chdir DIR: where init itself lives once the workload is forked. CRIU's parasite mounts a
 	 * transient proc at "proc.crtools" in the namespace init's cwd: it must be private to this task.
 	 * --workdir DIR: the workload's cwd, entered by the child without capabilities. --env-fd N: the
-	 * workload's environment. */
+	 * workload's environment. --block-io-uring: the workload runs under io_uring_block's filter. */
 	while (argc > 2 && argv[1][0] == '-' && argv[1][1] == '-' && argv[1][2] != '\0') {
+		if (strcmp(argv[1], "--block-io-uring") == 0) {
+			block_io_uring = 1;
+			argv++;
+			argc--;
+			continue;
+		}
 		if (strcmp(argv[1], "--chdir") == 0)
 			home = argv[2];
 		else if (strcmp(argv[1], "--workdir") == 0)
@@ -184,7 +202,8 @@ int main(int argc, char **argv)
 		argc--;
 	}
 	if (argc < 2 || argv[1][0] == '-') {
-		fprintf(stderr, "usage: slurmckpt-init [--chdir DIR] -- PROG [ARGS...]\n");
+		fprintf(stderr, "usage: slurmckpt-init [--chdir DIR] [--workdir DIR] [--env-fd N] [--block-io-uring] "
+			"-- PROG [ARGS...]\n");
 		return (127);
 	}
 	if (getpid() != 1)
@@ -209,7 +228,7 @@ int main(int argc, char **argv)
 		return (127);
 	}
 	if (pid == 0)
-		child_exec(argv + 1, workdir, env_fd);
+		child_exec(argv + 1, workdir, env_fd, block_io_uring);
 	if (env_fd >= 0)
 		close(env_fd);
 	root_child = pid;

@@ -1,8 +1,10 @@
 #!/bin/sh
-# init_test.sh INIT - slurmckpt-init outside a PID namespace: exit codes,
-# signal forwarding, every signal at its default in the child, orphans reaped.
+# init_test.sh INIT PROBE - slurmckpt-init outside a PID namespace: exit codes,
+# signal forwarding, every signal at its default in the child, orphans reaped,
+# io_uring blocked for the whole tree with --block-io-uring (PROBE: tests/io_uring_probe.c).
 set -u
-INIT=${1:?usage: init_test.sh path/to/slurmckpt-init}
+INIT=${1:?usage: init_test.sh path/to/slurmckpt-init path/to/io_uring_probe}
+PROBE=${2:?usage: init_test.sh path/to/slurmckpt-init path/to/io_uring_probe}
 fail=0
 check() { # name want got
 	if [ "$2" = "$3" ]; then echo "ok   $1"; else echo "FAIL $1: want $2, got $3"; fail=1; fi
@@ -30,6 +32,28 @@ if [ "$(id -u)" = 0 ]; then   # as the agent starts it: a user with ambient capa
 	got=$(setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all,+sys_admin,+dac_override \
 		--ambient-caps=-all,+sys_admin,+dac_override "$INIT" -- grep -E '^Cap(Eff|Prm|Amb)' /proc/self/status | tr -d '\t\n')
 	check "child holds no capabilities" "CapPrm:0000000000000000CapEff:0000000000000000CapAmb:0000000000000000" "$got"
+fi
+
+# io_uring: open without the flag (a kernel that blocks it already leaves nothing to test: a failure);
+# with it every io_uring call, through every ABI, answers EPERM in the child and in its children.
+case $(uname -m) in x86_64) abis="x32=EPERM i386=EPERM" ;; *) abis="x32=- i386=-" ;; esac
+blocked="setup=EPERM enter=EPERM register=EPERM $abis"
+case $("$INIT" -- "$PROBE") in
+setup=EFAULT\ enter=EBADF*) check "io_uring open without --block-io-uring" x x ;;
+*) check "io_uring open without --block-io-uring" "setup=EFAULT enter=EBADF ..." "$("$INIT" -- "$PROBE")" ;;
+esac
+check "io_uring blocked" "$blocked" "$("$INIT" --block-io-uring -- "$PROBE")"
+check "io_uring blocked in a grandchild" "$blocked" "$("$INIT" --block-io-uring -- sh -c "sh -c '$PROBE'")"
+if [ "$(id -u)" = 0 ]; then   # as the agent starts it: installed with CAP_SYS_ADMIN, so no no_new_privs
+	got=$(setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all,+sys_admin,+dac_override \
+		--ambient-caps=-all,+sys_admin,+dac_override "$INIT" --block-io-uring -- \
+		sh -c "$PROBE; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status" | tr -d '\t' | tr '\n' ' ')
+	check "io_uring blocked for the user, setuid programs still work" "$blocked NoNewPrivs:0 Seccomp:2 " "$got"
+	got=$(setpriv --reuid=65534 --regid=65534 --clear-groups "$INIT" --block-io-uring -- sh -c 'echo ran' 2>&1)
+	case $got in
+	*"cannot block io_uring: Permission denied"*ran) check "without CAP_SYS_ADMIN: said, and the job runs" x x ;;
+	*) check "without CAP_SYS_ADMIN: said, and the job runs" "cannot block io_uring ... ran" "$got" ;;
+	esac
 fi
 
 # Forwarding: USR1 to init reaches the child (whose trap exits 42).

@@ -138,6 +138,11 @@ class Config:
     torch_store_without_libuv: bool = _key(True, "Every task gets USE_LIBUV=0 unless the job set USE_LIBUV: "
                                            "PyTorch's TCPStore (torch.distributed) then runs without libuv's "
                                            "io_uring, which criu cannot checkpoint (docs/gpu.md).")
+    block_io_uring: bool = _key(True, "Every task's tree starts under a seccomp filter that answers io_uring_setup, "
+                                "io_uring_enter and io_uring_register with EPERM, unless the job set "
+                                "SLURMCKPT_IO_URING=allow: criu cannot checkpoint io_uring, and libraries "
+                                "(libuv under PyTorch's TCPStore and torchrun) then go on without one "
+                                "(docs/gpu.md, \"io_uring\").")
     criu_extra_args: tuple[str, ...] = _key((), "Extra arguments for every criu dump and restore (a list or one "
                                             "string).")
     ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "

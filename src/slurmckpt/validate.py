@@ -201,3 +201,18 @@ def commit_ranks(value: object, field: str = "ranks") -> dict[str, dict[str, Any
         rank_name(name, f"{field} name")
         out[name] = record(name, rec)
     return out
+
+
+def launch(m: dict[str, Any], nfds: int) -> tuple[list[str], dict[str, str], str, bool]:
+    """A wrapper's launch request: (argv, env, cwd, allow_io_uring), each checked, with its 3 stdio fds."""
+    argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
+    allow_io_uring = m.get("allow_io_uring", False)
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
+            and isinstance(env, dict) and isinstance(cwd, str) and nfds == 3
+            and isinstance(allow_io_uring, bool)):
+        raise ProtocolError("launch needs argv (list of str), env (dict), cwd, 3 stdio fds and, if any, "
+                            "allow_io_uring (bool)")
+    env = {str(k): str(v) for k, v in env.items()}
+    if any("\0" in a for a in [*argv, *env, *env.values(), cwd]) or any("=" in k or not k for k in env):
+        raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
+    return argv, env, cwd, allow_io_uring

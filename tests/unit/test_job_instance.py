@@ -282,7 +282,7 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
 
     from slurmckpt.agent import service as agent_mod
     modes: list[bool] = []
-    monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args: modes.append(args[-1]) or 4242)
+    monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args, **kw: modes.append(args[-1]) or 4242)
     monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
     here = socket.gethostname()
     assert task_defaults.uses_gpus({"CUDA_VISIBLE_DEVICES": "0"}), "the old rule would have given it one"
@@ -292,7 +292,8 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
         a = _agent(tmp_path / str(n), _me(), gpus=gpus)
         if gpus is None:
             a.slurm_job = None                      # Slurm could not be asked: no GPU is assumed
-        a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path), cuda_checkpoint_launch="")
+        a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path), cuda_checkpoint_launch="",
+                                   block_io_uring=True)
         a._task_credentials = lambda: None
         a._place_with_slurm = lambda: None
         a._context = lambda creds, pid: pid              # the tree's context: not what this test is about

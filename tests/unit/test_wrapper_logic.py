@@ -562,6 +562,21 @@ def test_gpu_tasks_start_in_a_cuda_checkpoint_job_where_the_site_and_the_driver_
     assert w.agent.calls[-1][1]["argv"] == ["app"]
 
 
+def test_the_launch_carries_the_jobs_io_uring_opt_out_and_a_bad_value_is_said(make, said, monkeypatch):
+    monkeypatch.delenv("SLURMCKPT_IO_URING", raising=False)
+    w = make({"launch": {"pid": 99}})
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["allow_io_uring"] is False
+    monkeypatch.setenv("SLURMCKPT_IO_URING", "allow")
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["allow_io_uring"] is True
+    assert w.agent.calls[-1][1]["env"]["SLURMCKPT_IO_URING"] == "allow"      # the job's variable, left as it is
+    monkeypatch.setenv("SLURMCKPT_IO_URING", "on")
+    w._launch(relay=False)
+    assert w.agent.calls[-1][1]["allow_io_uring"] is False
+    assert any("SLURMCKPT_IO_URING='on' is neither allow nor block" in line for line in said)
+
+
 def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)

@@ -217,13 +217,7 @@ class Agent(TaskPlan):
     def op_launch(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if self.runner.root_pid:
             raise PermissionDenied("a tree was already started for this task")
-        argv, env, cwd = m.get("argv"), m.get("env"), m.get("cwd")
-        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)
-                and isinstance(env, dict) and isinstance(cwd, str) and len(fds) == 3):
-            raise ProtocolError("launch needs argv (list of str), env (dict), cwd and 3 stdio fds")
-        env = {str(k): str(v) for k, v in env.items()}
-        if any("\0" in a for a in [*argv, *env, *env.values(), cwd]) or any("=" in k or not k for k in env):
-            raise ProtocolError("launch: NUL in argv/env/cwd, or an env name that is empty or holds '='")
+        argv, env, cwd, allow_io_uring = validate.launch(m, len(fds))
         if self.ident.step == "batch" and self.ident.restart_count and self.restored is None:
             self._fresh_start_notice()      # said (AdminComment) even if the wrapper did not ask
         # CUDA refuses to work in a PID namespace that sees the host's /proc: a GPU tree gets a mount
@@ -233,11 +227,16 @@ class Agent(TaskPlan):
         own_mntns = bool(allocated)
         creds = self._task_credentials()
         self._place_with_slurm()
+        # io_uring, which criu cannot dump, blocked in the tree unless the site or the job (its own tree's
+        # checkpointability, nothing else) said otherwise (docs/gpu.md, "io_uring").
+        block_io_uring = self.config.block_io_uring and not allow_io_uring
         pid = spawn_tree(argv, env, cwd, fds, creds, self.config.init_path, self.cgroup,
-                         init_home(self.config.run_dir, self._task_name, creds), own_mntns)
+                         init_home(self.config.run_dir, self._task_name, creds), own_mntns,
+                         block_io_uring=block_io_uring)
         self.runner.started(self._context(creds, pid))
-        log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s)", argv[0], pid,
-                 "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node)
+        log.info("launched %s as pid %d (%s: Slurm allocated GPUs %s on %s; io_uring %s)", argv[0], pid,
+                 "own mount namespace" if own_mntns else "no mount namespace of its own", allocated, node,
+                 "blocked" if block_io_uring else "allowed")
         # the NCCL trade, told from what the task was started with and Slurm's GPUs here (cuda/nccl.py)
         in_job = argv[:2] == [self.config.cuda_checkpoint_launch, "--launch-job"]
         trade = nccl.describe(env, len(allocated), node, in_job)

@@ -107,11 +107,12 @@ def append_only(fds: list[int]) -> None:
 
 
 def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials,
-               init_path: str, cgroup: TaskCgroup, home: str, own_mntns: bool = False) -> int:
+               init_path: str, cgroup: TaskCgroup, home: str, own_mntns: bool = False,
+               block_io_uring: bool = False) -> int:
     """Fork an intermediate that joins the task cgroup and a new PID namespace (and, with `own_mntns`, a
     mount namespace: GPU tasks), whose child (PID 1 there) becomes the job user and execs the init. The
-    intermediate exits, so the init re-parents to the nearest subreaper: the wrapper. Returns the init's
-    host PID."""
+    intermediate exits, so the init re-parents to the nearest subreaper: the wrapper. With `block_io_uring`
+    the workload runs under init's io_uring filter (docs/gpu.md, "io_uring"). Returns the init's host PID."""
     rfd, wfd = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
@@ -121,7 +122,8 @@ def spawn_tree(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
             unshare_namespaces(own_mntns)
             init_pid = os.fork()
             if init_pid == 0:
-                _become_task(argv, env, cwd, stdio, creds, init_path, home, own_mntns)   # never returns
+                _become_task(argv, env, cwd, stdio, creds, init_path, home, own_mntns,   # never returns
+                             block_io_uring)
             os.write(wfd, str(init_pid).encode())
             os._exit(0)
         except BaseException as e:  # noqa: BLE001 - report through the pipe, never return into the agent
@@ -197,16 +199,17 @@ def _require_root_dir(path: str, fix: bool = False) -> None:
 
 
 def init_command(creds: Credentials, init_path: str, argv: list[str], home: str, cwd: str,
-                 env_fd: int) -> list[str]:
+                 env_fd: int, block_io_uring: bool = False) -> list[str]:
     """The job's user. The init alone also holds CAP_SYS_ADMIN and CAP_DAC_OVERRIDE (ambient; its child
     drops every capability before exec): CRIU's parasite needs them in a PID namespace's init to mount that
-    namespace's /proc in the root-owned home."""
+    namespace's /proc in the root-owned home. The child installs the io_uring filter with CAP_SYS_ADMIN."""
     groups = ",".join(str(g) for g in creds.groups)
     caps = "-all,+sys_admin,+dac_override"
     return [SETPRIV, f"--reuid={creds.uid}", f"--regid={creds.gid}",
             f"--groups={groups}" if groups else "--clear-groups",
             f"--inh-caps={caps}", f"--ambient-caps={caps}",
-            init_path, "--chdir", home, "--workdir", cwd, "--env-fd", str(env_fd), "--", *argv]
+            init_path, "--chdir", home, "--workdir", cwd, "--env-fd", str(env_fd),
+            *(["--block-io-uring"] if block_io_uring else []), "--", *argv]
 
 
 def env_memfd(env: dict[str, str]) -> int:
@@ -225,7 +228,7 @@ ENV_FD = 3     # where init finds the workload's environment
 
 
 def _become_task(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], creds: Credentials, init_path: str,
-                 home: str, own_mntns: bool) -> None:
+                 home: str, own_mntns: bool, block_io_uring: bool) -> None:
     """In the forked child (root): session, stdio, limits, then exec setpriv -> init with a fixed
     environment. The user's cwd and environment are handed to init's child, which uses them without
     privileges; root never chdirs into the user's directory."""
@@ -245,7 +248,7 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int
             except (ValueError, OSError):
                 pass
         os.chdir("/")
-        command = init_command(creds, init_path, argv, home, cwd, ENV_FD)
+        command = init_command(creds, init_path, argv, home, cwd, ENV_FD, block_io_uring)
         os.execve(command[0], command, PRIVILEGED_ENV)
     except BaseException as e:  # noqa: BLE001
         try:

@@ -30,9 +30,10 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
         return
     rings = proctree.io_uring_holders(pids)
     if rings:
-        raise CaptureError("; ".join(rings) + ": criu cannot checkpoint io_uring. slurmckpt sets USE_LIBUV=0 "
-                           "for PyTorch unless the job set USE_LIBUV itself; a program that makes its own ring "
-                           "cannot be checkpointed (docs/limitations.md)", step=ctx.step, rank=ctx.rank)
+        raise CaptureError("; ".join(rings) + ": criu cannot checkpoint io_uring. slurmckpt starts every tree "
+                           "with io_uring blocked (io_uring_setup answers EPERM; libuv and liburing users then "
+                           "go on without) unless the job set SLURMCKPT_IO_URING=allow or the site turned "
+                           "block_io_uring off (docs/gpu.md, \"io_uring\")", step=ctx.step, rank=ctx.rank)
     # Each rank is dumped and restored by its own criu run: what it shares with another tree is refused
     # where that cannot come back consistently (ipc.py says which and why).
     stdio = {t.link for t in (proctree.fd_target(ctx.root_pid or 0, fd) for fd in (0, 1, 2)) if t}

@@ -16,6 +16,10 @@ off in slurmckpt.yaml.
   (`cuda_checkpoint_launch`) and the driver checkpoints CUDA IPC within such a job (>= 610): CUDA IPC between
   the task's processes is then checkpointed (cuda/ipc_peers.py).
 - GPU tasks: each framework's memory on demand (cuda/frameworks.py). Config `gpu_growth_defaults`.
+
+Not a variable but the same kind of default: every tree starts with io_uring blocked (init's seccomp filter,
+set up by the root agent; config `block_io_uring`), which covers the rings USE_LIBUV cannot reach (torchrun's
+own stores). The job opts out with SLURMCKPT_IO_URING=allow (`io_uring_wanted`), read here, on the user side.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ LIBUV_DEFAULTS = {"USE_LIBUV": "0"}
 # environment, and a value slurmckpt set there is not the job's own choice for the step (the job may choose
 # otherwise for it: cuda/nccl.py)
 ADDED = "SLURMCKPT_ADDED"
+IO_URING_VAR = "SLURMCKPT_IO_URING"
+IO_URING_CHOICES = ("allow", "block")
 
 
 class DefaultsConfig(Protocol):
@@ -98,3 +104,14 @@ def defaults(env: Mapping[str, str], config: DefaultsConfig, release: tuple[int,
 
 def _unset(settings: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in settings.items() if name not in env}
+
+
+def io_uring_wanted(env: Mapping[str, str]) -> tuple[bool, str | None]:
+    """Whether the job asked for io_uring (SLURMCKPT_IO_URING=allow), and a line for the job's stderr when the
+    variable holds anything else than allow or block (the tree then starts with io_uring blocked: the job
+    stays checkpointable)."""
+    value = env.get(IO_URING_VAR)
+    if value is None or value in IO_URING_CHOICES:
+        return value == "allow", None
+    return False, (f"{IO_URING_VAR}={value!r} is neither allow nor block: io_uring stays blocked for this task "
+                   "(docs/gpu.md, \"io_uring\")")

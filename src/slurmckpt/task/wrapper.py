@@ -189,11 +189,14 @@ class Wrapper(TaskStart, EpochHandling):
         trade = launch.transports.line(self.env.node) if launch.transports else None
         if trade and os.environ.get("SLURM_LOCALID", "0") == "0":     # once a node and step
             say(self.env, trade)
+        allow_io_uring, complaint = task_defaults.io_uring_wanted(env)
+        if complaint and self.env.rank == 0:
+            say(self.env, complaint)
         if self.pmi_fd is not None and not relay:
             env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
             env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks
             argv = pmi.attach_argv(argv)
-        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd())
+        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd(), allow_io_uring=allow_io_uring)
         if relay:
             for fd in stdio[1:]:
                 os.close(fd)

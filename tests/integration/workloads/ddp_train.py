@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A torch.distributed DistributedDataParallel training run as users launch it: one process per Slurm task
-(`srun -n N`), rendezvous through init_process_group's env:// (TCPStore on rank 0), gloo between the ranks,
-a deterministic model and data. Rank 0 prints one line per step: the step, the loss and a checksum of the
-weights, so a run that was captured and restored can be compared line for line with an uninterrupted one.
+(`srun -n N`) or per torchrun worker, rendezvous through init_process_group's env:// (TCPStore on rank 0, or
+the store of torchrun's agent), gloo between the ranks, a deterministic model and data. Rank 0 prints one line
+per step: the step, the loss and a checksum of the weights, so a run that was captured and restored can be
+compared line for line with an uninterrupted one.
 
   --device cpu|cuda    cuda: each rank on GPU SLURM_LOCALID % device_count (two tasks may share one GPU)
   --workers N          a DataLoader with N workers (default start method: fork)
@@ -39,7 +40,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0)
     a = ap.parse_args()
-    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    # torchrun sets RANK, WORLD_SIZE and MASTER_*; a task of `srun -n N` has Slurm's
+    rank = int(os.environ.get("RANK", os.environ["SLURM_PROCID"]))
+    world = int(os.environ.get("WORLD_SIZE", os.environ["SLURM_NTASKS"]))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -48,16 +48,6 @@ def poison() -> int:
     return fd
 
 
-def ring() -> int:
-    """Open an io_uring instance (what libuv >= 1.45 does): refused before anything is frozen."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    params = (ctypes.c_char * 120)()
-    fd = libc.syscall(425, 4, params)             # io_uring_setup(entries=4, params)
-    if fd < 0:
-        sys.exit(f"io_uring_setup failed: errno {ctypes.get_errno()}")
-    return fd
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
@@ -67,7 +57,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--poison-at", type=int, default=-1)
-    ap.add_argument("--ring-at", type=int, default=-1)
     ap.add_argument("--exit-if", default=None, help="exit 3 at the first step at which this file exists")
     a = ap.parse_args()
     tag = a.tag if not a.tag.isdigit() else f"r{a.tag}"
@@ -86,8 +75,6 @@ def main() -> None:
     for i in range(a.steps):
         if i == a.poison_at:
             poison()
-        if i == a.ring_at:
-            ring()
         if a.exit_if and os.path.exists(a.exit_if):
             print(f"{tag} failing at step {i}: {a.exit_if} exists", flush=True)
             sys.exit(3)
