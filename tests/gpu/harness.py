@@ -49,9 +49,9 @@ def _log_tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def dump(pid: int, images: Path, leave_running: bool = False) -> float:
+def dump(pid: int, images: Path, leave_running: bool = False, extra: list[str] | None = None) -> float:
     images.mkdir(parents=True, exist_ok=True)
-    args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *CRIU_OPTS]
+    args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *CRIU_OPTS, *(extra or [])]
     if leave_running:
         args.append("--leave-running")
     t = time.monotonic()

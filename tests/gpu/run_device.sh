@@ -6,6 +6,8 @@
 #   pidns  - tests/gpu/pidns_probe.py: CUDA process in its own PID namespace + /proc mount, through C/R
 #   nvml[:GIB] - tests/gpu/nvml_probe.py: NVML inventory, NVML bytes vs the driver's host copy, rates, JAX notes
 #   infer[:PAIRS] - benchmarks/inference_restore.py: inference server, restore-to-serving vs cold start from disk
+#   stall[:SIZES[:THP[:PAIRS]]] - benchmarks/gpu_stall.py: the capture's stall and the restore, criu's copy of the
+#     host copy against slurmckpt's threads, paired, with their floors (THP comma-separated: madvise,always)
 #   jaxwhy[:CASES] - tests/gpu/jax_why_probe.py: why JAX in its own PID namespace loses its GPU state (CASES
 #     comma-separated, default all); one VERDICT line per case
 #   ipc[:CASES] - tests/gpu/ipc_probe.py: what CUDA IPC (torch.multiprocessing, raw cuIpc*) leaves in /proc and
@@ -45,6 +47,9 @@ for phase in "$@"; do
               timeout 280 python3 tests/gpu/jax_why_probe.py $W/jaxwhy ${cases//,/ } 2>&1 | tee -a "$log" ;;
     ipc) cases=${phase#ipc}; cases=${cases#:}
          timeout 400 python3 tests/gpu/ipc_probe.py $W/ipc ${cases//,/ } 2>&1 | tee -a "$log" ;;
+    stall) IFS=: read -r _ sizes thp pairs <<< "$phase"
+           timeout 580 python3 benchmarks/gpu_stall.py --sizes "${sizes:-1,8}" --thp "${thp:-madvise,always}" \
+             --pairs "${pairs:-2}" --work $W/stall --out "$OUT/stall.json" 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)
