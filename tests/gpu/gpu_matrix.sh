@@ -14,6 +14,11 @@
 #   X torch.compile (Inductor's compile workers)       L PyTorch Lightning (mpi4py installed where it is)
 #   H Hugging Face generation loop (KV cache)          I inference server, sessions on the GPU, client outside
 #   C CuPy                                             J JAX
+#   R torchrun --standalone, 2 workers on one GPU, DataLoader fork workers with pin_memory, requeued twice
+#   A accelerate launch (Accelerator, DataLoader workers), requeued twice
+#   B 16 GiB on the GPU, Slurm's default KillWait=30, requeued twice (the requeue's capture committed, or
+#     skipped and said)                                M 16 GiB with --mem=24G: refused at the first capture
+#   V CUDA IPC (an actor/learner pair, torch.multiprocessing): refused naming both pids
 # Output: $OUT/gpu-matrix.txt (as it goes) and $OUT/gpu-coverage.md (the table), $OUT/gpu-matrix-logs.tar.gz.
 #   prepare (Debian 12 dev machine): tests/gpu/carry.sh
 set -u
@@ -25,7 +30,7 @@ say() { echo "=== [$((SECONDS - T0))s] $*"; }
 
 say "slurm (tests/gpu/slurm_config.sh), slurmckpt staged"
 bash tests/gpu/slurm_config.sh .carry/slurmdebs 2>&1 | tail -2
-DEVICE_USER=ckptgpu STAGE=/opt/slurmckpt-stage PY=$(command -v python3)
+DEVICE_USER=ckptgpu STAGE=/opt/slurmckpt-stage PY=$(command -v python3); BIN=$(dirname "$PY")
 . tests/gpu/device_setup.sh >/dev/null
 install -D -m 755 -t /usr/local/lib/slurmckpt .carry/slurmckpt_spank.so .carry/proctrack_slurmckpt.so
 mkdir -p /opt/slurmckpt/venv/bin
@@ -45,14 +50,17 @@ for m in ("torch", "lightning", "pytorch_lightning", "mpi4py", "transformers", "
 P
 
 H=/home/$DEVICE_USER/gm; rm -rf "$H"; mkdir -p "$H/ref"
-cp "$STAGE"/tests/gpu/workload_{train,cupy,jax,graph_loader,compile,lightning,generate}.py "$STAGE"/tests/gpu/nvml_monitor.py \
+cp "$STAGE"/tests/gpu/workload_{train,cupy,jax,graph_loader,compile,lightning,generate,accelerate,ipc_pair}.py "$STAGE"/tests/gpu/nvml_monitor.py \
    "$STAGE"/tests/integration/workloads/{ddp_train,session_worker,session_client}.py "$H/"
 chown -R "$DEVICE_USER": "$H"
 DET=CUBLAS_WORKSPACE_CONFIG=:4096:8
 declare -A NAME=([G]="PyTorch training + NVML monitor" [T]="DDP over gloo, 2 tasks on 1 GPU" \
   [W]="CUDA graph + DataLoader workers (fork)" [P]="CUDA graph + DataLoader workers (spawn)" \
   [X]="torch.compile (Inductor compile workers)" [L]="PyTorch Lightning" [H]="Hugging Face generation, KV cache" \
-  [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX")
+  [I]="inference server, sessions on the GPU, client outside the job" [C]="CuPy" [J]="JAX" \
+  [R]="torchrun, 2 workers on 1 GPU, fork DataLoader workers + pin_memory" [A]="accelerate launch" \
+  [B]="16 GiB on the GPU, KillWait=30" [M]="16 GiB on the GPU, --mem too small" \
+  [V]="CUDA IPC (torch.multiprocessing actor/learner)")
 declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py --steps $((STEPS * 3)) --sleep 0.1; wait" \
   [T]="srun -n2 $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0.15" \
   [W]="$PY workload_graph_loader.py --steps $((STEPS * 3)) --sleep 0.1" \
@@ -61,16 +69,24 @@ declare -A CMD=([G]="$PY nvml_monitor.py --seconds 150 & $PY workload_train.py -
   [H]="$PY workload_generate.py --steps $STEPS --sleep 0.1" \
   [I]="$PY session_worker.py --device cuda --steps 450 --sleep 0.1 --port-file port-I.txt" \
   [C]="$PY workload_cupy.py --steps $((STEPS * 3)) --sleep 0.1" \
-  [J]="env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY workload_jax.py --steps $((STEPS * 4)) --sleep 0.1")
+  [J]="env XLA_FLAGS=--xla_gpu_deterministic_ops=true $PY workload_jax.py --steps $((STEPS * 4)) --sleep 0.1" \
+  [R]="$BIN/torchrun --standalone --nproc_per_node=2 ddp_train.py --device cuda --workers 2 --pin-memory --steps $((STEPS * 3)) --sleep 0.1" \
+  [A]="$BIN/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no workload_accelerate.py --steps $((STEPS * 3)) --sleep 0.1" \
+  [B]="$PY workload_train.py --magic-mib 16384 --steps $((STEPS * 3)) --sleep 0.1" \
+  [M]="$PY workload_train.py --magic-mib 16384 --steps $STEPS --sleep 0.1" \
+  [V]="$PY workload_ipc_pair.py --steps $STEPS --sleep 0.1")
 declare -A LINES=([G]='^step [0-9]+ ' [T]='^ddp step' [W]='^step [0-9]+ ' [P]='^step [0-9]+ ' [X]='^step [0-9]+ ' \
-  [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ')
+  [L]='^step [0-9]+ ' [H]='^step [0-9]+ ' [I]='^worker step' [C]='^step [0-9]+ ' [J]='^step [0-9]+ ' \
+  [R]='^ddp step' [A]='^step [0-9]+ ' [B]='^step [0-9]+ ' [M]='^step [0-9]+ ' [V]='^step [0-9]+ ')
 # W and P run 3x the steps: their captures (the workers' trees, ~375 MiB) take ~13 s, and at 200 steps the run
 # ended before the commit the requeue waits for (both were requeued at their last line on the H100); so do C,
 # whose 200 steps took ~20 s, and T, which ended before its second requeue; J runs 4x (at 200 steps it ended
 # in 58 s, before a commit after its start-up). J's job sets XLA_FLAGS in its own command, as its reference does: without
 # deterministic ops the two differ from step 0 (seen on the H100), and nothing about the restore can be read
-declare -A MORE=([T]="-n2")
-declare -A REQUEUES=([T]=2)
+# B holds 16 GiB on the GPU: its capture's host copy and page cache need host memory beside the program's own
+declare -A MORE=([T]="-n2" [B]="--mem=72G" [M]="--mem=24G")
+declare -A REQUEUES=([T]=2 [R]=2 [A]=2 [B]=2)
+DDP_ROWS=" T R "        # rows whose reference ends with "ddp done" (rank 0 of torch.distributed), not DONE
 
 say "uninterrupted reference runs (beside, outside Slurm, as the user)"
 asjob() { (cd "$H" && runuser -u "$DEVICE_USER" -- env "$DET" "XLA_FLAGS=--xla_gpu_deterministic_ops=true" \
@@ -80,7 +96,7 @@ for r in $ROWS; do
   case $r in
     T) for k in 0 1; do asjob 1 env SLURM_NTASKS=2 SLURM_PROCID=$k SLURM_LOCALID=$k MASTER_PORT=29411 \
          $PY ddp_train.py --device cuda --steps $((STEPS * 3)) --sleep 0 > "$H/ref/T.$k.out" 2>&1 & REFS+=($!); done ;;
-    I) ;;            # I: the client checks it
+    I|M|V) ;;        # I: the client checks it; M and V are refused: compared with nothing
     G) asjob 2 $PY workload_train.py --steps $((STEPS * 3)) > "$H/ref/G.out" 2>&1 & REFS+=($!) ;;
     *) asjob 3 bash -c "${CMD[$r]/--sleep 0.1/--sleep 0}" > "$H/ref/$r.out" 2>&1 & REFS+=($!) ;;
   esac
@@ -151,7 +167,7 @@ for r in $ROWS; do
   elif [ "$r" = I ]; then
     outcome=$(grep -qE '^client PASS' "$H/ref/I.client" && echo IDENTICAL || echo FAILED)
     detail="$restores restore(s); client: $(tail -1 "$H/ref/I.client")"
-  elif [ "$r" != T ] && [ -f "$ref" ] && { [ "$(grep -cE "${LINES[$r]}" "$ref")" = 0 ] || ! grep -q '^DONE' "$ref"; }; then
+  elif [[ $DDP_ROWS != *" $r "* ]] && [ -f "$ref" ] && { [ "$(grep -cE "${LINES[$r]}" "$ref")" = 0 ] || ! grep -q '^DONE' "$ref"; }; then
     outcome=FAILED; detail="the uninterrupted run failed: $(grep -E 'Error|error' "$ref" | tail -1 | cut -c1-200)"
   elif grep -qE 'restore of checkpoint epoch [0-9]+ FAILED|newer checkpoints could not be' "$H/$r.out"; then
     outcome=FAILED; detail="a restore failed and an older epoch was taken: $(grep -oE '(FAILED|could not be)[^;]*' "$H/$r.out" | tail -1 | cut -c1-200)"

@@ -7,6 +7,7 @@ compared line for line with an uninterrupted one.
 
   --device cpu|cuda    cuda: each rank on GPU SLURM_LOCALID % device_count (two tasks may share one GPU)
   --workers N          a DataLoader with N workers (default start method: fork)
+  --pin-memory         the DataLoader pins its batches in host memory (pin_memory=True), as GPU jobs do
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.25)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--pin-memory", action="store_true")
     a = ap.parse_args()
     # torchrun sets RANK, WORLD_SIZE and MASTER_*; a task of `srun -n N` has Slurm's
     rank = int(os.environ.get("RANK", os.environ["SLURM_PROCID"]))
@@ -53,7 +55,8 @@ def main() -> int:
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(Shard(rank, a.steps * 8), batch_size=8, num_workers=a.workers)
+    loader = torch.utils.data.DataLoader(Shard(rank, a.steps * 8), batch_size=8, num_workers=a.workers,
+                                         pin_memory=a.pin_memory)
     if rank == 0:
         print(f"ddp ready world={world} device={device} workers={a.workers}", flush=True)
     for step, (x, y) in enumerate(loader):
