@@ -19,7 +19,7 @@ LEAVES = {"slurmckpt", "slurmckpt.errors", "slurmckpt.validate", "slurmckpt.dura
 USER_SIDE = LEAVES | {"slurmckpt.channel", "slurmckpt.config", "slurmckpt.policy", "slurmckpt.node.procfs",
                       "slurmckpt.node.proctree", "slurmckpt.cuda.frameworks", "slurmckpt.slurm.control",
                       "slurmckpt.slurm.env", "slurmckpt.slurm.jobrecord", "slurmckpt.slurm.queue",
-                      "slurmckpt.slurm.pmi", "slurmckpt.node", "slurmckpt.cuda", "slurmckpt.slurm"}
+                      "slurmckpt.slurm.pmi", "slurmckpt.slurm.window", "slurmckpt.node", "slurmckpt.cuda", "slurmckpt.slurm"}
 USER_PACKAGES = ("slurmckpt.task", "slurmckpt.coordinator", "slurmckpt.barrier")
 
 
