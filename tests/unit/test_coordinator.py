@@ -41,8 +41,9 @@ class Committer:
         self.calls: list[tuple[int, dict, str]] = []
         self.fail = fail
 
-    def __call__(self, epoch: int, records: dict, reason: str) -> None:
+    def __call__(self, epoch: int, records: dict, reason: str, final: bool = False) -> None:
         self.calls.append((epoch, records, reason))
+        self.final = final
         if self.fail:
             raise self.fail
 
@@ -143,7 +144,8 @@ def test_one_rank_epoch_commits(job):
 def test_final_epoch_finishes_and_blocks_later_epochs(job):
     r = job.rank("0.0")
     assert job.epoch("walltime", final=True)["status"] == "committed"
-    assert r.commands() == ["prepare", "capture", "finish"]
+    # a final epoch is sized (each rank judges Slurm's window before anything freezes) and handed over
+    assert r.commands() == ["size", "prepare", "capture", "finish"] and job.committer.final is True
     later = job.epoch("interval")
     assert later["status"] == "skipped" and len(job.committer.calls) == 1
 

@@ -13,6 +13,7 @@ from slurmckpt.store.space import CopyBudget
 if TYPE_CHECKING:
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
     from slurmckpt.cuda.interface import GpuStage
+    from slurmckpt.node.detach import Detached
     from slurmckpt.node.launch import Credentials
     from slurmckpt.node.packet_filter import PacketFilter
     from slurmckpt.node.task_cgroup import TaskCgroup
@@ -91,6 +92,7 @@ class EpochState:
     # bytes this epoch may copy from the user's files (PREPARE's count, images.reserve; store/space.py)
     copy_budget: CopyBudget = field(default_factory=lambda: CopyBudget(0))
     ghost_limit: int = 0                                  # criu --ghost-limit for this epoch's dump
+    persister: Detached | None = None                     # a final capture's, once handed over (images.hand_over)
 
     @property
     def dumped(self) -> bool:
