@@ -28,6 +28,7 @@ from slurmckpt.node import watchdog
 from slurmckpt.node import packet_filter
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
+from slurmckpt.agent import window
 from slurmckpt.agent.interruptions import PartitionHistory
 from slurmckpt.node.launch import Credentials, init_home, spawn_tree
 from slurmckpt.node.peer import Peer
@@ -63,6 +64,8 @@ class Agent(TaskPlan):
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
     srun_relay: str | None = None        # the batch step: its wrapper's srun relay (srun_relay.py)
     history: PartitionHistory | None = None   # the partition's interruptions, once the coordinator asks
+    final_window: window.FinalWindow | None = None    # the time Slurm gives a final capture (agent/start.py)
+    limits = Limits()                    # Config.stall() (tests' pauses) and the ghost limit, set at start
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -280,8 +283,12 @@ class Agent(TaskPlan):
 
     def op_size(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self._epoch_began(m)
+        asked = time.monotonic()
         with self._failures().recorded(_epoch(m), "size", self.runner):
             reply = self.runner.size(_epoch(m))
+            window.stall_after_size(self.limits)
+            window.check_final(self.final_window, self.store, self.step, self.ident.rank, self.runner, m,
+                               time.monotonic() - asked)
         self._size_limits()
         return reply
 
