@@ -5,9 +5,9 @@ docs/storage.md, "The final capture and Slurm's SIGKILL"), on the real cluster w
   reach the store after Slurm's SIGKILL, written by a root process outside the job's cgroups, and the job
   restores from that final epoch, saying the requeue lost nothing;
 - a final capture that cannot end before the SIGKILL (most of the window gone when it is judged: its SIZE
-  pauses 7 s, debug_stall_after) is not taken: decided before anything is frozen, and said in the job's output,
-  its AdminComment and slurmd's log; the requeue restores the last periodic commit, and the restore line says
-  how old it was and why the final capture is lost.
+  pauses 8.8 s of the 10, debug_stall_after) is not taken: decided before anything is frozen, and said in the
+  job's output, its AdminComment and slurmd's log; the requeue restores the last periodic commit, and the
+  restore line says how old it was and why the final capture was not taken.
 The job's output at its end equals an uninterrupted run's."""
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ MB, STEPS = 2048, 320
 # This 2-CPU VM dumps 2 GiB into staging in 2.3-4.6 s (criu 470-930 MB/s): KillWait=5 cannot hold that final
 # capture with its margin (slurmckpt says so and skips it); 10 s holds it.
 KILL_WAIT = 10
+# Whatever a 2 GiB final capture needs (>= 1 s of round trips and hand-over, plus its dump: 0.8-4.6 s seen),
+# it does not fit in the 1.2 s left after this pause; that is also the time the refusal has to be said in.
+STALL_S = 8.8
 
 
 def store_of(job: Job):
@@ -104,9 +107,9 @@ def test_a_2gib_final_capture_is_persisted_after_the_sigkill_and_one_that_cannot
         log = (AGENT_LOGS / f"agent-{job.id}.batch-persist.0.log").read_text()
         assert f"final epoch {final}, rank batch.0:" in log, log[-2000:]
 
-        # 2. the next run's final capture finds most of the window gone (its SIZE pauses 7 s: a SIGTERM that
-        # came late): it cannot end before the SIGKILL, is not taken, and says so everywhere
-        with site_keys(debug_stall_after="size:7"):
+        # 2. the next run's final capture finds most of the window gone (its SIZE pauses: a SIGTERM that came
+        # late): it cannot end before the SIGKILL, is not taken, and says so everywhere, in the time left
+        with site_keys(debug_stall_after=f"size:{STALL_S}"):
             run("scontrol", "release", str(job.id))
             job.wait_output(r"restored from checkpoint epoch", timeout=240)
             assert re.search(rf"restored from checkpoint epoch {final} in [\d.]+s \(restart 1\): the requeue lost "
@@ -122,7 +125,7 @@ def test_a_2gib_final_capture_is_persisted_after_the_sigkill_and_one_that_cannot
                         r"staging in [\d.]+ s; [\d.]+ GiB now\), Slurm allows 10 s \(KillWait\) and ([\d.]+) s of it "
                         rf"have passed since the SIGTERM; the job restores epoch {held}, taken \d+ s before this "
                         r"requeue(?: \[[^]]*\])?; the previous checkpoint stays the one restored", text)
-    assert skipped and float(skipped.group(2)) >= 7, text[-3000:]
+    assert skipped and float(skipped.group(2)) >= STALL_S, text[-3000:]
     lost = int(skipped.group(1))
     assert f"the final capture at epoch {lost} was not taken on rank batch.0: final capture skipped" in \
         (job_field(job.id, "AdminComment") or "") + run("scontrol", "show", "job", str(job.id)).stdout
@@ -134,6 +137,6 @@ def test_a_2gib_final_capture_is_persisted_after_the_sigkill_and_one_that_cannot
     assert re.search(rf"restored from checkpoint epoch {held} in [\d.]+s \(restart 2\): taken \d+ s before the "
                      rf"requeue; the final capture \(epoch {lost}\) was not taken: final capture needs ~\d+ s "
                      r"\(measured at epoch \d+: .*\), Slurm allows 10 s \(KillWait\) and [\d.]+ s of it have passed "
-                     r"since the SIGTERM$", job.text(), re.M), job.text()[-3000:]
+                     r"since the SIGTERM(?:;|$)", job.text(), re.M), job.text()[-3000:]
     assert job.wait_done(timeout=600) == "COMPLETED", job.text()[-3000:]
     assert job.app_lines() == [f"bigstate holds {MB} MiB", *expected_lines(STEPS)]

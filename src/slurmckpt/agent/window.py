@@ -68,8 +68,8 @@ def measured_here(store_root: Path, cluster: str, jobs: int = 50) -> tuple[Measu
         for name, record in newest["ranks"].items():
             if record.get("kind") != "image":
                 continue
-            step, rank = validate.rank_name(name)
             try:
+                step, rank = validate.rank_name(name)
                 manifest = store.read_rank_manifest(newest["epoch"], step, rank)
             except SlurmckptError:
                 continue
