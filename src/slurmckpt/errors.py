@@ -52,6 +52,12 @@ class TaskEnded(CaptureError):
     user, unlike every other aborted capture."""
 
 
+class WindowTooShort(CaptureError):
+    """A final capture would not end before Slurm's SIGKILL (KillWait, GraceTime + KillWait for a preemption),
+    judged before anything is frozen: none is taken, the last commit stays the one restored, and the job's
+    output, its AdminComment and slurmd's log say what it would have needed (agent/window.py)."""
+
+
 class ExchangeInFlight(CaptureError):
     """The frozen tree is inside a request/answer exchange with a process the restore replaces (slurmstepd's
     PMI server has read a rank's request and not answered yet): captured now, the restored rank would wait

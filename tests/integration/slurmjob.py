@@ -78,6 +78,31 @@ def site_keys(**keys: object):
         CONFIG.write_text(saved)
 
 
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
+
+
+@contextmanager
+def slurm_conf(**keys: object):
+    """Run what is inside with these slurm.conf keys set (`scontrol reconfigure`: slurmctld and every slurmd
+    read them again; a step started before keeps what it read), then put slurm.conf back the same way. Only
+    inside cluster-run.sh's lock: nobody else's job runs meanwhile."""
+    saved = SLURM_CONF.read_text()
+    text = saved
+    for key, value in keys.items():
+        line = f"{key}={value}"
+        text, n = re.subn(rf"(?m)^{key}=.*$", line, text)
+        text = text if n else text.rstrip("\n") + f"\n{line}\n"
+    SLURM_CONF.write_text(text)
+    try:
+        run("scontrol", "reconfigure")
+        time.sleep(2)                      # slurmd's reconfigure is asynchronous
+        yield
+    finally:
+        SLURM_CONF.write_text(saved)
+        run("scontrol", "reconfigure")
+        time.sleep(2)
+
+
 PLUGSTACK = Path("/etc/slurm/plugstack.conf")
 
 

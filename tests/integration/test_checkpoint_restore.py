@@ -48,7 +48,7 @@ def test_preemption_captures_within_gracetime_and_resumes() -> None:
     low.wait_output(r"low step 20 ")
     high = submit("ckptuser2", workdir("ckptuser2", "preempt-high"), "#!/bin/bash\nsleep 5\necho high done\n",
                   "-p", "high", "-w", "node1", "-n2")
-    low.wait_output(r"committed \(sigterm\)", timeout=120)
+    low.wait_output(r"(?:committed|captured) \(sigterm\)", timeout=120)
     assert high.wait_done() == "COMPLETED"
     low.wait_output(r"restored from checkpoint epoch")
     assert low.wait_done() == "COMPLETED"
@@ -63,7 +63,7 @@ def test_walltime_capture_and_requeue_without_user_signal() -> None:
     job = submit(USER, wd, "#!/bin/bash\n" + PREAMBLE +
                  "python3 zdtm.py --steps 650 --sleep 0.2 --tag wall --data data.txt\n",
                  "--time=2", "--checkpoint-interval=30m")
-    job.wait_output(r"committed \(walltime\)", timeout=200)
+    job.wait_output(r"(?:committed|captured) \(walltime\)", timeout=200)
     assert job.wait_done(timeout=500) == "COMPLETED"
     assert job.app_lines() == ["preamble", *expected_lines("wall", 650)]
     assert job.restarts() >= 1

@@ -34,7 +34,7 @@ def test_manual_checkpoint_then_inspect_then_requeue_via_cli() -> None:
     shown = run(CLI, "inspect", str(job.id)).stdout
     assert "batch.0: image" in shown and "written file:" in shown and "d.txt" in shown, shown
     run(CLI, "checkpoint", "--requeue", str(job.id), user=USER)
-    job.wait_output(r"committed \(manual-requeue\)", timeout=60)
+    job.wait_output(r"(?:committed|captured) \(manual-requeue\)", timeout=60)
     job.wait_output(r"restored from checkpoint epoch", timeout=180)
     assert job.wait_done() == "COMPLETED"
     assert job.app_lines() == expected_lines("cli", 250)

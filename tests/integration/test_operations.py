@@ -124,7 +124,7 @@ def test_requeue_captures_requeues_and_the_job_resumes() -> None:
     job.wait_output(r"ops-requeue step 10 ")
     out = run(CLI, "requeue", "--parsable", "--noheader", str(job.id), user=USER).stdout
     assert out == f"{job.id}\n"
-    job.wait_output(r"committed \(manual-requeue\)", timeout=90)
+    job.wait_output(r"(?:committed|captured) \(manual-requeue\)", timeout=90)
     job.wait_output(r"restored from checkpoint epoch", timeout=240)
     assert job.wait_done() == "COMPLETED"
     assert job.app_lines() == expected_lines("ops-requeue", 100) and job.restarts() == 1

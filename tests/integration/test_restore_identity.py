@@ -55,7 +55,7 @@ def held_then_released(job: Job, ready: str) -> None:
     job.wait_output(ready, timeout=90)
     run("scontrol", "requeuehold", str(job.id))
     job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
-    job.wait_output(r"committed \(sigterm\)", timeout=30)
+    job.wait_output(r"(?:committed|captured) \(sigterm\)", timeout=30)
 
 
 def root_dir(name: str, mode: int) -> Path:

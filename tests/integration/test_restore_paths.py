@@ -81,7 +81,7 @@ def start_held(wd: Path, mode: str, path: str) -> Job:
     assert "pathhold step 3 " in job.text(), job.text()[-2000:]
     run("scontrol", "requeuehold", str(job.id))      # final capture, then held
     job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
-    job.wait_output(r"committed \(sigterm\)", timeout=30)
+    job.wait_output(r"(?:committed|captured) \(sigterm\)", timeout=30)
     return job
 
 

@@ -61,7 +61,7 @@ def test_a_fifo_at_the_jobs_dev_shm_name_holds_up_no_other_users_restore() -> No
             run("scontrol", "requeuehold", str(job.id))
         for job in (attacker, victim):
             job.wait_for(lambda job=job: job.state() == "PENDING", "the job requeued and held", 120)
-            job.wait_output(r"committed \(sigterm\)", timeout=30)
+            job.wait_output(r"(?:committed|captured) \(sigterm\)", timeout=30)
         run("sh", "-euc", f"rm -f {shm1}; mkfifo -m 600 {shm1}", user="ckptuser1")
         assert _blocks_for_a_writer(shm1), "premise: opening the FIFO for writing does not wait"
         run("scontrol", "release", str(attacker.id))

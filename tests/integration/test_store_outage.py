@@ -76,7 +76,7 @@ def test_store_down_while_a_requeued_job_starts_is_waited_for_and_the_job_restor
     job.wait_output(r"committed \(interval\)", timeout=120)
     run("scontrol", "requeuehold", str(job.id))
     job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
-    job.wait_output(r"committed \(sigterm\)", timeout=60)
+    job.wait_output(r"(?:committed|captured) \(sigterm\)", timeout=60)
     storage("down")
     try:
         run("scontrol", "release", str(job.id))

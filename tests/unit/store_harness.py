@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,11 +106,52 @@ class Engine:
         return os.getpid()
 
 
+class InProcess:
+    """Stands in for node/detach.spawn: a final capture's persister (final_persist.persist_handed, what
+    `slurmckpt persist-final` runs) in a thread of this process, on this store and staging. `hold` keeps it
+    from starting until set (a persist still running after the job ended)."""
+
+    def __init__(self, store: JobStore, staging: Staging, hold: threading.Event | None = None) -> None:
+        self.store, self.staging, self.hold = store, staging, hold
+        self.started: list["InProcess.Handle"] = []
+
+    class Handle:
+        def __init__(self, thread: threading.Thread) -> None:
+            self.thread, self.pid, self.ok = thread, os.getpid(), None
+            self.killed = threading.Event()
+
+        def poll(self) -> int | None:
+            return None if self.thread.is_alive() else 0
+
+        def kill(self) -> None:           # a persister killed before it ran persists nothing
+            self.killed.set()
+
+        def wait(self, timeout: float | None = None) -> int:
+            self.thread.join(timeout)
+            return 0
+
+    def __call__(self, argv: list[str], env: dict[str, str]) -> "InProcess.Handle":
+        from slurmckpt.store.final_persist import persist_handed
+        args = dict(zip(argv[4::2], argv[5::2]))
+        assert argv[3] == "persist-final" and args["--job"] == str(self.store.job), argv
+
+        def run() -> None:
+            while self.hold is not None and not self.hold.wait(0.02):
+                if handle.killed.is_set():
+                    return
+            handle.ok = persist_handed(self.store, self.staging, int(args["--epoch"]), args["--step"],
+                                       int(args["--rank"]))
+        handle = InProcess.Handle(threading.Thread(target=run, daemon=True))
+        handle.thread.start()
+        self.started.append(handle)
+        return handle
+
+
 def pipeline(store: JobStore, staging: Staging, tree: Tree, files: dict[str, bytes], step: str = "batch",
              quotas: Quotas = Quotas()) -> RankRunner:
     """A rank runner holding the context the agent would build for `tree` (rank/context.py)."""
     creds = Credentials(os.getuid(), os.getgid(), (), ())
-    policy = StorePolicy(staging, Zstd(1, 1), Priority(), quotas)
+    policy = StorePolicy(staging, Zstd(1, 1), Priority(), quotas, spawn=InProcess(store, staging))
     runner = RankRunner()
     runner.started(RankContext(store, RankName(step, 0), Cgroup(tree), Engine(files), Gpu(), creds, policy, Iptables(),
                                tree.proc.pid, root_pid=tree.proc.pid))

@@ -41,8 +41,9 @@ class Committer:
         self.calls: list[tuple[int, dict, str]] = []
         self.fail = fail
 
-    def __call__(self, epoch: int, records: dict, reason: str) -> None:
+    def __call__(self, epoch: int, records: dict, reason: str, final: bool = False) -> None:
         self.calls.append((epoch, records, reason))
+        self.final = final
         if self.fail:
             raise self.fail
 
@@ -84,6 +85,7 @@ class FakeRank:
         self.name, self.fail, self.vanish = name, fail, vanish
         self.slow, self.vanish_after, self.sized = slow, vanish_after, sized or {}
         self.got: list[tuple[str, int]] = []
+        self.messages: list[dict] = []
         self.client = RankClient("127.0.0.1", job.port, job.token, name, node or "node-" + name, 0, self.handle,
                                  gpus=gpus)
         self.thread = threading.Thread(target=self.client.serve_forever, daemon=True)
@@ -91,6 +93,7 @@ class FakeRank:
 
     def handle(self, kind: str, epoch: int, message: dict | None = None) -> dict:
         self.got.append((kind, epoch))
+        self.messages.append(dict(message or {}))
         if kind == self.vanish:
             self.client.close()
             raise ConnectionError("gone")
@@ -140,10 +143,24 @@ def test_one_rank_epoch_commits(job):
     assert job.coord.history[-1]["status"] == "committed"
 
 
+def test_a_final_epoch_is_sized_with_the_age_of_its_trigger_and_handed_over(job):
+    """Every rank judges in SIZE whether its final capture fits in what is left of Slurm's window
+    (agent/window.py): SIZE runs for a final epoch of a job without GPUs too, carrying how long ago the trigger
+    reached the coordinator; a periodic epoch of such a job skips SIZE. The result says the epoch is being
+    persisted, not committed."""
+    r = job.rank("0.0")
+    assert job.epoch("interval")["status"] == "committed" and "size" not in r.commands()
+    res = job.epoch("sigterm", final=True)
+    assert res["status"] == "committed" and res["persisting"] is True and job.committer.final is True
+    sized = next(m for (k, _), m in zip(r.got, r.messages) if k == "size")
+    assert sized["final"] is True and sized["trigger"] == "sigterm" and 0 <= sized["trigger_age_s"] < 5
+
+
 def test_final_epoch_finishes_and_blocks_later_epochs(job):
     r = job.rank("0.0")
     assert job.epoch("walltime", final=True)["status"] == "committed"
-    assert r.commands() == ["prepare", "capture", "finish"]
+    # a final epoch is sized (each rank judges Slurm's window before anything freezes) and handed over
+    assert r.commands() == ["size", "prepare", "capture", "finish"] and job.committer.final is True
     later = job.epoch("interval")
     assert later["status"] == "skipped" and len(job.committer.calls) == 1
 

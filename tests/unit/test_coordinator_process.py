@@ -31,12 +31,12 @@ class Wrapper:
         self.said: list[str] = []
         self.fail_commit = fail_commit
 
-    def commit(self, epoch: int, ranks: dict, reason: str) -> None:
+    def commit(self, epoch: int, ranks: dict, reason: str, final: bool = False) -> None:
         if self.fail_commit:
             raise OSError(self.fail_commit)
         self.commits.append(epoch)
 
-    def allocate(self, at_least: int) -> int:
+    def allocate(self, at_least: int, final: bool = False) -> int:
         """Like the store: above every number handed out, and at least what the coordinator asks."""
         if self.fail_allocate:
             raise OSError(self.fail_allocate)

@@ -4,6 +4,7 @@ the agent sends, and the agent operations that feed them."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import time
@@ -328,7 +329,8 @@ def test_record_never_follows_a_path_it_did_not_make(tmp_path: Path) -> None:
 
 def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tmp_path: Path, monkeypatch) -> None:
     """The final capture failed but an earlier epoch is committed: the batch step restores that one, and its
-    plan warns that the newer capture failed (the wrapper prints the warning after the restore)."""
+    plan says what that costs on the candidate (the wrapper's restore line): how old it was at the requeue
+    and which final capture was lost, and why. A newer periodic capture that failed is a warning."""
     notes = Notes()
     a = _agent(tmp_path, 1, notes)
     a.cgroup = SimpleNamespace(path=tmp_path / "cg")
@@ -338,8 +340,13 @@ def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tm
     (a.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
     assert "warning" not in a.op_plan({}, [])
     record(a.store, _failure(3, reason="ghost file too large"))
-    assert a.op_plan({}, [])["warning"] == ("the final capture at epoch 3 failed on rank batch.0: ghost file too "
-                                            "large; restoring the older checkpoint epoch 2")
+    plan = a.op_plan({}, [])
+    assert "warning" not in plan
+    assert re.fullmatch(r"taken \d+ s before the requeue; the final capture \(epoch 3\) was lost: ghost file too large",
+                        plan["candidates"][0]["cost"]), plan
+    record(a.store, CaptureFailure(4, 0.0, "batch.0", "n1", False, "interval", "dump", "criu failed", "agent"))
+    assert a.op_plan({}, [])["warning"] == ("the interval capture at epoch 4 failed on rank batch.0: criu failed; "
+                                            "restoring the older checkpoint epoch 2")
 
 
 # ---- the wrapper's side (fakes of tests/unit/test_wrapper_logic.py) ----------------------------------------------

@@ -20,7 +20,7 @@ USER_SIDE = LEAVES | {"slurmckpt.channel", "slurmckpt.config", "slurmckpt.policy
                       "slurmckpt.node.proctree", "slurmckpt.cuda.frameworks", "slurmckpt.cuda.nccl",
                       "slurmckpt.cuda.release", "slurmckpt.slurm.control",
                       "slurmckpt.slurm.env", "slurmckpt.slurm.jobrecord", "slurmckpt.slurm.queue",
-                      "slurmckpt.slurm.pmi", "slurmckpt.node", "slurmckpt.cuda", "slurmckpt.slurm"}
+                      "slurmckpt.slurm.pmi", "slurmckpt.slurm.window", "slurmckpt.node", "slurmckpt.cuda", "slurmckpt.slurm"}
 USER_PACKAGES = ("slurmckpt.task", "slurmckpt.coordinator", "slurmckpt.barrier")
 
 

@@ -176,7 +176,7 @@ def test_a_periodic_capture_dumps_to_staging_and_persists_after_the_thaw(tmp_pat
         def spy(*a, **kw):
             thawed_before_persist.append(p.ctx.cgroup.state() == "THAWED")
             return persist_rank(*a, **kw)
-        monkeypatch.setattr(rank_images, "persist_rank", spy)
+        monkeypatch.setattr(persist, "persist_rank", spy)
         p.prepare(1)
         assert (staging.root / "c.5" / "capture-000001-batch.0").is_dir()
         p.capture(1, final=False)
@@ -224,7 +224,7 @@ def test_a_failed_periodic_persist_leaves_the_epoch_uncommitted_and_staging_clea
 
     def broken(*a, **kw):
         raise StorageError("writing rank.json failed: Input/output error")
-    monkeypatch.setattr(rank_images, "persist_rank", broken)
+    monkeypatch.setattr(persist, "persist_rank", broken)
     p.prepare(2)
     p.capture(2, final=False)
     with pytest.raises(SlurmckptError, match="rank.json failed"):

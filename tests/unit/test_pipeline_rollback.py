@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from slurmckpt.identity import RankName
 from slurmckpt.node.packet_filter import Iptables
-from slurmckpt.rank.capture import CAPTURE as CAPTURE_STAGES, PREPARE as PREPARE_STAGES
+from slurmckpt.rank.capture import CAPTURE_FINAL as CAPTURE_STAGES, PREPARE as PREPARE_STAGES
 from slurmckpt.rank.context import Limits, RankContext
 from slurmckpt.rank.runner import RankRunner
 from slurmckpt.store.compression import Zstd
@@ -27,6 +27,7 @@ from slurmckpt.store.persist import Priority
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
+from store_harness import InProcess
 
 
 @dataclass
@@ -138,7 +139,8 @@ def make(tmp_path: Path, gpu_fail: str = "", criu_fail: bool = False, ghost_cap:
     store = JobStore(tmp_path, "c", 7)
     store.ensure()
     creds = Credentials(os.getuid(), os.getgid(), (), ())
-    policy = StorePolicy(Staging(tmp_path / "staging"), Zstd(1, 1), Priority())
+    policy = StorePolicy(Staging(tmp_path / "staging"), Zstd(1, 1), Priority(),
+                         spawn=InProcess(store, Staging(tmp_path / "staging")))
     p = RankRunner()
     p.started(RankContext(store, RankName("batch", 0), FakeCgroup(j), FakeEngine(j, criu_fail), FakeGpu(j, gpu_fail),
                           creds, policy, Iptables(), os.getpid(), limits=Limits(ghost_limit_max=ghost_cap),
@@ -154,16 +156,16 @@ def rooted(p: RankRunner, pid: int | None) -> None:
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
     assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "memory", "gpu-lock",
                                                 "gpu-checkpoint", "freeze", "pmi-idle", "drain-output"]
-    assert [s.name for s in CAPTURE_STAGES] == ["record", "host-copy", "dump", "snapshot-output", "persist"]
+    assert [s.name for s in CAPTURE_STAGES] == ["record", "host-copy", "dump", "snapshot-output", "handover"]
 
 
 def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:
     p, j, store = make(tmp_path)
     p.prepare(1)
-    out = p.capture(1)
-    assert out["kind"] == "image" and 0 < out["bytes"] < 100        # 100 bytes of "x", compressed
+    assert p.capture(1, final=False)["kind"] == "image"
+    out = p.resume(1)
+    assert 0 < out["bytes"] < 100        # 100 bytes of "x", compressed
     assert store.read_rank_manifest(1, "batch", 0)["files"]["pages-1.img"]["raw_size"] == 100
-    p.resume(1)
     assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "dump", "thaw", "gpu-resume", "gpu-unlock"]
     assert store.verify_rank(1, "batch", 0)["kind"] == "image"
 
@@ -376,10 +378,10 @@ def test_capture_without_prepare_is_refused(tmp_path: Path) -> None:
 
 def test_abort_after_prepare_keeps_previous_commit(tmp_path: Path) -> None:
     p, j, store = make(tmp_path)
-    p.prepare(1); p.capture(1)
-    store.commit(1, {"batch.0": {"kind": "image"}}, "interval", keep=2)
+    p.prepare(1); p.capture(1, final=False)
     p.resume(1)
-    p.prepare(2); p.capture(2)
+    store.commit(1, {"batch.0": {"kind": "image"}}, "interval", keep=2)
+    p.prepare(2); p.capture(2, final=False)
     p.abort(2)
     assert [e["epoch"] for e in store.committed()] == [1]
     assert not store.rank_dir(2, "batch", 0).exists()

@@ -5,6 +5,7 @@ captures, other signals are forwarded to the tree; a lost agent is said once and
 The same wrapper against the real agent, Slurm and CRIU: tests/integration."""
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -623,3 +624,29 @@ def test_automatic_interval_choices_are_said_when_they_change_and_recorded_newes
         _time.sleep(0.01)
     assert recorded == [600, 42]
     assert said == ["checkpoint interval auto: 600s (no capture measured yet)", "checkpoint interval auto: 40s"]
+
+
+# ---- the time Slurm gives a final capture (docs/operations.md) -----------------------------------------------
+def test_the_restore_line_says_what_the_requeue_cost_and_the_trigger_age_reaches_the_agent(make, said):
+    w = make({"restore": restores(set()), "size": {"ok": True, "host_bytes": 5}})
+    cost = "taken 40 s before the requeue; the final capture (epoch 6) was not taken: final capture needs ~45 s"
+    w._start({"candidates": [{**image(5), "cost": cost}]})
+    assert re.fullmatch(r"restored from checkpoint epoch 5 in [\d.]+s \(restart 1\): " + re.escape(cost), said[-1])
+    w._on_command("size", 7, {"final": True, "trigger": "sigterm", "trigger_age_s": 1.5})
+    assert w.agent.calls[-1] == ("size", {"epoch": 7, "final": True, "trigger": "sigterm", "trigger_age_s": 1.5,
+                                          "nfds": 0})
+
+
+def test_a_final_capture_handed_over_and_one_not_taken_are_said_as_such(make, said):
+    from slurmckpt.task.epochs import abort_message
+    w = make()
+    w._epoch_result({"status": "committed", "persisting": True, "epoch": 6, "ranks": 2, "bytes": 2 * 2**30,
+                     "commit_s": 3.2, "cut_s": 0.01}, "sigterm", True)
+    assert said[-1].startswith("checkpoint epoch 6 captured (sigterm): 2 rank(s), 2048.0 MiB in staging, "
+                               "frozen->handed over 3.20s") and said[-1].endswith("persisted to the image store and "
+                                                                                  "committed after the job ends (its "
+                                                                                  "restore waits for that)")
+    assert abort_message({"epoch": 7, "rank": "batch.0", "node": "n1", "stage": "window",
+                          "error": "final capture skipped: ..."}, "sigterm") == (
+        "checkpoint epoch 7 (sigterm) NOT TAKEN (rank batch.0, node n1, stage window): final capture skipped: ...; "
+        "the previous checkpoint stays the one restored")

@@ -168,6 +168,13 @@ class AgentEvents:
         self.comment.checkpoint(epoch, time.time(), nbytes, final=final)
         self.publish_summary()
 
+    def handed_over(self, epoch: int, trigger: str, ranks: dict[str, dict[str, Any]], committed: bool) -> None:
+        """A final epoch every rank dumped into staging: its persisters take it to the store after the job
+        (store/handover.py); committed already when they were done before this."""
+        self._line("info", "handover", epoch=epoch, trigger=trigger, ranks=len(ranks), committed=str(committed).lower())
+        if committed:
+            self.committed(epoch, trigger, ranks, final=True)
+
     def capture_failed(self, failure: CaptureFailure) -> None:
         """fresh_start.CaptureFailure, once per epoch (the first agent that saw it records it)."""
         self.stopped_at.pop(failure.epoch, None)

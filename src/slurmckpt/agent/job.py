@@ -16,7 +16,7 @@ from slurmckpt.agent.events import AgentEvents
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.store.fresh_start import FailureReporter, coordinator_verdict
 from slurmckpt.store.instance import JobInstance, claim
-from slurmckpt.store import lease
+from slurmckpt.store import handover, lease
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.agent.interruptions import PartitionHistory, QUERY_TIMEOUT_S
 from slurmckpt.agent.interruptions import answer as interruption_answer
@@ -95,6 +95,16 @@ class JobOps:
         note = claim(self.store, instance, keep_epoch=_epoch(m)) if instance else None
         if note:
             log.warning("%s", note)
+        if validate.flag(m.get("final", False), "final"):
+            # every rank dumped into its staging and handed its images to a persister that outlives the job:
+            # the epoch commits once they are all in the store (store/handover.py), maybe right now
+            done = handover.pend(self.store, _epoch(m), ranks, reason, self.ident.restart_count,
+                                 self.config.keep_epochs)
+            log.info("final epoch %d (%s) handed over with %d ranks%s", _epoch(m), reason, len(ranks),
+                     ": committed" if done else "; it commits once every rank's images are in the store")
+            if self.events:
+                self.events.handed_over(_epoch(m), reason, ranks, done)
+            return {"committed": done}
         self.store.commit(_epoch(m), ranks, reason, self.config.keep_epochs, run=self.ident.restart_count)
         threading.Thread(target=self.store.empty_trash, daemon=True).start()
         log.info("committed epoch %d (%s) with %d ranks", _epoch(m), reason, len(ranks))
@@ -109,6 +119,8 @@ class JobOps:
         at_least = validate.integer(m.get("at_least", 1), "at_least", 1, validate.MAX_EPOCH)
         epoch = self.store.allocate_epoch(at_least, lease.base_s(self.config),
                                           f"{socket.gethostname()}:{self._task_name}", run=self.ident.restart_count)
+        if validate.flag(m.get("final", False), "final"):      # what the next run says if it is lost
+            handover.began(self.store, epoch, self.ident.restart_count)
         return {"epoch": validate.epoch(epoch)}
 
     def op_reject_epoch(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:

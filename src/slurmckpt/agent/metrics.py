@@ -40,8 +40,8 @@ MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger sta
 # The pipeline's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
 # them in step), and the triggers of captures (triggers.TRIGGERS)
 STAGES = ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
-          "drain-output", "record", "host-copy", "dump", "snapshot-output", "persist", "size", "prepare", "capture",
-          "resume", "allocate", "membership", "commit")
+          "drain-output", "record", "host-copy", "dump", "snapshot-output", "handover", "persist", "window", "size",
+          "prepare", "capture", "resume", "allocate", "membership", "commit")
 
 
 @dataclass(frozen=True)

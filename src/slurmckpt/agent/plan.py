@@ -17,7 +17,7 @@ from slurmckpt.identity import TaskIdentity
 from slurmckpt.node import procfs
 from slurmckpt.node.launch import relay_dir
 from slurmckpt.policy import JobPolicy
-from slurmckpt.store import summary
+from slurmckpt.store import handover, summary
 from slurmckpt.slurm.control import this_node
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.store.jobstore import JobStore, rank_name
@@ -53,8 +53,11 @@ class TaskPlan(JobOps):
         """What this task should do: the committed epochs that hold it, newest first. A step whose srun the
         batch wrapper ran for a restored MPI launcher (`token`, srun_relay.py) takes the name of the step
         that captured the daemons, whatever step id Slurm gave it now: reply `step`."""
+        settled = None
         try:
             why_not = self._not_restorable()
+            if why_not is None:       # a final capture still on its way to the store is waited for first
+                settled = handover.settle(self.store, self.config.persist_timeout_s)
             epochs = [] if why_not is not None else self.store.committed()
             self._adopt_step(m.get("token"), epochs)
         except StorageError as e:
@@ -66,13 +69,17 @@ class TaskPlan(JobOps):
         me = rank_name(self.step, self.ident.rank)
         if self.token_unmatched:    # a relayed srun whose daemons no checkpoint holds: started afresh
             epochs = []
-        candidates = [{"epoch": e["epoch"], **e["ranks"][me]} for e in epochs if me in e["ranks"]]
+        # each with what restoring it costs the job (its age at the requeue, a lost final capture and why)
+        candidates = [{"epoch": e["epoch"], **e["ranks"][me], "cost": handover.requeue_cost(self.store, e)}
+                      for e in epochs if me in e["ranks"]]
         completed = {n: r for n, r in (epochs[0]["ranks"].items() if epochs else []) if r["kind"] == "completed"}
         notes = moved_aside_notes(self.store)[-1:]      # a foreign store moved aside at a commit (instance.py)
         if self.store_outage:                            # waited for the store's file system (agent/start.py)
             notes.append(self.store_outage)
-        if candidates and self.ident.step == "batch":   # a newer capture failed: its work since is lost
+        if candidates and self.ident.step == "batch":   # a newer periodic capture failed: its work is lost
             notes += filter(None, [self._failures().failed_since(candidates[0]["epoch"])])
+        if settled is not None and settled.describe():
+            notes.append(settled.describe())
         return {"candidates": candidates, "next_epoch": self.store.next_epoch(), "completed": completed,
                 "newest": epochs[0]["epoch"] if epochs else None, "tree_procs": str(self.cgroup.path / "cgroup.procs"),
                 "step": self.step, **self._relay_plan(),

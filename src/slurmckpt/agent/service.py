@@ -25,10 +25,11 @@ from slurmckpt.cuda.rank_stage import PipelineGpu
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.slurm import pmi
 from slurmckpt.store import durable
-from slurmckpt.node import host_memory, watchdog
-from slurmckpt.node import packet_filter
+from slurmckpt.node import host_memory, packet_filter, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
+from slurmckpt import validate
+from slurmckpt.agent import window
 from slurmckpt.agent.interruptions import PartitionHistory
 from slurmckpt.node.launch import Credentials, init_home, spawn_tree
 from slurmckpt.node.peer import Peer
@@ -42,7 +43,6 @@ from slurmckpt.slurm.control import other_node_addresses
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.store.jobstore import JobStore, rank_name
 from slurmckpt.node.task_cgroup import TaskCgroup
-from slurmckpt import validate
 from slurmckpt.agent.job import message_epoch as _epoch
 from slurmckpt.agent.plan import TaskPlan
 
@@ -64,6 +64,8 @@ class Agent(TaskPlan):
     token_unmatched = False              # a relayed srun's step token that no committed epoch holds
     srun_relay: str | None = None        # the batch step: its wrapper's srun relay (srun_relay.py)
     history: PartitionHistory | None = None   # the partition's interruptions, once the coordinator asks
+    final_window: window.FinalWindow | None = None    # the time Slurm gives a final capture (agent/start.py)
+    limits = Limits()                    # Config.stall() (tests' pauses) and the ghost limit, set at start
 
     def __init__(self, ident: TaskIdentity, channel: Channel, config: Config, peer: Peer,
                  slurm_job: JobRecord | None = None, events: AgentEvents | None = None,
@@ -289,7 +291,8 @@ class Agent(TaskPlan):
     def op_size(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self._epoch_began(m)
         with self._failures().recorded(_epoch(m), "size", self.runner):
-            reply = self.runner.size(_epoch(m))
+            reply = window.sized(self.runner, _epoch(m), m, self.final_window, self.store, self.step,
+                                 self.ident.rank, self.limits)
         self._size_limits()
         return reply
 

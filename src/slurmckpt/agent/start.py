@@ -26,6 +26,8 @@ from slurmckpt.policy import JobPolicy
 from slurmckpt.slurm.comment import JobComment
 from slurmckpt.slurm.control import CliSlurm, job_record
 from slurmckpt.slurm.jobrecord import JobRecord
+from slurmckpt.slurm.window import KillWindow
+from slurmckpt.agent.window import FinalWindow
 from slurmckpt.slurm.namespaces import job_namespace_refusal
 from slurmckpt.store.jobstore import JobStore
 
@@ -48,11 +50,25 @@ class ShimArgs:
     log_fd: int | None = None          # the log relay into slurmd's log (spank/log_relay.c)
 
 
-def cluster_name() -> str:
+def slurm_config() -> dict[str, str]:
+    """`scontrol show config`, once per agent: the cluster's name and the kill window's settings."""
     try:
-        return CliSlurm(timeout_s=20).cluster_name() or "cluster"
-    except SlurmckptError:
-        return "cluster"
+        return CliSlurm(timeout_s=20).config_values()
+    except SlurmckptError as e:
+        log.warning("scontrol show config: %s", e)
+        return {}
+
+
+def kill_window(values: dict[str, str], slurm_job: JobRecord | None) -> KillWindow:
+    """The time Slurm gives this job from SIGTERM to SIGKILL (slurm/window.py), read once at the start."""
+    if not values:
+        return KillWindow(known=False)
+    try:
+        return CliSlurm(timeout_s=20).kill_window(slurm_job.partition if slurm_job else "",
+                                                  slurm_job.qos if slurm_job else "", values)
+    except SlurmckptError as e:
+        log.warning("the kill window of partition/QOS: %s; KillWait alone counts", e)
+        return KillWindow(KillWindow().kill_wait_s, known=False)
 
 
 def _slurm_job(job: int, uid: int, gid: int, attempts: int = 2) -> JobRecord | None:
@@ -94,7 +110,9 @@ def run_agent(args: ShimArgs) -> None:
     # restart_cnt, by the trusted job id. Without it nothing is restored (the instance is unknown).
     slurm_job = _slurm_job(args.job, args.uid, args.gid)
     restart_count = max(args.restart_count, slurm_job.restarts) if slurm_job else args.restart_count
-    ident = TaskIdentity(cluster_name(), args.job, args.step, args.rank, args.uid, args.gid, restart_count)
+    values = slurm_config()
+    ident = TaskIdentity(values.get("ClusterName") or "cluster", args.job, args.step, args.rank, args.uid, args.gid,
+                         restart_count)
     policy = job_policy(config, slurm_job)
     peer = Peer.parent()
     # Slurm's per-job user/PID namespaces (namespace/linux): refused here, by name, before anything is frozen
@@ -123,6 +141,10 @@ def run_agent(args: ShimArgs) -> None:
     agent = Agent(ident, Channel.from_fd(args.fd), config, peer, slurm_job, events=events, policy=policy,
                   interval=(interval, args.interval is None or args.interval_from == "option"))
     agent.store_outage = outage
+    window = kill_window(values, slurm_job)
+    agent.final_window = FinalWindow(window, ident.job, CliSlurm(timeout_s=5).preempted)
+    log.info("Slurm's window for a final capture: %s; %s when preempted", window.describe(False),
+             window.describe(True))
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
              policy.describe())
     log.info("agent up for wrapper pid %d on %s; network lock: %s", agent.wrapper_pid, socket.gethostname(),

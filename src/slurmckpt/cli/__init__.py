@@ -29,6 +29,7 @@ COMMANDS = {
     "doctor": "slurmckpt.cli.doctor:doctor",
     "gc": "slurmckpt.cli.gc:gc",
     "job-end": "slurmckpt.cli.gc:job_end",
+    "persist-final": "slurmckpt.cli.persist:persist_final",
     "env": "slurmckpt.cli.runenv:env",
 }
 

@@ -125,6 +125,55 @@ def check_slurm(r: Report, cfg: Config) -> None:
               f"{lua}" + ("" if on else ": sbatch does not check the policy (the agents still enforce it)"))
 
 
+GPU_SIZES_GIB = (8, 16, 32, 80)      # device memory per rank, for the KillWait/GraceTime a GPU job needs
+
+
+def check_kill_window(r: Report, cfg: Config) -> None:
+    """What Slurm gives a final capture (docs/operations.md, "The time Slurm gives a final capture"): KillWait
+    and each partition's GraceTime, against the cost of a final capture at the rate of the captures in this
+    cluster's store (else the budget's rates): how many GiB per rank fit, and what a GPU job of a given size
+    needs. Informs; a job that does not fit is skipped and said, never lost silently."""
+    from slurmckpt.agent.window import measured_here
+    from slurmckpt.coordinator.budget import RankSize, final_capture_cost
+    from slurmckpt.sizes import size_text
+    from slurmckpt.slurm.control import CliSlurm
+    from slurmckpt.slurm.window import seconds_field
+    try:
+        slurm = CliSlurm(timeout_s=20)
+        values = slurm.config_values()
+        kill_wait = seconds_field(values.get("KillWait", "30"), "KillWait")
+        graces = slurm.partition_graces() if values.get("PreemptType", "").endswith("partition_prio") else {}
+    except (SlurmckptError, ValueError) as e:
+        r.add(None, "final capture window", f"Slurm did not say: {e}")
+        return
+    try:
+        rate, count = measured_here(Path(cfg.storage_root), values.get("ClusterName") or "cluster")
+    except OSError:
+        rate, count = None, 0
+
+    def need(gib: int) -> float:
+        return final_capture_cost(RankSize("", "", 0, gib << 30, 1), rate).seconds
+
+    def holds(window_s: float) -> str:
+        low, high = 0, 4096
+        while low < high:                       # GiB: the cost grows with the bytes
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if need(mid) <= window_s else (low, mid - 1)
+        return f"~{low} GiB per rank" if low else "no GPU rank of 1 GiB"
+    basis = (f"the rate of {count} capture(s) in this cluster's store ({size_text(rate.nbytes)} into staging in "
+             f"{rate.fixed_s + rate.byte_s:.1f} s)" if rate else "the budget's rates (no capture in the store yet: "
+             "docs/gpu.md)")
+    needed = ", ".join(f"{g} GiB: {need(g):.0f} s" for g in GPU_SIZES_GIB)
+    r.add(True if need(GPU_SIZES_GIB[0]) <= kill_wait else None, "final capture window",
+          f"KillWait {kill_wait} s (requeue, scancel, time limit) holds the final capture of {holds(kill_wait)} at "
+          f"{basis}; a GPU rank's final capture needs {needed} (KillWait, or GraceTime + KillWait when preempted); "
+          "larger ones are skipped and said, and their requeue restores the last periodic checkpoint")
+    for partition, grace in sorted(graces.items()):
+        if grace:
+            r.add(True, f"final capture window, partition {partition}",
+                  f"preemption: GraceTime {grace} s + KillWait {kill_wait} s holds {holds(grace + kill_wait)}")
+
+
 def check_node(r: Report, cfg: Config) -> None:
     r.add(procfs.kernel_has("ns_last_pid"), "kernel: checkpoint/restore support", "ns_last_pid")
     r.add(Path(cfg.init_path).exists(), "namespace init", cfg.init_path)
@@ -195,6 +244,7 @@ def doctor(fmt: Format) -> None:
     if cfg is not None:
         check_criu(r, cfg)
         check_slurm(r, cfg)
+        check_kill_window(r, cfg)
         check_node(r, cfg)
     if fmt.kind == "text":
         for row in r.rows:

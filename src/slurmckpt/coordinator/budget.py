@@ -150,3 +150,88 @@ def _work(e: Estimate) -> dict[str, float]:
     freeze = FREEZE_S if e.gpu_checkpoint else 0.0      # without GPU work the floor covers lock and freeze
     return {"prepare": SAFETY * e.gpu_checkpoint + freeze, "capture": SAFETY * (e.dump + e.seal),
             "resume": SAFETY * (e.gpu_restore + e.seal)}
+
+
+# ---- the final capture inside the window Slurm gives (docs/operations.md, "The time Slurm gives") ----------
+# What must end before Slurm's SIGKILL: a rank's PREPARE and CAPTURE until its images are complete in the
+# node's staging (rank/capture.py), the persister handed the images (a root process outside the job's
+# cgroups), and the coordinator's hand-over record. Persist, seal and commit come after the SIGKILL.
+FINAL_STAGES = ("check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
+                "drain-output", "record", "dump", "snapshot-output")
+BYTE_STAGES = ("gpu-checkpoint", "dump")        # the ones whose time follows the bytes
+# Too small a margin and a capture dies half-written at the SIGKILL (said at the restore, but lost); too large
+# and one that would have fit is skipped. The periodic captures it is measured on ran the same stages.
+FINAL_MARGIN = 1.15      # a final capture's path as measured (or rated), times this
+FINAL_TAIL_S = 1.0       # round trips of SIZE, PREPARE and CAPTURE, the hand-over, the tree's kill
+MIN_MEASURED_BYTES = 64 << 20    # below this a measured rate says more about fixed costs than about bytes
+
+
+@dataclass(frozen=True)
+class MeasuredCapture:
+    """One earlier capture of a rank (its rank.json): its images' raw bytes and the seconds its final path's
+    stages took, split into those that follow the bytes and the rest."""
+    epoch: int
+    nbytes: int
+    byte_s: float
+    fixed_s: float
+
+    def path_s(self, size: RankSize) -> float:
+        """Seconds of `size`'s path at this capture's rate."""
+        if self.nbytes >= MIN_MEASURED_BYTES:
+            return self.fixed_s + self.byte_s * size.image_bytes / self.nbytes
+        return self.fixed_s + self.byte_s + _rated(RankSize(size.rank, size.node, max(0, size.image_bytes - self.nbytes)))
+
+    def fits_bytes(self, window_s: float) -> int:
+        """The most bytes whose final capture fits in `window_s` at this capture's rate (0: none)."""
+        room = (window_s - FINAL_TAIL_S) / FINAL_MARGIN - self.fixed_s
+        return int(room * self.nbytes / self.byte_s) if room > 0 and self.byte_s > 0 else 0
+
+    @classmethod
+    def from_timings(cls, epoch: int, nbytes: int, timings: dict[str, Any]) -> MeasuredCapture | None:
+        """None when the record has no stage timings (written before they were kept) or no bytes."""
+        def seconds(name: str) -> float:
+            value = timings.get(name, 0.0)
+            return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e6 else 0.0
+        if nbytes <= 0 or not any(name in timings for name in BYTE_STAGES):
+            return None
+        byte_s = sum(seconds(n) for n in BYTE_STAGES)
+        return cls(epoch, nbytes, byte_s, sum(seconds(n) for n in FINAL_STAGES) - byte_s)
+
+
+@dataclass(frozen=True)
+class FinalCost:
+    seconds: float
+    basis: str          # what the figure comes from, for the job's output and the admin
+
+
+def final_capture_cost(size: RankSize, measured: MeasuredCapture | None) -> FinalCost:
+    """Seconds one rank's final capture needs until its images are complete in staging: its last measured
+    capture scaled to today's bytes, else the budget's rates (docs/gpu.md, "Rates"). A measured capture too
+    small to tell a rate keeps its own seconds, and the bytes grown since go at the budget's rates."""
+    if measured is not None:
+        return FinalCost(round(measured.path_s(size) * FINAL_MARGIN + FINAL_TAIL_S, 1),
+                         f"measured at epoch {measured.epoch}: {size_text(measured.nbytes)} into staging in "
+                         f"{measured.fixed_s + measured.byte_s:.1f} s; {size_text(size.image_bytes)} now")
+    return FinalCost(round(_rated(size) * FINAL_MARGIN + FINAL_TAIL_S, 1),
+                     f"no capture of it measured yet: {size_text(size.image_bytes)} at {CRIU_DUMP_BPS / 1e9:.1f} GB/s "
+                     f"dump" + (f", {GPU_CHECKPOINT_BPS / 1e9:.1f} GB/s GPU copy" if size.gpu_bytes else ""))
+
+
+def _rated(size: RankSize) -> float:
+    e = Estimate.of([size])
+    return e.gpu_checkpoint + e.dump
+
+
+@dataclass(frozen=True)
+class WindowVerdict:
+    fits: bool
+    text: str            # why, in one line: what the final capture needs, what Slurm allows, what has passed
+
+
+def judge_final(cost: FinalCost, allowed_s: float, allowed: str, elapsed_s: float) -> WindowVerdict:
+    """Whether a final capture of `cost` fits in what is left of Slurm's window (`allowed_s`, described by
+    `allowed`, `elapsed_s` of it gone since the SIGTERM)."""
+    left = allowed_s - max(0.0, elapsed_s)
+    text = (f"final capture needs ~{cost.seconds:.0f} s ({cost.basis}), Slurm allows {allowed}"
+            + (f" and {elapsed_s:.1f} s of it have passed since the SIGTERM" if elapsed_s >= 0.05 else ""))
+    return WindowVerdict(cost.seconds <= left, text)

@@ -7,8 +7,8 @@ agent can commit, so commits travel back over the link: a private socketpair car
 
     wrapper -> host: {"op": "start", settings...}  {"op": "epoch", "reason", "final"}  {"op": "committed", "id"}
                      {"op": "allocated", "id", "epoch" | "error"}  {"op": "interruptions", "id", "answer" | "error"}
-    host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason"}
-                     {"op": "allocate", "id", "at_least"}  {"op": "interruptions", "id"}
+    host -> wrapper: {"op": "listening", "port"}  {"op": "commit", "id", "epoch", "ranks", "reason", "final"}
+                     {"op": "allocate", "id", "at_least", "final"}  {"op": "interruptions", "id"}
                      {"op": "started", "rank", "action"}  {"op": "result", "result", "reason", "final"}
                      {"op": "interval", "choice", "line", "changed"}
 
@@ -134,11 +134,11 @@ class Host:
             raise RuntimeError(reply["error"])
         return reply
 
-    def _commit(self, epoch: int, ranks: dict[str, Any], reason: str) -> None:
-        self._ask({"op": "commit", "epoch": epoch, "ranks": ranks, "reason": reason})
+    def _commit(self, epoch: int, ranks: dict[str, Any], reason: str, final: bool = False) -> None:
+        self._ask({"op": "commit", "epoch": epoch, "ranks": ranks, "reason": reason, "final": final})
 
-    def _allocate(self, at_least: int) -> int:
-        return int(self._ask({"op": "allocate", "at_least": at_least})["epoch"])
+    def _allocate(self, at_least: int, final: bool = False) -> int:
+        return int(self._ask({"op": "allocate", "at_least": at_least, "final": final})["epoch"])
 
     async def _started(self, rank: str, action: str) -> None:
         self.send({"op": "started", "rank": rank, "action": action})

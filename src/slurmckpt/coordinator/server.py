@@ -5,13 +5,15 @@ State machine of one epoch (any failure, timeout or vanished rank -> ABORT, prev
     periodic: IDLE -> SIZING (all SIZED: bytes measured, nothing locked) -> PREPARING (all READY: GPUs
               checkpointed, trees frozen) -> CAPTURING (all dumped to staging) -> RESUMING (all thawed, then
               persisted to the store) -> COMMITTING (job manifest renamed) -> IDLE
-    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped and persisted) -> COMMITTING -> FINISHING
-              (trees killed)
+    final:    IDLE -> SIZING -> PREPARING -> CAPTURING (dumped into staging, handed to persisters that
+              outlive the job) -> COMMITTING (hand-over recorded: store/handover.py commits the epoch once
+              every rank's images are in the store) -> FINISHING (trees killed)
 
-SIZING (jobs with GPUs: a rank's hello says so) refuses, before anything is locked, GPU copies that do not
-fit the host memory of ranks sharing a node or a memory cgroup, and sets this epoch's phase timeouts from
-the bytes (budget.py); the phases that persist get persist_timeout_s on top. Every abort names the rank,
-node, phase and reason; a timeout names every rank that had not answered. An abort goes to every rank also
+SIZING (jobs with GPUs: a rank's hello says so; every final epoch) refuses, before anything is locked, GPU
+copies that do not fit the host memory of ranks sharing a node or a memory cgroup, and a final capture that
+does not fit in what is left of Slurm's window (each rank's agent judges its own: agent/window.py), and sets
+this epoch's phase timeouts from the bytes (budget.py); the phases that persist get persist_timeout_s on top.
+Every abort names the rank, node, phase and reason; a timeout names every rank that had not answered. An abort goes to every rank also
 after the thaw, so that ranks drop the images they persisted of an epoch that will not commit.
 
 Epoch numbers come from `allocate` (the hosting agent: unique across the job's steps and coordinators).
@@ -24,7 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from slurmckpt.coordinator.budget import PhaseTimeouts, RankSize, refusals
 from slurmckpt.coordinator.connection import MAX_PENDING, READ_SIZE, Connection
@@ -39,8 +41,17 @@ from slurmckpt.identity import RankName
 log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
-Committer = Callable[[int, dict[str, Any], str], None]
-Allocator = Callable[[int], int]          # at least this number -> the epoch to run (storage.allocate_epoch)
+
+
+class Committer(Protocol):
+    """(epoch, every rank's record, reason, final) -> None; raises when the commit failed. A final epoch is
+    handed over, not committed: its ranks' persisters commit it after the job ended (store/handover.py)."""
+    def __call__(self, epoch: int, ranks: dict[str, Any], reason: str, final: bool = False) -> None: ...
+
+
+class Allocator(Protocol):
+    """At least this number -> the epoch to run (storage.allocate_epoch); `final` recorded for the next run."""
+    def __call__(self, at_least: int, final: bool = False) -> int: ...
 
 
 @dataclass
@@ -172,13 +183,15 @@ class Coordinator:
             return {"status": "skipped", "reason": reason, "why": "a final capture was just attempted"}
         self._wanted.add(final)
         try:
-            return await self._run_epoch(reason, final)
+            return await self._run_epoch(reason, final, time.monotonic())
         finally:
             self._wanted.discard(final)
             if final:
                 self._final_tried = time.monotonic()
 
-    async def _run_epoch(self, reason: str, final: bool) -> dict[str, Any]:
+    async def _run_epoch(self, reason: str, final: bool, triggered: float) -> dict[str, Any]:
+        """`triggered`: when the trigger reached this coordinator (a final epoch's ranks judge what is left of
+        Slurm's window from it: agent/window.py)."""
         async with self._epoch_lock:
             if self.finished:
                 return {"status": "skipped", "reason": reason, "why": "job already captured for requeue"}
@@ -186,27 +199,28 @@ class Coordinator:
                 return {"status": "skipped", "reason": reason, "why": self.withdrawn}
             t0 = time.monotonic()
             rounds = LockRounds(self.lock_rounds, self.lock_backoff_s)
-            result, round_no = await rounds.run(lambda: self._attempt(reason, final))
+            result, round_no = await rounds.run(lambda: self._attempt(reason, final, triggered))
             result["lock_rounds"] = round_no
             result["time_to_cut_s"] = (time.monotonic() - t0 - result.get("total_s", 0) + result.get("cut_s", 0)
                                        if result["status"] == "committed" else None)
             return result
 
-    async def _new_epoch(self) -> int:
-        epoch = self.next_epoch
-        if self.allocate is not None:
-            epoch = await asyncio.get_running_loop().run_in_executor(None, self.allocate, self.next_epoch)
+    async def _new_epoch(self, final: bool) -> int:
+        epoch, allocate, at_least = self.next_epoch, self.allocate, self.next_epoch
+        if allocate is not None:
+            epoch = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: allocate(at_least, final=True) if final else allocate(at_least))
         self.next_epoch = max(self.next_epoch, epoch + 1)
         return epoch
 
-    async def _attempt(self, reason: str, final: bool) -> dict[str, Any]:
+    async def _attempt(self, reason: str, final: bool, triggered: float) -> dict[str, Any]:
         parts = list(self.ranks.values())
         result = {"epoch": self.next_epoch, "reason": reason, "final": final, "ranks": len(parts)}
         t0 = time.monotonic()
         if not parts:
             return {**result, "status": "aborted", "error": "no rank registered"}
         try:
-            epoch = result["epoch"] = await self._new_epoch()
+            epoch = result["epoch"] = await self._new_epoch(final)
         except Exception as e:  # the store could not give a number: nothing was frozen
             log.error("no epoch number: %s", e)
             result.update(status="aborted", stage="allocate", error=f"no epoch number from the image store: {e}")
@@ -222,7 +236,7 @@ class Coordinator:
         timeouts = PhaseTimeouts.derive([], self.prepare_timeout_s, self.capture_timeout_s)
         try:
             # final and trigger tell a rank's agent what it records if its part fails (fresh_start.py)
-            sizes = await self._size(parts, epoch, final, reason)
+            sizes = await self._size(parts, epoch, final, reason, triggered)
             result.update(gpu_bytes=sum(r.gpu_bytes for r in sizes), image_bytes=sum(r.image_bytes for r in sizes))
             for size, why in refusals(sizes)[:1]:     # nothing is locked yet: refused up front
                 raise EpochFailed(size.rank, "size", f"capture refused before anything was locked: {why}",
@@ -246,7 +260,10 @@ class Coordinator:
             records = {**self.completed}
             for p, reply in zip(parts, captured):
                 records[p.name] = {"kind": reply.get("kind", "image"), "node": p.node}
-            await asyncio.get_running_loop().run_in_executor(None, self.committer, epoch, records, reason)
+            # a final epoch: handed over (every rank's images are in staging, their persisters outlive the job)
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.committer(epoch, records, reason, final=True) if final else
+                self.committer(epoch, records, reason))
         except EpochFailed as e:
             log.log(logging.INFO if e.error_kind == "retryable" else logging.ERROR, "epoch %d aborted: %s", epoch, e)
             result.update(status="aborted", rank=e.rank, node=e.node, stage=e.stage, error=e.error,
@@ -265,17 +282,22 @@ class Coordinator:
                 except EpochFailed as e:
                     log.warning("epoch %d committed but finish did not complete: %s", epoch, e)
             result.update(status="committed", total_s=time.monotonic() - t0,
-                          bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)))
+                          bytes=sum(int(r.get("bytes", 0)) for r in (sealed or captured)),
+                          **({"persisting": True} if final else {}))
         self.history.append(result)
         return result
 
-    async def _size(self, parts: list[RankConn], epoch: int, final: bool, reason: str) -> list[RankSize]:
-        """Every rank's sizes, when any rank has GPUs (their copies and times are what SIZE is for); a job
-        without GPUs skips the round trip (the floors hold; the store checks its own space in PREPARE)."""
-        if not any(p.gpus for p in parts):
+    async def _size(self, parts: list[RankConn], epoch: int, final: bool, reason: str,
+                    triggered: float) -> list[RankSize]:
+        """Every rank's sizes, when any rank has GPUs (their copies and times are what SIZE is for) or the
+        epoch is final (each rank judges, before anything is locked or frozen, whether its capture fits in
+        what is left of Slurm's window: `trigger_age_s` of it is gone); a periodic epoch of a job without GPUs
+        skips the round trip (the floors hold; the store checks its own space in PREPARE)."""
+        if not final and not any(p.gpus for p in parts):
             return []
+        age = {"trigger_age_s": round(time.monotonic() - triggered, 2)} if final else {}
         sized = await self._phase(parts, "size", "sized", epoch, self.prepare_timeout_s, final=final,
-                                  trigger=reason)
+                                  trigger=reason, **age)
         return [RankSize.from_reply(p.name, p.node, reply) for p, reply in zip(parts, sized)]
 
     def _send(self, parts: list[RankConn], command: str, reply: str, epoch: int, collect: bool = False,

@@ -25,8 +25,8 @@ class HostCallbacks:
     interruptions)."""
     started: Callable[[str, str], None]               # a rank (re)started: open the replay gate
     result: Callable[[dict[str, Any], str, bool], None]         # an epoch ended (committed, aborted or skipped)
-    commit: Callable[[int, dict[str, Any], str], object]        # via the agent; raises on failure
-    allocate: Callable[[int], int]                    # an epoch number >= this, via the agent
+    commit: Callable[[int, dict[str, Any], str, bool], object]  # via the agent (final: hand-over); raises
+    allocate: Callable[[int, bool], int]              # an epoch number >= this (final or not), via the agent
     publish: Callable[[int], object]                  # port -> address file for the ranks
     say: Callable[[str], None]
     interruptions: Callable[[], dict[str, Any]] = dict          # the partition's interruption rate, via the agent
@@ -111,7 +111,7 @@ class CoordinatorSupervisor:
         error = None
         self.saw_epoch(int(msg["epoch"]))
         try:
-            self.cb.commit(int(msg["epoch"]), msg["ranks"], str(msg["reason"]))
+            self.cb.commit(int(msg["epoch"]), msg["ranks"], str(msg["reason"]), msg.get("final") is True)
         except Exception as e:  # noqa: BLE001 - the epoch aborts with this message
             error = str(e) or type(e).__name__
         try:
@@ -122,7 +122,7 @@ class CoordinatorSupervisor:
     def _allocate(self, msg: dict[str, Any]) -> None:
         reply: dict[str, Any] = {"op": "allocated", "id": msg["id"]}
         try:
-            reply["epoch"] = int(self.cb.allocate(int(msg["at_least"])))
+            reply["epoch"] = int(self.cb.allocate(int(msg["at_least"]), msg.get("final") is True))
             self.saw_epoch(reply["epoch"])
         except Exception as e:  # noqa: BLE001 - the epoch is not started, with this message
             reply["error"] = str(e) or type(e).__name__

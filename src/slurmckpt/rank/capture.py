@@ -10,10 +10,11 @@ epoch's state (context.py). The coordinator drives the phases across ranks:
               ... barrier: all READY ...
     CAPTURE   record fds/files -> the GPU host copy into the images by several threads (host_copy.py)
               -> criu dump into node-local staging (tree stays frozen) -> output snapshot
-              -> (final only) persist: compress staging into the store, rank.json
+              -> (final only) hand-over: a persister outside the job's cgroups takes the staged images to the
+              store after Slurm's SIGKILL (store/handover.py commits the epoch once every rank's are there)
     RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> memory limits put back
               -> persist at bounded priority
-    then      COMMIT (coordinator's agent, atomic manifest rename) | final: COMMIT -> FINISH (kill)
+    then      COMMIT (coordinator's agent, atomic manifest rename) | final: hand-over record -> FINISH (kill)
     or        ABORT at any point -> the undos of what was done, in reverse: the previous commit stays.
 
 GPU work comes before the freeze because the CUDA driver's checkpoint calls hang on a frozen or stopped
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
 from typing import Any
 
 from slurmckpt.cuda.interface import holds_gpu_state
@@ -115,6 +117,7 @@ def _record(ctx: RankContext, st: EpochState) -> None:
     script = [] if replay or ctx.step != "batch" else _batch_script_fds(pids, ctx.store.job, view)
     st.record = {
         "kind": "replay" if replay else "image",
+        "captured_at": time.time(),          # frozen since PREPARE: the moment this image holds (handover.py)
         "stdio": [{"fd": t.fd, "link": t.link, "key": view.key(t), "regular": t.regular, "size": t.size}
                   for t in stdio],
         # a GPU tree's own mount namespace: what it holds through the node's mounts is handed in again
@@ -223,10 +226,6 @@ def _snapshot_output(ctx: RankContext, st: EpochState) -> None:
     st.record["outputs"] = output_snapshot.take(ctx, st, images.area(ctx, st.epoch))
 
 
-def _persist_final(ctx: RankContext, st: EpochState) -> None:
-    images.persist(ctx, st, background=False)      # the tree is gone: full speed
-
-
 def _persist_resumed(ctx: RankContext, st: EpochState) -> None:
     images.persist(ctx, st, background=True)       # beside the running tree, at bounded priority
 
@@ -245,13 +244,16 @@ PREPARE = (
     Stage("pmi-idle", _pmi_between_exchanges),
     Stage("drain-output", _drain_output),
 )
-CAPTURE = (
+CAPTURE_PERIODIC = (
     Stage("record", _record, undo=_discard_images),
     Stage("host-copy", _host_copy),
     Stage("dump", _dump),
     Stage("snapshot-output", _snapshot_output),
-    Stage("persist", _persist_final),     # periodic captures persist in RESUME, after the thaw
 )
+# A final capture ends inside Slurm's window once its images are complete in staging: a persister of its own
+# takes them to the store after the job ended, outside the job's cgroups (images.hand_over; store/handover.py).
+# Periodic captures persist in RESUME, after the thaw.
+CAPTURE_FINAL = CAPTURE_PERIODIC + (Stage("handover", images.hand_over, undo=images.stop_persister),)
 # After a periodic capture of every rank: the tree runs on, then its staged images go to the store at
 # bounded priority (COMMIT needs every rank's). The tree's stages run whatever the others do (a tree left
 # frozen or locked is worse than an error); the persist only once the tree runs again.

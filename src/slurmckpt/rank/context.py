@@ -13,6 +13,7 @@ from slurmckpt.store.space import CopyBudget
 if TYPE_CHECKING:
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
     from slurmckpt.cuda.interface import GpuStage
+    from slurmckpt.node.detach import Detached
     from slurmckpt.node.launch import Credentials
     from slurmckpt.node.packet_filter import PacketFilter
     from slurmckpt.node.task_cgroup import TaskCgroup
@@ -97,6 +98,7 @@ class EpochState:
     host_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     skip_pages: list[tuple[int, int, int]] = field(default_factory=list)
     memory_raised: list[Any] = field(default_factory=list)    # host_memory.Raise made for this capture
+    persister: Detached | None = None                     # a final capture's, once handed over (images.hand_over)
 
     @property
     def dumped(self) -> bool:

@@ -5,15 +5,19 @@
                                                  store (free space, quotas) and in staging; the epoch's
                                                  lease extended to cover this rank's bytes (lease.py)
     record/dump/snapshot-output (CAPTURE)        into the rank's staging area (node-local)
-    persist (final: in CAPTURE, at full speed;   staging -> store: compress, checksum, fsync, rank.json;
-            periodic: in RESUME, after the thaw, staging cleaned either way; the epoch's lease renewed
-            at bounded priority)                 meanwhile
+    persist (periodic: in RESUME, after the      staging -> store: compress, checksum, fsync, rank.json;
+            thaw, at bounded priority)           staging cleaned either way; the epoch's lease renewed
+                                                 meanwhile
+    hand_over (final: CAPTURE's last stage)      a persister outside the job's cgroups does the same after
+                                                 Slurm's SIGKILL (store/final_persist.py, handover.py)
     restore                                      store -> staging (verified while unpacked) -> criu
 
 Each function takes the rank's context and the epoch's state (context.py).
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +27,18 @@ from slurmckpt.rank import fit, output_snapshot
 from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
-from slurmckpt.store import lease
+from slurmckpt.store import handover, lease
+from slurmckpt.node import detach
 from slurmckpt.node import proctree
 from slurmckpt.store import compression
 from slurmckpt.store.compression import PLAIN, Plain, Zstd
 from slurmckpt.coordinator import budget
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
-from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
+from slurmckpt.store.persist import Priority, materialize, persist_kept
 from slurmckpt.store.staging import Staging
-from slurmckpt.store.jobstore import JobStore
+from slurmckpt.store.jobstore import JobStore, atomic_write_json, tree_bytes
+from slurmckpt.store.persist import HANDOVER
 
 from slurmckpt.sizes import size_text
 
@@ -48,6 +54,7 @@ class StorePolicy:
     priority: Priority | None = field(default_factory=Priority)    # None: periodic persists at full speed
     quotas: space.Quotas = field(default_factory=space.Quotas)
     lease_s: float = 30 + 600 + 1800 + lease.MARGIN_S     # an epoch's lease at the default limits (lease.py)
+    spawn: detach.Spawn = detach.spawn     # starts a final capture's persister (tests: in this process)
 
     @classmethod
     def from_config(cls, config: Any) -> "StorePolicy":
@@ -125,10 +132,8 @@ def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
     where = area(ctx, epoch)
     meta = {**st.record, "timings": dict(st.timings)}
     try:
-        with lease.kept(ctx.store, epoch, str(ctx.name), ctx.policy.lease_s):    # however long it takes
-            manifest = bounded(ctx.policy.priority if background else None,
-                               lambda: persist_rank(ctx.store, epoch, ctx.step, ctx.rank, where, meta,
-                                                    ctx.policy.codec))
+        manifest = persist_kept(ctx.store, epoch, ctx.step, ctx.rank, where, meta, ctx.policy.codec,
+                                ctx.policy.priority if background else None, ctx.policy.lease_s)
     except SlurmckptError:
         st.failed_stage = "persist"
         raise
@@ -140,6 +145,41 @@ def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
     st.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
     st.record["raw_bytes"] = sum(f.get("raw_size", f["size"]) for f in manifest["files"].values())
     st.timings["persist"] = round(time.monotonic() - start, 4)
+
+
+def hand_over(ctx: RankContext, st: EpochState) -> None:
+    """A final capture's last stage inside Slurm's window: the staged images go to a persister of their own
+    (store/final_persist.py: root, outside the job's cgroups, so Slurm's SIGKILL does not reach it), which
+    compresses them into the store after the job has ended and commits the epoch once every rank's images
+    are there (store/handover.py). What it needs is written into the staging area (root-only) first; its
+    heartbeat starts before it does, and it owns the area from now on (the node's gc keeps it while it
+    lives)."""
+    where = area(ctx, st.epoch)
+    staged = tree_bytes(where)
+    st.record.update(bytes=staged, raw_bytes=staged)
+    codec = ctx.policy.codec
+    priority = ctx.policy.priority
+    atomic_write_json(where / HANDOVER, {
+        "meta": {**st.record, "timings": dict(st.timings)}, "lease_s": ctx.policy.lease_s,
+        "codec": {"name": codec.name, "level": getattr(codec, "level", 1), "threads": getattr(codec, "threads", 1)},
+        "priority": None if priority is None else {"nice": priority.nice, "io_class": priority.io_class}})
+    lease.extend(ctx.store, st.epoch, handover.heartbeat(str(ctx.name)), lease.clock() + handover.HEARTBEAT_S)
+    argv = [sys.executable, "-m", "slurmckpt", "persist-final", "--cluster", ctx.store.cluster,
+            "--job", str(ctx.store.job), "--epoch", str(st.epoch), "--step", ctx.step, "--rank", str(ctx.rank)]
+    try:
+        st.persister = ctx.policy.spawn(argv, {k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
+    except OSError as e:
+        raise CaptureError(f"the final capture's persister did not start: {e}", epoch=st.epoch, step=ctx.step,
+                           rank=ctx.rank) from e
+    ctx.policy.staging.hand_to(where, st.persister.pid)
+
+
+def stop_persister(ctx: RankContext, st: EpochState) -> None:
+    """An epoch aborted after its hand-over (another rank failed): its persister stops, its images go."""
+    if st.persister is not None and st.persister.poll() is None:
+        st.persister.kill()
+        st.persister.wait()
+    discard(ctx, st.epoch)
 
 
 def discard(ctx: RankContext, epoch: int) -> None:

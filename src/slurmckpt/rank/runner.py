@@ -72,14 +72,16 @@ class RankRunner:
         return {"timings": st.timings}
 
     def capture(self, epoch: int, final: bool = True) -> dict[str, Any]:
-        """A final capture persists to the store while frozen (the tree dies next). A periodic one persists
-        in RESUME, after the thaw: compressing and copying GiBs must not stretch the freeze."""
+        """A final capture hands its staged images to a persister that outlives the job (the tree dies next,
+        and Slurm's SIGKILL may follow at once). A periodic one persists in RESUME, after the thaw:
+        compressing and copying GiBs must not stretch the freeze."""
         st = self.state
         if self.ctx is None or st is None or st.epoch != epoch or not st.done or st.done[-1] is not capture.PREPARE[-1]:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
         st.final = final
-        self._run(capture.CAPTURE if final else capture.CAPTURE[:-1], self.ctx, st)
-        return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings}
+        self._run(capture.CAPTURE_FINAL if final else capture.CAPTURE_PERIODIC, self.ctx, st)
+        return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings,
+                **({"persisting": True} if st.persister is not None else {})}
 
     def resume(self, epoch: int) -> dict[str, Any]:
         """After a periodic capture of every rank: RESUME's table. A persist failure leaves the epoch
@@ -87,7 +89,7 @@ class RankRunner:
         st, ctx = self.state, self.ctx
         if st is None or ctx is None:
             return {"bytes": 0, "raw_bytes": 0}
-        persisted = bool(st.done) and st.done[-1] is capture.CAPTURE[-1]
+        persisted = st.persister is not None      # a final capture's images went to their persister
         dumped = st.dumped
         if st.done:
             st.done = []

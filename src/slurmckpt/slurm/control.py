@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from slurmckpt.node import proctree
 from slurmckpt.errors import SlurmError
-from slurmckpt.slurm import jobrecord, queue
+from slurmckpt.slurm import jobrecord, queue, window
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.slurm.queue import QueuedJob
+from slurmckpt.slurm.window import KillWindow
 
 log = logging.getLogger("slurmckpt.slurm")
 
@@ -194,11 +195,41 @@ class CliSlurm:
         return {k: v for k, _, v in (w.partition("=") for w in line.split()) if k in ("NodeName", "State",
                                                                                   "Partitions")}
 
-    def cluster_name(self) -> str | None:
-        for line in self._run("scontrol", "show", "config").splitlines():
-            if line.startswith("ClusterName"):
-                return line.split("=", 1)[1].strip() or None
-        return None
+    def config_values(self) -> dict[str, str]:
+        """`scontrol show config` as {Key: value} (the admin's slurm.conf as slurmctld runs it)."""
+        return window.config_values(self._run("scontrol", "show", "config"))
+
+    def cluster_name(self, values: dict[str, str] | None = None) -> str | None:
+        return (self.config_values() if values is None else values).get("ClusterName") or None
+
+    def kill_window(self, partition: str, qos: str, values: dict[str, str] | None = None) -> KillWindow:
+        """KillWait, and the GraceTime a preemption of a job in `partition` and `qos` adds (slurm/window.py):
+        the partition's record (slurmctld) or the QOS's (slurmdbd), whichever PreemptType reads."""
+        values = self.config_values() if values is None else values
+        try:
+            kill_wait = window.seconds_field(values.get("KillWait", str(window.DEFAULT_KILL_WAIT_S)), "KillWait")
+            source = window.grace_source(values.get("PreemptType", ""), partition, qos)
+            grace = 0
+            if source.startswith("partition"):
+                grace = window.partition_grace(self._run("scontrol", "show", "partition", "-o", partition))
+            elif source:
+                grace = window.qos_grace(self._run("sacctmgr", "-n", "-P", "show", "qos", qos,
+                                                   "format=Name,GraceTime"), qos)
+        except ValueError as e:
+            raise SlurmError(f"Slurm's kill window: {e}") from e
+        return KillWindow(kill_wait, grace, source if grace else "")
+
+    def partition_graces(self) -> dict[str, int]:
+        """Every partition's GraceTime (seconds), for `slurmckpt doctor`."""
+        try:
+            return window.partition_graces(self._run("scontrol", "show", "partition", "-o"))
+        except ValueError as e:
+            raise SlurmError(f"scontrol show partition: {e}") from e
+
+    def preempted(self, job_id: int) -> bool:
+        """Whether slurmctld is preempting the job's current run (its preempt_time is set, not before the
+        run started): its SIGKILL then comes after GraceTime + KillWait."""
+        return jobrecord.preempted(self.job(job_id))
 
     def default_partition(self) -> str | None:
         """The partition a job that names none runs in (Default=YES)."""

@@ -106,6 +106,18 @@ def _timestamp(value: object, job: int) -> int:
     return _int(value, "submit time", 2**40, job)
 
 
+def preempted(entry: dict[str, Any]) -> bool:
+    """slurmctld set the job's preempt_time (22.05: an integer; 23.02+: {"set", "infinite", "number"}) at or
+    after its current run's start: the run is being preempted. A malformed field reads as not preempted (the
+    shorter window)."""
+    def stamp(value: object) -> int:
+        if isinstance(value, dict):
+            value = value.get("number") if value.get("set") is True and value.get("infinite") is not True else 0
+        return value if type(value) is int and 0 <= value < 2**40 else 0
+    when = stamp(entry.get("preempt_time"))
+    return when > 0 and when >= stamp(entry.get("start_time"))
+
+
 def iso_local(stamp: int) -> str:
     """A UNIX time as `scontrol` prints it (local time, %Y-%m-%dT%H:%M:%S: its default without
     SLURM_TIME_FORMAT, which the agent's fixed environment never has)."""

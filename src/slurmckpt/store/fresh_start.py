@@ -73,6 +73,8 @@ class CaptureFailure:
 
     def describe(self) -> str:
         where = f" on rank {self.rank}" if self.rank else ""
+        if self.stage == "window":       # decided before anything was frozen (agent/window.py)
+            return f"the {self.kind} at epoch {self.epoch} was not taken{where}: {self.reason}"
         return f"the {self.kind} at epoch {self.epoch} failed{where}: {self.reason}"
 
     @classmethod
@@ -188,9 +190,9 @@ class FailureReporter:
 
     def failed_since(self, epoch: int) -> str | None:
         """For a task about to restore `epoch`: the newest failed capture if it is newer (what ran since
-        `epoch` is lost), else None."""
+        `epoch` is lost), else None. A final capture's is said on the restore line (handover.requeue_cost)."""
         newest = next(iter(failures(self.store)), None)
-        if newest is None or newest.epoch <= epoch:
+        if newest is None or newest.epoch <= epoch or newest.final:
             return None
         return f"{newest.describe()}; restoring the older checkpoint epoch {epoch}"
 

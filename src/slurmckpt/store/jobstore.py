@@ -13,6 +13,7 @@ cut off from slurmctld), and its late commit would become the newest and keep-N 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -200,7 +201,7 @@ class JobStore:
         `run` older than the store's (see above)."""
         self.ensure()
         with self.lock():
-            _fenced(self.read_manifest(), run, at_least, "a new epoch")
+            fenced(self.read_manifest(), run, at_least, "a new epoch")
             epoch = max(self.next_epoch(), at_least)
             while True:
                 try:
@@ -281,7 +282,7 @@ class JobStore:
                                    epoch=epoch, rank=rank_name(step, rank))
         return manifest
 
-    def _require_complete(self, epoch: int, name: str) -> None:
+    def _require_complete(self, epoch: int, name: str) -> float | None:     # -> rank.json's captured_at
         step, rank = validate.rank_name(name)
         manifest = self.read_rank_manifest(epoch, step, rank)
         for fname, want in manifest["files"].items():
@@ -293,24 +294,30 @@ class JobStore:
             if size != want["size"]:
                 raise StorageError(f"image file {fname} has {size} bytes, rank.json says {want['size']}",
                                    epoch=epoch, rank=name)
+        at = manifest.get("captured_at")
+        return float(at) if isinstance(at, (int, float)) else None
 
     # ---- commit --------------------------------------------------------------------------------------------
-    def commit(self, epoch: int, ranks: dict[str, dict[str, Any]], reason: str, keep: int, run: int | None = None) -> dict[str, Any]:
+    def commit(self, epoch: int, ranks: dict[str, dict[str, Any]], reason: str, keep: int, run: int | None = None,
+               handed_over: bool = False) -> dict[str, Any]:
         """Make `epoch` the newest restorable checkpoint. `ranks` maps "step.rank" to its record: kind
         image|replay need a complete rank.json and every stored file at its size; kind completed records a
         finished task's exit code. Committing an epoch again adds ranks to it (never drops another's).
-        `run` (the agent's restart count) older than the store's: refused, nothing becomes newest or pruned."""
+        `run` (the agent's restart count) older than the store's: refused, nothing becomes newest or pruned,
+        unless `handed_over`: a final epoch whose hand-over the caller found under this lock (handover.py)."""
         with self.lock():
             manifest = self.read_manifest()
-            _fenced(manifest, run, epoch, "commit")
-            for name, record in ranks.items():
-                if record.get("kind") in ("image", "replay"):
-                    self._require_complete(epoch, name)
+            if not handed_over:
+                fenced(manifest, run, epoch, "commit")
+            taken = [self._require_complete(epoch, n) for n, r in ranks.items() if r.get("kind") in ("image", "replay")]
             if any(r["epoch"] == epoch for r in manifest.get("rejected", [])):
                 raise StorageError("epoch was withdrawn; it is never committed again", epoch=epoch)
             old = next((e for e in manifest["epochs"] if e["epoch"] == epoch), None)
             entry = {"epoch": epoch, "reason": reason, "committed_at": time.time(),
-                     "ranks": {**(old["ranks"] if old else {}), **ranks}, **({"run": run} if run is not None else {})}
+                     "ranks": {**(old["ranks"] if old else {}), **ranks}, **({"run": run} if run is not None else {}),
+                     **({"captured_at": min(t for t in taken if t)} if any(taken) else {})}
+            if "pending" in manifest:        # the epoch's hand-over record, if it had one (handover.py)
+                manifest["pending"] = [p for p in manifest["pending"] if p.get("epoch") != epoch]
             epochs = sorted([e for e in manifest["epochs"] if e["epoch"] != epoch] + [entry],
                             key=lambda e: e["epoch"])
             manifest["epochs"], dropped = _keep_newest(epochs, keep)
@@ -348,8 +355,7 @@ class JobStore:
                 pass
         self.empty_trash_later()
 
-    def empty_trash_later(self) -> None:
-        """Deleting GiBs takes a while: never on the path of a freeze or a commit."""
+    def empty_trash_later(self) -> None:     # deleting GiBs takes a while: never on a freeze's or commit's path
         threading.Thread(target=self.empty_trash, name="empty-trash", daemon=True).start()
 
 
@@ -366,7 +372,7 @@ def _keep_newest(epochs: list[dict[str, Any]], keep: int) -> tuple[list[dict[str
     return [e for e in epochs if e["epoch"] in wanted], [e for e in epochs if e["epoch"] not in wanted]
 
 
-def _fenced(manifest: dict[str, Any], run: int | None, epoch: int, what: str) -> None:
+def fenced(manifest: dict[str, Any], run: int | None, epoch: int, what: str) -> None:
     """Refuse `what` to a run older than the manifest's; a newer run becomes the manifest's."""
     current = _run_of(manifest)
     if run is not None and current is not None and run < current:
@@ -378,21 +384,14 @@ def _fenced(manifest: dict[str, Any], run: int | None, epoch: int, what: str) ->
 
 
 def _run_of(manifest: dict[str, Any]) -> int | None:
-    run = manifest.get("run")
-    return run if type(run) is int else None
+    return manifest["run"] if type(manifest.get("run")) is int else None
 
 
 def _unlink(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def list_jobs(root: Path) -> list[tuple[str, int]]:
-    out = []
-    if root.exists():
-        for cdir in sorted(root.iterdir()):
-            if cdir.is_dir() and not cdir.name.startswith("."):
-                out += [(cdir.name, int(j.name)) for j in sorted(cdir.iterdir()) if j.name.isdigit()]
-    return out
+    clusters = sorted(c for c in root.iterdir() if c.is_dir() and not c.name.startswith(".")) if root.exists() else []
+    return [(c.name, int(j.name)) for c in clusters for j in sorted(c.iterdir()) if j.name.isdigit()]

@@ -23,12 +23,14 @@ from typing import Any, Callable, TypeVar
 from slurmckpt.store.compression import PLAIN, Plain, Sink, Source, Zstd, for_stored, read_sample
 from slurmckpt.config import IOPRIO_CLASSES
 from slurmckpt.errors import RestoreError, StorageError
+from slurmckpt.store import lease
 from slurmckpt.store.durable import identity
 from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, rank_name
 
 log = logging.getLogger("slurmckpt.persist")
 
-SKIPPED = (".owner", ".reserve", RANK_MANIFEST)
+HANDOVER = ".handover"        # in a final capture's staging area: what its persister needs (rank/images.py)
+SKIPPED = (".owner", ".reserve", HANDOVER, RANK_MANIFEST)
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 T = TypeVar("T")
 
@@ -70,6 +72,14 @@ def bounded(priority: Priority | None, fn: Callable[[], T]) -> T:
         raise box["error"]
     result: T = box["value"]
     return result
+
+
+def persist_kept(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict[str, Any],
+                 codec: Plain | Zstd, priority: Priority | None, lease_s: float) -> dict[str, Any]:
+    """`persist_rank` at `priority` (None: full speed), the epoch's lease renewed meanwhile (lease.py):
+    however long it takes, the epoch stays leased exactly while this rank writes it."""
+    with lease.kept(store, epoch, rank_name(step, rank), lease_s):
+        return bounded(priority, lambda: persist_rank(store, epoch, step, rank, staged, meta, codec))
 
 
 def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict[str, Any],

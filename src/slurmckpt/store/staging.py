@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import ContextManager
 
 from slurmckpt import validate
-from slurmckpt.store.durable import posix_lock
+from slurmckpt.store.durable import atomic_write_json, posix_lock
 from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import rank_name, tree_bytes
 
@@ -77,6 +77,11 @@ class Staging:
         if reserve:
             (area / AREA_RESERVE).write_text(str(int(reserve)))
         return area
+
+    def hand_to(self, area: Path, pid: int) -> None:
+        """Another root process owns `area` from now on (a final capture's persister: it outlives the agent
+        that made the area, and the node's gc keeps the area while that process lives)."""
+        atomic_write_json(area / OWNER, {"pid": pid, "start": _start_time(pid)})     # never read half-written
 
     def remove(self, area: Path, wait: bool = False) -> None:
         """Renamed away at once, deleted in the background (never on the path of a freeze)."""

@@ -57,7 +57,15 @@ class EpochHandling(WrapperParts):
         self.member.trigger(reason, final)
 
     def _epoch_result(self, result: dict[str, Any], reason: str, final: bool) -> None:
-        if result["status"] == "committed":
+        if result["status"] == "committed" and result.get("persisting"):
+            # inside Slurm's window only the dump into staging: the store and the commit come after the job
+            self._say(f"checkpoint epoch {result['epoch']} captured ({reason}): {result['ranks']} rank(s), "
+                      f"{result['bytes'] / 2**20:.1f} MiB in staging, frozen->handed over {result['commit_s']:.2f}s, "
+                      f"consistent cut after {result.get('cut_s', 0):.3f}s; persisted to the image store and "
+                      "committed after the job ends (its restore waits for that)")
+            if final and reason in ("walltime", "manual-requeue"):
+                threading.Thread(target=self._requeue, daemon=True).start()
+        elif result["status"] == "committed":
             self._say(f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
                           f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
                           f"consistent cut after {result.get('cut_s', 0):.3f}s in {result.get('lock_rounds', 1)} "
@@ -74,7 +82,8 @@ class EpochHandling(WrapperParts):
             if final and reason == "sigterm":
                 # Nothing was captured: the program gets the SIGTERM Slurm sent, as it would without slurmckpt
                 # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
-                self._say("the final capture failed: passing Slurm's SIGTERM on to the program")
+                self._say(f"the final capture {'was not taken' if result.get('stage') == 'window' else 'failed'}: "
+                          "passing Slurm's SIGTERM on to the program")
                 threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
 
     def _report_failure(self, result: dict[str, Any], reason: str, final: bool) -> None:
@@ -105,8 +114,8 @@ class EpochHandling(WrapperParts):
         if kind == "capture" and isinstance(message.get("timeout_s"), (int, float)):
             self.capture_timeout_s = max(self.config.capture_timeout_s, float(message["timeout_s"]))
         args: dict[str, Any] = {"final": bool(message.get("final", True))} if kind == "capture" else {}
-        if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py)
-            args = {k: message[k] for k in ("final", "trigger") if k in message}
+        if kind in ("size", "prepare"):       # what the agent records should its part fail (fresh_start.py), and
+            args = {k: message[k] for k in ("final", "trigger", "trigger_age_s") if k in message}   # its window
         reply = {k: v for k, v in self.call(kind, epoch=epoch, **args).items() if k != "ok"}
         for note in reply.pop("notes", []):   # for the user, not the coordinator; once per run
             if note not in self.noted:
@@ -128,6 +137,9 @@ class EpochHandling(WrapperParts):
 def abort_message(result: dict[str, Any], reason: str) -> str:
     """The job's line for an aborted epoch: rank, node, stage and reason, and whether undoing it completed."""
     where = ", ".join(f"{what} {result[what]}" for what in ("rank", "node", "stage") if result.get(what))
+    if result.get("stage") == "window":       # refused before anything was frozen (agent/window.py)
+        return (f"checkpoint epoch {result['epoch']} ({reason}) NOT TAKEN ({where}): {result.get('error')}; the "
+                "previous checkpoint stays the one restored")
     text = (f"checkpoint epoch {result['epoch']} ({reason}) ABORTED ({where or 'no rank took part'}): "
             f"{result.get('error') or 'no reason given'}")
     if result.get("abort"):

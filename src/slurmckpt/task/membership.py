@@ -82,8 +82,9 @@ class Membership:
                     **({"auto": plan["auto"]} if isinstance(plan.get("auto"), dict) else {})}
         callbacks = HostCallbacks(
             started=host.started, result=host.result, interval=host.interval, say=self.say,
-            commit=lambda epoch, ranks, reason: self.call("commit", epoch=epoch, ranks=ranks, reason=reason),
-            allocate=lambda at_least: int(self.call("allocate_epoch", at_least=at_least)["epoch"]),
+            commit=lambda epoch, ranks, reason, final: self.call("commit", epoch=epoch, ranks=ranks, reason=reason,
+                                                                 final=final),
+            allocate=lambda at_least, final: int(self.call("allocate_epoch", at_least=at_least, final=final)["epoch"]),
             publish=lambda port: self.call("publish_coordinator", scope=scope, host=address, port=port, token=token),
             interruptions=lambda: {k: v for k, v in self.call("interruptions").items() if k != "ok"})
         self.supervisor = CoordinatorSupervisor(self.env.job_id, settings, callbacks)

@@ -51,8 +51,9 @@ class TaskStart(WrapperParts):
             else:
                 self.root_pid = int(reply["pid"])
                 note = ENV_NOTE if "SLURM_JOB_SLUID" in os.environ else ""
+                cost = str(candidate.get("cost") or "")[:600]     # what the requeue cost (store/handover.py)
                 self._say(f"restored from checkpoint epoch {epoch} in {time.monotonic() - t0:.2f}s "
-                          f"(restart {self.env.restart_count}){note}")
+                          f"(restart {self.env.restart_count}){': ' + cost if cost else ''}{note}")
             if failed:     # the restore put back this epoch's output, which ends before the FAILED lines
                 self._say(f"epoch {epoch} was restored because newer checkpoints could not be: "
                           + "; ".join(failed))
