@@ -125,6 +125,10 @@ class Config:
                                             "string).")
     ghost_limit_max: int = _key(256 << 20, "Most bytes of deleted-but-open files (e.g. MPI shared memory) one "
                                 "rank's images may hold: bytes or a number with KiB, MiB, GiB.", size=True)
+    tcp_hold_max: int = _key(1024, "Most TCP connections between ranks of one job that one node holds while "
+                             "only one end is restored (two packet filter rules each between ranks of the node, "
+                             "one to another node): a capture above it is refused at its check, naming the count "
+                             "(docs/mpi.md, \"TCP inside the job\").")
     proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
                                    "process tracking plugin, which slurmckpt delegates to (read by every new "
                                    "slurmstepd).")
@@ -197,6 +201,8 @@ class Config:
                               "states as sacct prints them (NODE_FAIL, PREEMPTED, REQUEUED, ...)")
         if not os.path.isabs(self.staging_dir):
             raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
+        if self.tcp_hold_max < 1:
+            raise ConfigError(f"key 'tcp_hold_max': bad value {self.tcp_hold_max!r}: want a number >= 1")
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:

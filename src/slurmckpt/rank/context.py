@@ -38,6 +38,7 @@ class Handovers:
 class Limits:
     stall_after: tuple[str, float] | None = None       # Config.debug_stall_after (tests only)
     ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
+    tcp_hold_max: int = 1024                            # Config.tcp_hold_max (checks.py, netlock.py)
 
 
 def _no_addresses() -> set[str]:
