@@ -171,3 +171,17 @@ def test_gc_marks_the_summary_of_what_it_removes(tmp_path, tree):
                                    summary_dir=str(tmp_path / "summaries"))
     assert [(r.kind, r.why) for r in out] == [("finished-job", "job CANCELLED")] and not store.job_dir.exists()
     assert summary.read(str(tmp_path / "summaries"), "c", 50)["images_removed"]["why"] == "job CANCELLED"
+
+
+def test_images_moved_aside_for_another_instance_of_the_id_stay_for_the_admins(tmp_path, tree):
+    """A store bound to another instance of the job id is moved aside (`.stale-<job>-*`, instance.py) and
+    kept for the admins (docs/storage.md): the new job's end, and gc, remove the new job's images only, and
+    gc lists what is kept."""
+    old = stored(tmp_path, tree, uid=UID + 1)
+    assert claim(old, JobInstance("c", 50, UID, UID, "2026-02-01T00:00:00", 0))       # the id's new job
+    stale = list((tmp_path / "images" / "c").glob(".stale-50-*"))
+    assert len(stale) == 1
+    assert end(JobEnd(50, UID), config(tmp_path), Slurm("COMPLETED")).startswith("removed ")
+    assert stale[0].is_dir() and (stale[0] / "manifest.json").exists()
+    listed = reclaim.collect_moved_aside(tmp_path / "images", "c")
+    assert [(r.kind, r.path) for r in listed] == [("kept", str(stale[0]))] and "admins" in listed[0].why

@@ -7,10 +7,12 @@
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
   ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. At the job's end (job_end.py,
   started by the SPANK plugin's job epilog) and by `slurmckpt gc` (admin, timer), only when slurmctld
-  answered: a job it holds is judged by its state there (one word; a state with flags, 23.02+'s
-  `PENDING+REQUEUED`, is not final), accounting only speaks for jobs it no longer holds (slurm/control.py,
-  job_states). PREEMPTED is final there: slurmctld shows a preempted job that is requeued as
-  REQUEUED/PENDING, and only its accounting record says PREEMPTED. `verdict` is that one reading.
+  answered: a job it holds is judged by its state there (one word, squeue's: a flag such as COMPLETING or
+  REQUEUED takes the base state's place, and is not final), accounting only speaks for jobs it no longer
+  holds (slurm/control.py, job_states). PREEMPTED is final there: slurmctld shows a preempted job that is
+  requeued as REQUEUED/PENDING, and only its accounting record says PREEMPTED. `verdict` is that one reading.
+- Stores moved aside for another instance of a job id (`.stale-<job>-*`, instance.py): kept for the admins,
+  listed by gc, never removed by slurmckpt.
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
 - Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
   slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.
@@ -137,20 +139,30 @@ def collect_finished(root: Path, cluster: str, states: dict[int, str], keep_fini
 
 def remove_finished(store: JobStore, state: str, keep_finished: bool, dry_run: bool = False,
                     summary_dir: str | None = None) -> Removal:
-    """The whole store of a job Slurm says is `state` (finished for good, `verdict`), with the images
-    moved aside for another instance of its id; its summary stays, saying when and why the images went.
-    Under the job's lock the summary is marked and the directory renamed, then deleted: of two removers
-    (nodes, gc) one does it, the other finds nothing. Raises StorageError when the lock cannot be had."""
-    stale = list((store.root / store.cluster).glob(f".stale-{store.job}-*"))
-    size = tree_bytes(store.job_dir) + sum(tree_bytes(p) for p in stale)
+    """The whole store of a job Slurm says is `state` (finished for good, `verdict`); its summary stays,
+    saying when and why the images went. Images another instance of its id left (`.stale-<job>-*`) are not
+    this job's: they stay for the admins (`collect_moved_aside`). Under the job's lock the summary is marked
+    and the directory renamed, then deleted: of two removers (nodes, gc) one does it, the other finds
+    nothing. Raises StorageError when the lock cannot be had."""
+    size = tree_bytes(store.job_dir)
     if keep_finished:
         return Removal("kept", str(store.job_dir), size, f"job {state}; keep_finished is set")
-    if not dry_run and not _remove_job(store, stale, summary_dir, f"job {state}"):
+    if not dry_run and not _remove_job(store, summary_dir, f"job {state}"):
         return Removal("finished-job", str(store.job_dir), 0, f"job {state}; already removed by another")
     return Removal("finished-job", str(store.job_dir), size, f"job {state}")
 
 
-def _remove_job(store: JobStore, stale: list[Path], summary_dir: str | None, why: str) -> bool:
+def collect_moved_aside(root: Path, cluster: str) -> list[Removal]:
+    """Stores moved aside for another instance of their job id (instance.py): never restored, never removed
+    by slurmckpt (they may be another user's images, or the trace of a lost slurmctld state), listed by gc
+    so that the admins see them (docs/storage.md, "Garbage collection")."""
+    directory = root / cluster
+    found = sorted(directory.glob(".stale-*")) if directory.is_dir() else []
+    return [Removal("kept", str(p), tree_bytes(p), "images of another instance of the job id, moved aside: kept "
+                    "for the admins (never restored; remove by hand)") for p in found if p.is_dir()]
+
+
+def _remove_job(store: JobStore, summary_dir: str | None, why: str) -> bool:
     trash = store.root / store.cluster / f"{TRASH}job-{store.job}-{time.time_ns()}"
     with store.lock():
         if not store.job_dir.is_dir():
@@ -161,8 +173,7 @@ def _remove_job(store: JobStore, stale: list[Path], summary_dir: str | None, why
             os.rename(store.job_dir, trash)
         except FileNotFoundError:
             return False
-    for path in (trash, *stale):
-        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)
     return True
 
 
@@ -243,6 +254,7 @@ def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Stagi
         if job_cluster == cluster:
             out += collect_job(JobStore(root, cluster, job), dry_run, wait=True)
     out += collect_staging(staging, dry_run)
+    out += collect_moved_aside(root, cluster)
     for trash in (root / cluster).glob(TRASH + "*") if (root / cluster).is_dir() else []:
         out.append(Removal("trash", str(trash), tree_bytes(trash), "an interrupted deletion"))
         if not dry_run:
