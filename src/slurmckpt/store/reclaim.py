@@ -14,6 +14,9 @@
 - Stores moved aside for another instance of a job id (`.stale-<job>-*`, instance.py): kept for the admins,
   listed by gc, never removed by slurmckpt.
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
+- TCP holds (rank/sharing/netlock.py): a job's rule set in this node's packet filters, of jobs Slurm says
+  are finished or does not know (the job's epilog lifts them first: job_end.py), by `slurmckpt gc` on the
+  node it runs on.
 - Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
   slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.
 Removal renames first (under the job's lock, so no commit sees half a directory) and deletes after.
@@ -33,7 +36,9 @@ from slurmckpt.store.durable import is_temp
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.identity import TreeName
 from slurmckpt.store.staging import Staging
+from slurmckpt.node.packet_filter import PacketFilter
 from slurmckpt.node.task_cgroup import TaskCgroup
+from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.store.jobstore import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 log = logging.getLogger("slurmckpt.reclaim")
@@ -243,6 +248,47 @@ def collect_finished_task_cgroups(root: str, states: dict[int, str], dry_run: bo
             cgroup.remove()
         out.append(Removal("task-cgroup", str(cgroup.path), 0, f"job {state}"))
     return out
+
+
+def tcp_hold_jobs(filters: list[PacketFilter], lock_dir: Path | None = None) -> set[int]:
+    """The jobs with TCP holds on this node: a rule set in one of its packet filters, or their lock (they
+    held some here once)."""
+    jobs = rendezvous.locked_jobs(lock_dir or rendezvous.LOCK_DIR)
+    for packets in filters:
+        try:
+            jobs |= packets.jobs()
+        except OSError as e:
+            log.warning("cannot list the TCP holds of %s: %s", packets.name, e)
+    return jobs
+
+
+def collect_tcp_holds(jobs: set[int], states: dict[int, str], filters: list[PacketFilter], dry_run: bool = False,
+                      lock_dir: Path | None = None) -> list[Removal]:
+    """The TCP holds of `jobs` on this node whose job Slurm says is finished or does not know: nothing of
+    such a job can be restoring here."""
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
+    out = []
+    for job in sorted(jobs):
+        state = states.get(job)
+        if verdict(state) not in ("finished", "unknown"):
+            continue
+        why = f"job {state}" if state else "Slurm knows no such job"
+        if dry_run:
+            counts = [_held_count(f, job) for f in filters]
+            counts = [c for c in counts if c]
+        else:
+            counts = netlock.lift_job(job, filters, lock_dir)
+            rendezvous.job_lock_path(lock_dir, job).unlink(missing_ok=True)
+        out.append(Removal("tcp-hold", f"job {job}: " + ("; ".join(counts) or "no rule left"), 0, why))
+    return out
+
+
+def _held_count(packets: PacketFilter, job: int) -> str:
+    try:
+        count = len(packets.held(job).drops)
+    except OSError as e:
+        return f"{packets.name}: cannot be read ({e})"
+    return f"{packets.name}: {count} rule(s)" if count else ""
 
 
 def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Staging, keep_finished: bool,
