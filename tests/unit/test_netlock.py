@@ -289,3 +289,27 @@ def test_the_check_counts_each_connection_between_the_jobs_trees_on_the_node_onc
     finally:
         client.kill(), client.wait()
         listener.close()
+
+
+def test_the_jobs_end_removes_the_nftables_lock_criu_left_after_its_final_dumps(tmp_path: Path) -> None:
+    """A final dump with criu's nftables lock leaves criu's table (two base chains) for the tree's restore on
+    this node to remove; a tree restored elsewhere, or never, left it for good. The run id comes from the
+    images (inventory.img), and the job's end removes the table whether the restore did or not."""
+    import struct
+    from slurmckpt.criu import images as criu_images
+    run_id = "8246aa8f-a961-442a-bf1c-0123456789ab"
+    entry = bytes([0x08, 0x02]) + bytes([13 << 3 | 2, len(run_id)]) + run_id.encode()      # img_version, run id
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "inventory.img").write_bytes(b"\0" * 8 + struct.pack("<I", len(entry)) + entry)
+    assert criu_images.dump_run_id(tmp_path / "img") == run_id
+    assert criu_images.dump_run_id(tmp_path) is None
+    nft = FakeNftables()
+    nft("add table inet CRIU-8246aa8f-a961-442a-bf\nadd table inet CRIU-0000aaaa-0000-0000-00\n")   # criu's
+    locks = tmp_path / "locks"
+    netlock.note_criu_lock(7, run_id, locks)
+    netlock.note_criu_lock(7, run_id, locks)                                # two ranks' dumps, one table each
+    netlock.note_criu_lock(7, "x; flush ruleset", locks)                   # never a name that is not criu's
+    assert netlock.lift_job(7, [FakeIptables().filter(), nft.filter()], locks) == [
+        "criu's nftables lock: 1 table(s) of final dumps"]
+    assert list(nft.tables) == ["CRIU-0000aaaa-0000-0000-00"], "another run's table is not the job's"
+    assert netlock.lift_job(7, [nft.filter()], locks) == []

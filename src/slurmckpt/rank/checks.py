@@ -62,7 +62,8 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
     peers = {pid: (name.step, name.rank) for pid, name in trees.items()}
     st.tcp_peers = netlock.internal_connections(pids, peers)
-    _refuse_more_held_tcp_than_the_cap(ctx, pids, trees)
+    if st.tcp_peers or any(st.tcp_outside.values()):     # this rank's restore holds some: count the node's
+        _refuse_more_held_tcp_than_the_cap(ctx, pids, trees)
     _refuse_replayed_peers(ctx, st, trees)
     st.shared_files = ipc.shared_files(pids, set(peers))
 

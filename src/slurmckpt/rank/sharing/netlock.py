@@ -3,9 +3,10 @@ has been restored.
 
 Each rank is restored by its own `criu restore`, at its own time. A restored end that sends (its process
 writes, or the kernel retransmits what was in flight) to an end not restored yet gets a RST: the connection
-is reset (measured: ECONNRESET on both ranks after a 2 s stagger). After a final capture on the same node
-this does not happen, because `criu dump` leaves DROP rules on the connection that each side's restore
-removes for its own end; after a crash (periodic images) or a restore on another node there are none.
+is reset (measured: ECONNRESET on both ranks after a 2 s stagger). After a final capture `criu dump` leaves
+its own lock on the connection for each side's restore on the same node to remove, but the job's epilog
+removes it first (`lift_job`: a tree restored elsewhere or never would leave it for good), and after a crash
+(periodic images) or on another node there is none.
 
 So the first rank of the node to restore an end of such a connection adds DROP rules for both directions
 (in the job's own rule set, so criu's own rules stay independent), and the last one to finish its restore
@@ -25,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import re as regex
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,11 +34,13 @@ from typing import Any, Callable, Iterator
 from slurmckpt.node import proctree
 from slurmckpt.errors import RestoreError
 from slurmckpt.node import packet_filter
-from slurmckpt.node.packet_filter import Drop, PacketFilter
+from slurmckpt.node.packet_filter import Drop, Nftables, PacketFilter
 from slurmckpt.rank.sharing import rendezvous
 from slurmckpt.rank.sharing.rendezvous import RestoreKey
 
 log = logging.getLogger("slurmckpt.netlock")
+
+CRIU_TABLE = regex.compile(r"CRIU-[0-9a-f-]{1,21}")     # criu's lock table: its run id (a uuid) cut to 31 characters
 
 
 
@@ -174,6 +178,8 @@ def hold_during_restore(connections: list[list[str]], key: RestoreKey, packets: 
             log.warning("cannot hold TCP between ranks during the restore (%s): %s", packets.name, e)
         for old in stale:
             old.unlink(missing_ok=True)
+        log.info("TCP between ranks held during the restore: %d connection(s) of this rank, %d new (%s)",
+                 len(connections), len(new), packets.name)
         state.update({pair: {"done": 0, "drops": [d.to_list() for d in held]} for pair, held in new.items()})
         _save(path, state)
     try:
@@ -220,6 +226,7 @@ def _finish(connections: list[list[str]], key: RestoreKey, packets: PacketFilter
     _save(path, state)
     if not lifting:
         return
+    log.info("TCP between ranks: both ends of %d connection(s) back, hold lifted", len(lifting) // 2)
     try:
         packet_filter.update(packets, key.job, remove=lifting)
     except OSError as e:
@@ -245,6 +252,32 @@ def _stale(key: RestoreKey, lock_dir: Path) -> dict[Path, list[Drop]]:
     return out
 
 
+def note_criu_lock(job: int, run_id: str | None, lock_dir: Path | None = None) -> None:
+    """After a final dump with criu's nftables lock: criu leaves its table (`inet CRIU-<run id>`, two base
+    chains on the node's hooks) for the tree's restore on this node to remove. A tree restored elsewhere, or
+    never, would leave it for good, and 512 of them leave criu no room to lock anything on the node: the
+    job's end removes it (`lift_job`)."""
+    table = f"CRIU-{run_id}"[:26] if run_id else ""
+    if not CRIU_TABLE.fullmatch(table):
+        return
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
+    path = rendezvous.marker(lock_dir, rendezvous.restore_key(job, 0, 0), "criu")
+    with rendezvous.job_lock(job, lock_dir):
+        tables = _criu_tables(path)
+        if table not in tables:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(tables + [table]))
+            os.rename(tmp, path)
+
+
+def _criu_tables(path: Path) -> list[str]:
+    try:
+        tables = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [t for t in tables if isinstance(t, str) and CRIU_TABLE.fullmatch(t)] if isinstance(tables, list) else []
+
+
 def lift_job(job: int, filters: list[PacketFilter], lock_dir: Path | None = None) -> list[str]:
     """Everything the job holds on this node (the job left it: its epilog, or gc once Slurm says it is
     gone): its rule set in every packet filter the node has, and its markers of this network namespace.
@@ -265,4 +298,19 @@ def lift_job(job: int, filters: list[PacketFilter], lock_dir: Path | None = None
             theirs = RestoreKey.parse(path.name)
             if theirs is not None and theirs.job == job and theirs.netns == netns:
                 path.unlink(missing_ok=True)
+        said += _lift_criu_locks(rendezvous.marker(lock_dir, RestoreKey(job, 0, 0, netns), "criu"), filters)
     return said
+
+
+def _lift_criu_locks(path: Path, filters: list[PacketFilter]) -> list[str]:
+    """The tables criu's final dumps of the job left on this node (`note_criu_lock`)."""
+    tables = _criu_tables(path)
+    nft = next((f for f in filters if isinstance(f, Nftables)), None)
+    if not tables or nft is None:
+        return []
+    try:
+        nft.execute("".join(f"add table inet {t}\ndelete table inet {t}\n" for t in tables), 0)
+    except OSError as e:
+        return [f"criu's nftables lock: FAILED: {e}"]
+    path.unlink(missing_ok=True)
+    return [f"criu's nftables lock: {len(tables)} table(s) of final dumps"]
