@@ -9,9 +9,9 @@ its next start cannot come back to it before every node's epilog has returned an
 passed. Then only the first node of the job's list goes on (the others exit): one process per job asks
 slurmctld, whatever the job's size.
 
-While the epilogs run, slurmctld shows the job COMPLETING (22.05) or COMPLETED+COMPLETING (23.02+) whether
-it ended or is being requeued; its final word comes once every node's epilog has returned. So this asks
-again, bounded (WAIT_S), until `reclaim.verdict` reads a final word: finished -> the whole store goes
+While the epilogs run, slurmctld shows the job COMPLETING whether it ended or is being requeued; its final
+word comes once every node's epilog has returned. So this asks again (about this job alone: slurm/control.py,
+job_states), bounded (WAIT_S), until `reclaim.verdict` reads a final word: finished -> the whole store goes
 (`reclaim.remove_finished`, under the job's lock, the summary kept and saying so); runs again (requeued,
 preempted and requeued, held) -> kept; no final word in time, or no answer from slurmctld -> left to
 `slurmckpt gc`, the safety net (docs/operations.md, "Packaging": a timer or cron entry on every node).

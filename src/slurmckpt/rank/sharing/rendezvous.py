@@ -90,8 +90,8 @@ def locked_jobs(lock_dir: Path = LOCK_DIR) -> set[int]:
 # Ranks of one node that share a file (a /dev/shm segment, a file mapped shared) each recorded it at the
 # cut; its check or write-back is done once per restore of the node, by the first rank, and the others take
 # its verdict (the ranks restored first already use the file again). That work touches the user's paths, so
-# it never runs under a lock: the marker is claimed by creating it (O_EXCL), the work runs outside any
-# lock, and its verdict replaces the marker (rename). Only the ranks of the same restore wait for it.
+# no lock is held around it: the marker is claimed by creating it (O_EXCL), the work runs, and its verdict
+# replaces the marker (rename). Only the ranks of the same restore wait for it.
 
 
 def first_on_node(marker: Path, work: Callable[[], str], wait_s: float, poll_s: float = 0.05,
