@@ -59,7 +59,7 @@ TESTS_CORE ?= $(IT)/test_checkpoint_restore.py::test_requeue_twice_resumes_mid_r
   $(IT)/test_slurm_view.py::test_slurm_tracks_accounts_and_limits_a_checkpointed_job_before_and_after_restore \
   $(IT)/test_mpi.py::test_mpich_srun_pmi2_on_one_node_requeued_twice_equals_an_uninterrupted_run
 TESTS_2605_ONLY ?= $(IT)/test_slurm_releases.py $(IT)/test_security_names.py $(IT)/test_host_copy_criu.py \
-  $(IT)/test_gpu_transports.py $(IT)/test_io_uring.py $(IT)/test_kill_window.py
+  $(IT)/test_gpu_transports.py $(IT)/test_io_uring.py $(IT)/test_kill_window.py $(IT)/test_security_tcp_holds.py
 TESTS_2605 ?= $(TESTS_2605_ONLY) $(TESTS_CORE) $(IT)/test_launch_form.py \
   $(IT)/test_fresh_start_reasons.py::test_a_job_requeued_before_any_commit_says_no_checkpoint_committed_yet
 

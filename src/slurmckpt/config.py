@@ -150,6 +150,10 @@ class Config:
     host_copy_threads: int = _key(8, "Threads that copy a GPU checkpoint's host copy into the images and back "
                                   "at the restore, instead of criu's one parasite (docs/gpu.md, \"The host copy, "
                                   "copied in parallel\"); 0 leaves it to criu.")
+    tcp_hold_max: int = _key(1024, "Most TCP connections between ranks of one job that one node holds while "
+                             "only one end is restored (two packet filter rules each between ranks of the node, "
+                             "one to another node): a capture above it is refused at its check, naming the count "
+                             "(docs/mpi.md, \"TCP inside the job\").")
     proctrack_delegate: str = _key("proctrack/cgroup", "With ProctrackType=proctrack/slurmckpt: the site's own "
                                    "process tracking plugin, which slurmckpt delegates to (read by every new "
                                    "slurmstepd).")
@@ -222,6 +226,8 @@ class Config:
                               "states as sacct prints them (NODE_FAIL, PREEMPTED, REQUEUED, ...)")
         if not os.path.isabs(self.staging_dir):
             raise ConfigError(f"key 'staging_dir': bad value {self.staging_dir!r}: want an absolute path")
+        if self.tcp_hold_max < 1:
+            raise ConfigError(f"key 'tcp_hold_max': bad value {self.tcp_hold_max!r}: want a number >= 1")
 
     def stall(self) -> tuple[str, float] | None:
         if not self.debug_stall_after:

@@ -171,3 +171,63 @@ def test_gc_marks_the_summary_of_what_it_removes(tmp_path, tree):
                                    summary_dir=str(tmp_path / "summaries"))
     assert [(r.kind, r.why) for r in out] == [("finished-job", "job CANCELLED")] and not store.job_dir.exists()
     assert summary.read(str(tmp_path / "summaries"), "c", 50)["images_removed"]["why"] == "job CANCELLED"
+
+
+def test_the_jobs_end_lifts_its_tcp_holds_on_every_node_first_and_only_its_own(tmp_path, monkeypatch):
+    """A job killed mid-restore left the holds of its first rank (the other ends never came): every node's
+    epilog lifts what the job holds there, whether that node goes on to ask Slurm or not, and whether the
+    store has images or not; another job's holds stay."""
+    from fake_filters import FakeIptables, FakeNftables
+    from slurmckpt.node import packet_filter
+    from slurmckpt.rank.sharing import netlock, rendezvous
+    ipt, nft = FakeIptables(), FakeNftables()
+    monkeypatch.setattr(rendezvous, "LOCK_DIR", tmp_path / "sync")
+    monkeypatch.setattr(packet_filter, "installed", lambda: [ipt.filter(), nft.filter()])
+    conns = [[f"127.0.0.1:{20000 + i}", "127.0.0.1:5000"] for i in range(300)]
+    for job, packets in ((50, ipt.filter()), (50, nft.filter()), (60, ipt.filter())):
+        with netlock.hold_during_restore(conns, rendezvous.restore_key(job, 0, 3), packets, 1024):
+            pass
+    slurm = Slurm("COMPLETED")
+    assert end(JobEnd(50, UID, "node2", "node[1-3]"), config(tmp_path), slurm).startswith("left to the job's first")
+    assert ipt.job_chains() == ["SLURMCKPT-60"] and nft.tables == {} and slurm.asked == 0
+    assert not list((tmp_path / "sync").glob("50.*")) and list((tmp_path / "sync").glob("60.*"))
+    assert end(JobEnd(60, UID), config(tmp_path), slurm) == "no images in the store"
+    assert ipt.rules() == [] and not list((tmp_path / "sync").glob("6*.*"))
+
+
+def test_gc_lifts_the_tcp_holds_of_jobs_that_are_gone_only(tmp_path, monkeypatch):
+    """gc, the safety net where no epilog ran: the holds of a finished job and of one Slurm knows nothing of
+    go, a running or pending job's stay (its restore may be under way)."""
+    from fake_filters import FakeIptables
+    from slurmckpt.node import packet_filter
+    ipt = FakeIptables()
+    for job in (70, 71, 72, 73):
+        packet_filter.update(ipt.filter(), job, [packet_filter.Drop("127.0.0.1", 1, "127.0.0.1", 2)])
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    (sync / ".lock-74").touch()                                  # held here once, nothing left
+    jobs = reclaim.tcp_hold_jobs([ipt.filter()], sync)
+    assert jobs == {70, 71, 72, 73, 74}
+    states = {70: "COMPLETED", 71: "RUNNING", 72: "PENDING"}
+    dry = reclaim.collect_tcp_holds(jobs, states, [ipt.filter()], dry_run=True, lock_dir=sync)
+    assert [(r.path, r.why) for r in dry] == [("job 70: iptables: 1 rule(s)", "job COMPLETED"),
+                                              ("job 73: iptables: 1 rule(s)", "Slurm knows no such job"),
+                                              ("job 74: no rule left", "Slurm knows no such job")]
+    assert len(ipt.job_chains()) == 4
+    done = reclaim.collect_tcp_holds(jobs, states, [ipt.filter()], lock_dir=sync)
+    assert [r.kind for r in done] == ["tcp-hold"] * 3
+    assert ipt.job_chains() == ["SLURMCKPT-71", "SLURMCKPT-72"] and not list(sync.glob(".lock-7[034]"))
+
+
+def test_images_moved_aside_for_another_instance_of_the_id_stay_for_the_admins(tmp_path, tree):
+    """A store bound to another instance of the job id is moved aside (`.stale-<job>-*`, instance.py) and
+    kept for the admins (docs/storage.md): the new job's end, and gc, remove the new job's images only, and
+    gc lists what is kept."""
+    old = stored(tmp_path, tree, uid=UID + 1)
+    assert claim(old, JobInstance("c", 50, UID, UID, "2026-02-01T00:00:00", 0))       # the id's new job
+    stale = list((tmp_path / "images" / "c").glob(".stale-50-*"))
+    assert len(stale) == 1
+    assert end(JobEnd(50, UID), config(tmp_path), Slurm("COMPLETED")).startswith("removed ")
+    assert stale[0].is_dir() and (stale[0] / "manifest.json").exists()
+    listed = reclaim.collect_moved_aside(tmp_path / "images", "c")
+    assert [(r.kind, r.path) for r in listed] == [("kept", str(stale[0]))] and "admins" in listed[0].why

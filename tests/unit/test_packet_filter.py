@@ -1,33 +1,92 @@
 """The node's packet filter (packet_filter.py): iptables where installed, else nftables through libnftables;
-each hold lifted exactly."""
+one rule set per job, changed in one batch whatever the number of connections, capped, lifted whole."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from slurmckpt.node import packet_filter
-from slurmckpt.node.packet_filter import Drop, Nftables
+import pytest
 
-TAG = "slurmckpt job 7"
+from fake_filters import FakeIptables, FakeNftables
+from slurmckpt.errors import RestoreError
+from slurmckpt.node import packet_filter
+from slurmckpt.node.packet_filter import Drop, Iptables, Nftables
+
 DROPS = [Drop("10.77.0.1", 40000, "10.77.0.2", 5000), Drop("10.77.0.2", 5000, "10.77.0.1", 40000)]
 
 
-def test_a_hold_is_a_chain_of_its_own_and_lifting_deletes_that_chain():
-    scripts: list[str] = []
-    nft = Nftables(scripts.append)
-    nft.hold(DROPS, TAG)
-    nft.lift(list(reversed(DROPS)), TAG)         # the same hold, whatever the order it is named in
-    held, lifted = scripts
-    chain = Nftables.chain(DROPS, TAG)
-    assert f"add chain inet slurmckpt {chain} {{ type filter hook output priority -10 ; policy accept ; }}" in held
-    assert held.count("add rule inet slurmckpt " + chain) == 2
-    assert "ip saddr 10.77.0.1 tcp sport 40000 ip daddr 10.77.0.2 tcp dport 5000 meta mark != 0xc114" in held
-    assert lifted == f"flush chain inet slurmckpt {chain}\ndelete chain inet slurmckpt {chain}\n"
-    assert Nftables.chain(DROPS, "slurmckpt job 8") != chain and Nftables.chain(DROPS[:1], TAG) != chain
+def many(n: int, first_port: int = 20000) -> list[Drop]:
+    return [Drop("127.0.0.1", first_port + i, "127.0.0.1", 5000) for i in range(n)]
 
 
-def test_a_tag_cannot_break_out_of_its_comment():
-    rule = Nftables.rule(DROPS[0], 'job 7" ; add rule inet filter input accept ; "')
-    assert rule.endswith('comment "job 7\\" ; add rule inet filter input accept ; \\""')
+def test_an_iptables_hold_is_the_jobs_own_chain_changed_in_one_batch_per_ip_version():
+    ipt = FakeIptables()
+    packet_filter.update(ipt.filter(), 7, many(3000), cap=2000)
+    assert [c[0] for c in ipt.calls] == ["iptables", "ip6tables", "iptables-restore"], \
+        "3000 connections: one look and one batch, not one call per connection"
+    assert ipt.job_chains() == ["SLURMCKPT-7"] and len(ipt.rules(7)) == 3001        # its rules and one jump
+    assert ipt.chains[4]["OUTPUT"] == ['-p tcp -m comment --comment "slurmckpt job 7" -j SLURMCKPT-7']
+    assert all('--comment "slurmckpt job 7"' in r for r in ipt.rules(7))
+    ipt.calls.clear()
+    packet_filter.update(ipt.filter(), 7, remove=many(2999))
+    assert [c[0] for c in ipt.calls] == ["iptables", "ip6tables", "iptables-restore"]
+    assert packet_filter.update(ipt.filter(), 7, remove=many(3000)) == 0
+    assert ipt.job_chains() == [] and ipt.rules() == [], "the last rule takes the chain and its jump with it"
+
+
+def test_an_nftables_hold_is_one_table_per_job_with_sets_and_one_base_chain():
+    nft = FakeNftables()
+    packet_filter.update(nft.filter(), 7, many(3000) + [Drop("::1", 1, "::1", 2)], cap=2000)
+    assert len(nft.calls) == 2, "one look, one transaction"
+    assert list(nft.tables) == ["slurmckpt-7"] and nft.tables["slurmckpt-7"]["chain"] is True
+    assert len(nft.elements(7)) == 3001 and "::1 . 1 . ::1 . 2" in nft.elements(7)
+    script = nft.calls[1]
+    assert "add chain inet slurmckpt-7 hold { type filter hook output priority -10 ; policy accept ; }" in script
+    assert ("add rule inet slurmckpt-7 hold meta mark != 0xc114 ip saddr . tcp sport . ip daddr . tcp dport @v4 "
+            'counter drop comment "slurmckpt job 7"') in script
+    packet_filter.update(nft.filter(), 8, DROPS, cap=10)
+    assert packet_filter.lift_job(nft.filter(), 7) == 3001
+    assert list(nft.tables) == ["slurmckpt-8"], "another job's set is its own"
+
+
+def test_lifting_a_rule_already_gone_is_no_error():
+    for fake in (FakeIptables(), FakeNftables()):
+        packets = fake.filter()
+        packet_filter.update(packets, 7, DROPS)
+        assert packet_filter.update(packets, 7, remove=[DROPS[0], Drop("10.0.0.1", 1, "10.0.0.2", 2)]) == 1
+        assert packet_filter.update(packets, 7, remove=DROPS) == 0
+        assert packet_filter.lift_job(packets, 7) == 0 and packet_filter.lift_job(packets, 99) == 0
+
+
+def test_a_hold_above_the_cap_is_refused_before_anything_changes():
+    """A connection between two ranks of the node takes two rules: the cap (connections) allows 2 x cap."""
+    for fake in (FakeIptables(), FakeNftables()):
+        packets = fake.filter()
+        packet_filter.update(packets, 7, many(8), cap=4)
+        with pytest.raises(RestoreError, match=r"would hold 9 TCP rules .* above 2 x tcp_hold_max \(4 conn"):
+            packet_filter.update(packets, 7, many(1, 30000), cap=4)
+        assert packet_filter.update(packets, 7, many(1, 30000), remove=many(1), cap=4) == 8     # a swap fits
+        assert packet_filter.update(packets, 7, remove=many(1, 30000), cap=4) == 7             # lifting always does
+
+
+def test_the_jobs_with_rules_are_listed_by_their_chains_and_tables():
+    ipt, nft = FakeIptables(), FakeNftables()
+    for job in (7, 12):
+        packet_filter.update(ipt.filter(), job, DROPS)
+        packet_filter.update(nft.filter(), job, DROPS)
+    assert ipt.filter().jobs() == nft.filter().jobs() == {7, 12}
+
+
+def test_a_chain_whose_jump_was_removed_by_hand_still_goes():
+    ipt = FakeIptables()
+    packet_filter.update(ipt.filter(), 7, DROPS)
+    ipt.chains[4]["OUTPUT"].clear()
+    assert packet_filter.lift_job(ipt.filter(), 7) == 2 and ipt.job_chains() == []
+
+
+def test_a_rule_carries_the_job_and_lets_criu_repair_traffic_through():
+    assert Iptables.spec(DROPS[0], 7) == ('-p tcp -s 10.77.0.1 --sport 40000 -d 10.77.0.2 --dport 5000 -m mark ! '
+                                          '--mark 0xC114 -m comment --comment "slurmckpt job 7" -j DROP')
+    assert Nftables.element(Drop("::1", 1, "::2", 2)) == "::1 . 1 . ::2 . 2"
 
 
 def test_auto_picks_iptables_where_installed_else_nftables(monkeypatch, tmp_path: Path):

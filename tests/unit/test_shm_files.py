@@ -216,16 +216,18 @@ def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
 
 
 def _node_lock_free_within(lock_dir: Path, seconds: float) -> bool:
-    """Whether the node-wide restore lock (rendezvous.node_lock) can be taken within `seconds` (polled: a test
-    of the old write-back must fail, not hang behind it)."""
+    """Whether the restore lock another job takes (rendezvous.job_lock; the node-wide `.lock` of the old
+    write-back) can be taken within `seconds` (polled: a test of the old write-back must fail, not hang
+    behind it)."""
     import fcntl
     import time
     deadline = time.monotonic() + seconds
-    with open(lock_dir / ".lock", "a") as f:
+    with open(lock_dir / ".lock", "a") as f, open(lock_dir / ".lock-8", "a") as g:
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(f, fcntl.LOCK_UN)
+                for lock in (f, g):
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(lock, fcntl.LOCK_UN)
                 return True
             except BlockingIOError:
                 if time.monotonic() > deadline:

@@ -26,7 +26,7 @@ from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JOB_MANIFEST, PREVIOUS, JobStore
 from cgroupfs import fake_rmdir
-from fake_slurm import FakeSlurm, Ran
+from fake_slurm import FakeSlurm, Ran, squeue_states
 from store_harness import Tree, capture, images, pipeline, read_back, settled
 
 
@@ -206,8 +206,7 @@ def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, m
     staging = Staging(tmp_path / "staging")
     for job in (20, 21):
         capture(pipeline(JobStore(root, "c", job), staging, tree, images(job)), 1)
-    jobs = {"jobs": [{"job_id": 20, "job_state": "COMPLETED"}, {"job_id": 21, "job_state": ["RUNNING"]}]}
-    FakeSlurm(scontrol="ClusterName = c\n", squeue=json.dumps(jobs)).install(monkeypatch)
+    FakeSlurm(scontrol="ClusterName = c\n", squeue=squeue_states({20: "COMPLETED", 21: "RUNNING"})).install(monkeypatch)
     assert settled(staging) == []
     monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
         {"storage_root": str(root), "staging_dir": str(staging.root), "freezer_root": str(tmp_path / "cgroups")})))
@@ -232,9 +231,8 @@ def test_gc_removes_this_nodes_empty_task_cgroups_of_finished_jobs_only(tmp_path
         (cgroups / name).mkdir(parents=True)
         (cgroups / name / "cgroup.procs").write_text(procs)
         (cgroups / name / "cgroup.freeze").write_text("1")
-    jobs = {"jobs": [{"job_id": 30, "job_state": "CANCELLED"}, {"job_id": 31, "job_state": "RUNNING"},
-                     {"job_id": 32, "job_state": "COMPLETED"}]}
-    FakeSlurm(scontrol="ClusterName = c\n", squeue=json.dumps(jobs), sacct="").install(monkeypatch)
+    states = squeue_states({30: "CANCELLED", 31: "RUNNING", 32: "COMPLETED"})
+    FakeSlurm(scontrol="ClusterName = c\n", squeue=states, sacct="").install(monkeypatch)
     monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
         {"storage_root": str(tmp_path / "images"), "staging_dir": str(tmp_path / "staging"),
          "freezer_root": str(cgroups)})))
@@ -246,27 +244,26 @@ def test_gc_removes_this_nodes_empty_task_cgroups_of_finished_jobs_only(tmp_path
     assert sorted(p.name for p in cgroups.iterdir()) == ["31.0.0.0", "32.0.0.0", "33.0.0.0", "not-a-task"]
 
 
-def test_job_states_ask_accounting_only_of_jobs_slurmctld_no_longer_holds(monkeypatch):
-    """A requeued job's last accounting record says PREEMPTED (or REQUEUED) until slurmdbd hears of its next
-    run: what slurmctld holds decides, and accounting is never asked about it."""
-    held = {"errors": [], "jobs": [{"job_id": 3, "job_state": "PENDING"},
-                                   {"job_id": 7, "job_state": ["PENDING", "REQUEUED"]}]}
-    fake = FakeSlurm(squeue=json.dumps(held), sacct="4|CANCELLED by 0\n5|COMPLETED\n7|PREEMPTED\n").install(monkeypatch)
-    states = CliSlurm().job_states([3, 4, 5, 6, 7])
-    assert states == {3: "PENDING", 4: "CANCELLED", 5: "COMPLETED", 7: "PENDING+REQUEUED"}
-    assert fake.ran("squeue") == [["squeue", "--json", "--all"]]
+def test_job_states_ask_slurmctld_about_each_job_alone_and_accounting_only_of_jobs_it_no_longer_holds(monkeypatch):
+    """gc and the job's end ask about the jobs in hand, one `squeue -j N` each (slurmctld sends that job's
+    record), never the whole queue of every user (`squeue --json --all` did, at every job's end). A requeued
+    job's last accounting record says PREEMPTED (or REQUEUED) until slurmdbd hears of its next run: what
+    slurmctld holds decides, and accounting is never asked about it."""
+    fake = FakeSlurm(squeue=squeue_states({3: "PENDING", 7: "REQUEUED", 8: "COMPLETING"}),
+                     sacct="4|CANCELLED by 0\n5|COMPLETED\n7|PREEMPTED\n").install(monkeypatch)
+    states = CliSlurm().job_states([3, 4, 5, 6, 7, 8])
+    assert states == {3: "PENDING", 4: "CANCELLED", 5: "COMPLETED", 7: "REQUEUED", 8: "COMPLETING"}
+    assert [c[c.index("-j") + 1] for c in fake.ran("squeue")] == ["3", "4", "5", "6", "7", "8"]
     assert fake.ran("sacct")[0][fake.ran("sacct")[0].index("-j") + 1] == "4,5,6"
-    assert all(s not in reclaim.FINISHED for s in (states[3], states[7]))
+    assert [reclaim.verdict(states[j]) for j in (3, 7, 8)] == ["runs-again", "runs-again", "settling"]
 
 
-@pytest.mark.parametrize("squeue", [Ran(1, "", "slurm_load_jobs error: Socket timed out"),
-                                    json.dumps({"errors": [{"error": "Unable to contact slurm controller",
-                                                            "errno": 1}], "jobs": []}),
-                                    "squeue: error: not json"])
+@pytest.mark.parametrize("squeue", [Ran(1, "", "slurm_load_jobs error: Socket timed out on send/recv operation"),
+                                    Ran(1, "", "slurm_load_jobs error: Unable to contact slurm controller"),
+                                    "squeue: error: something else\n"])
 def test_gc_skips_the_run_when_slurmctld_does_not_answer(tmp_path, tree, monkeypatch, squeue):
-    """22.05's squeue --json exits 0 when slurmctld did not answer (the errors list says so). Accounting
-    alone once made gc delete a requeued job's store (its last record said PREEMPTED): now gc removes
-    nothing at all, says so and exits 1."""
+    """Accounting alone once made gc delete a requeued job's store (its last record said PREEMPTED): when
+    squeue fails, or answers without the job, gc removes nothing at all, says so and exits 1."""
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
     capture(pipeline(JobStore(root, "c", 40), staging, tree, images(40)), 1)

@@ -108,7 +108,8 @@ class Agent(TaskPlan):
         self.gpu = PipelineGpu(config.gpu_lock_timeout_ms,
                                context={"job": ident.job, "step": ident.step, "rank": ident.rank})
         self.packets = packet_filter.for_method(lock)
-        self.limits = Limits(config.stall(), config.ghost_limit_max, self.ledger, config.host_copy_threads)
+        self.limits = Limits(config.stall(), config.ghost_limit_max, self.ledger, config.host_copy_threads,
+                             config.tcp_hold_max)
         self.handovers = Handovers()              # what the wrapper hands over for the tree (rank/context.py)
         self.step = ident.step                   # or the step a relayed srun takes over (_adopt_step)
         self.step_token = ""

@@ -25,9 +25,11 @@ def gc(dry_run: bool, fmt: Format) -> None:
     """(root) Free what the image store no longer needs: every image of a job Slurm says will not run
     again (completed, cancelled, failed, timed out; never a pending or requeued one; `keep_finished: true`
     keeps them), uncommitted epochs whose coordinator can no longer commit them, this node's staging
-    areas whose agent is gone, and this node's empty task cgroups of finished jobs. The job epilog removes a
-    finished job's images at its end; this is the safety net, run hourly on every node by the package's timer
-    or cron entry (docs/storage.md)."""
+    areas whose agent is gone, this node's empty task cgroups of finished jobs, and this node's TCP holds
+    (packet filter rules) of jobs that are finished or unknown to Slurm. Each job is asked about alone. The
+    job epilog removes a finished job's images and its TCP holds at its end; this is the safety net, run
+    hourly on every node by the package's timer or cron entry (docs/storage.md)."""
+    from slurmckpt.node import packet_filter
     from slurmckpt.store import reclaim
     from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.store.staging import Staging
@@ -42,7 +44,9 @@ def gc(dry_run: bool, fmt: Format) -> None:
     except SlurmError as e:
         raise CliError(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed") from e
     cgroup_jobs = reclaim.task_cgroup_jobs(cfg.freezer_root)
-    jobs = sorted({job for c, job in list_jobs(root) if c == cluster} | set(cgroup_jobs))
+    filters = packet_filter.installed()
+    held = reclaim.tcp_hold_jobs(filters)
+    jobs = sorted({job for c, job in list_jobs(root) if c == cluster} | set(cgroup_jobs) | held)
     try:
         states = slurm.job_states(jobs) if jobs else {}
     except SlurmError as e:
@@ -53,6 +57,7 @@ def gc(dry_run: bool, fmt: Format) -> None:
     removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
                                    cfg.keep_finished, dry_run, cfg.summary_dir)
     removals += reclaim.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)
+    removals += reclaim.collect_tcp_holds(held, states, filters, dry_run)
     rows = [{**r.as_dict(), "gib": f"{r.bytes / 2**30:.2f}",
              "action": "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")}
             for r in removals]

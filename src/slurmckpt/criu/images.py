@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
+# criu/images/inventory.proto InventoryEntry: dump_criu_run_id = 13
 # criu/images/fdinfo.proto FileEntry: type = 1, id = 2, reg = 3; regfile.proto RegFileEntry: id = 1, name = 6
 # remap-file-path.proto RemapFilePathEntry: orig_id = 1, remap_id = 2, remap_type = 3 (LINKED = 0)
 REMAP_LINKED = 0
@@ -85,3 +86,18 @@ def linked_remaps(images: Path) -> list[tuple[str, str]]:
                 and remap in names:
             out.append((names[orig], names[remap]))
     return out
+
+
+def dump_run_id(images: Path) -> str | None:
+    """The run id criu dumped these images with (inventory.img): criu's nftables network lock is the table
+    `inet CRIU-<run id>` (cut to nftables' 31 characters with its family), which a final dump leaves for the
+    tree's restore on this node to remove (rank/sharing/netlock.py, `note_criu_lock`)."""
+    try:
+        entries = list(_entries(images / "inventory.img"))
+    except OSError:
+        return None
+    for entry in entries[:1]:
+        for number, value in _fields(entry):
+            if number == 13 and isinstance(value, bytes):
+                return value.decode(errors="replace")
+    return None

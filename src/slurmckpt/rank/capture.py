@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from slurmckpt.cuda.interface import holds_gpu_state
+from slurmckpt.criu import images as criu_images
 from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
 from slurmckpt.node import host_memory, proctree, stopped, tcp_ports
@@ -212,6 +213,8 @@ def _dump(ctx: RankContext, st: EpochState) -> None:
         inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped, skip_pages=st.skip_pages)
     if leave_stopped:     # (their state says so only after the thaw: criu's SIGSTOP waits behind the freeze)
         ctx.gpu.left_stopped(sorted(set(tree) - stopped_before))
+    if st.final and ctx.packets.name == "nftables":       # criu left its lock's table: the job's end removes it
+        netlock.note_criu_lock(ctx.store.job, criu_images.dump_run_id(rdir))
     shm_files.note_remaps(rec["shm_files"], rdir)
     shm_files.remove_links(ctx.creds, rec["shm_files"])     # put back by the restore, on any node
     if not st.final and ctx.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen

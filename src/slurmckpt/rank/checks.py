@@ -65,6 +65,8 @@ def check_restorable(ctx: RankContext, st: EpochState) -> None:
     # files mapped shared, fingerprinted at the capture and compared before the restore (ipc.py).
     peers = {pid: (name.step, name.rank) for pid, name in trees.items()}
     st.tcp_peers = netlock.internal_connections(pids, peers)
+    if st.tcp_peers or any(st.tcp_outside.values()):     # this rank's restore holds some: count the node's
+        _refuse_more_held_tcp_than_the_cap(ctx, pids, trees)
     _refuse_replayed_peers(ctx, st, trees)
     st.shared_files = ipc.shared_files(pids, set(peers))
     # What the CUDA checkpoint API cannot capture (MPS, MIG, managed memory, CUDA IPC, NCCL's intra-node
@@ -97,6 +99,19 @@ def _comm(pid: int) -> str:
         return f"{procfs.comm(pid)}, {procfs.exe(pid) or '?'}"
     except OSError:
         return "gone"
+
+
+def _refuse_more_held_tcp_than_the_cap(ctx: RankContext, pids: list[int], trees: dict[int, TreeName]) -> None:
+    """A restore holds every connection between the job's ranks while only one end is back (netlock.py,
+    crossnode.py), at most tcp_hold_max per job and node: a capture whose restore would need more is refused
+    now, while the job can still run on, rather than a restore that cannot hold them."""
+    here, to_nodes = netlock.held_on_node(pids, trees, ctx.job_addresses)
+    if here + to_nodes > ctx.limits.tcp_hold_max:
+        raise CaptureError(f"the job's ranks hold {here + to_nodes} TCP connections on this node ({here} between "
+                           f"ranks here, {to_nodes} to ranks on other nodes), above tcp_hold_max "
+                           f"({ctx.limits.tcp_hold_max}): a restore holds each of them while only one end is back, "
+                           "and no more than that per job and node (docs/mpi.md, \"TCP inside the job\")",
+                           step=ctx.step, rank=ctx.rank)
 
 
 def _refuse_replayed_peers(ctx: RankContext, st: EpochState, trees: dict[int, TreeName]) -> None:

@@ -41,6 +41,7 @@ class Limits:
     ghost_limit_max: int = 256 << 20                    # Config.ghost_limit_max (ghost.py)
     memory_ledger: Path | None = None    # Config.gpu_capture_memory_raise: where raises are recorded; None: off
     host_copy_threads: int = 8                          # Config.host_copy_threads (host_copy.py); 0: criu's
+    tcp_hold_max: int = 1024                            # Config.tcp_hold_max (checks.py, netlock.py)
 
 
 def _no_addresses() -> set[str]:

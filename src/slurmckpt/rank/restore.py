@@ -147,8 +147,8 @@ def _tcp_hold(ctx: RankContext, st: EpochState) -> None:
     if between_nodes:
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
     hold = r.hold = crossnode.Hold(between_nodes, ctx.store.job_dir / ".tcp-sync",
-                                   f"{ctx.cgroup.tree.restart}.{st.epoch}", f"slurmckpt job {ctx.store.job}",
-                                   ctx.packets)
+                                   f"{ctx.cgroup.tree.restart}.{st.epoch}", ctx.store.job, ctx.packets,
+                                   ctx.limits.tcp_hold_max)
     tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
@@ -169,7 +169,7 @@ def _criu(ctx: RankContext, st: EpochState) -> None:
         return
     assert r.images is not None and r.key is not None
     try:
-        with netlock.hold_during_restore(r.held, r.key, f"slurmckpt job {ctx.store.job}", ctx.packets):
+        with netlock.hold_during_restore(r.held, r.key, ctx.packets, ctx.limits.tcp_hold_max):
             r.pid = ctx.criu.restore(r.images, r.inherit, freezer=ctx.cgroup.path, pidfile=r.images / "restore.pid",
                                      join=ctx.cgroup.add, tcp_close=r.manifest.get("tcp_close", []),
                                      mntns=r.manifest.get("mntns", False),

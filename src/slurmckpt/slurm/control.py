@@ -107,16 +107,26 @@ class CliSlurm:
         return jobrecord.job_entry(self._json("squeue", "--json", "-j", str(job_id)), job_id)
 
     def job_states(self, job_ids: list[int]) -> dict[int, str]:
-        """Each job's state as slurmctld holds it (`PENDING`; `PENDING+REQUEUED` where 23.02+ adds flags),
-        else, for a job slurmctld no longer holds, its last state in accounting; a job neither knows is
-        missing from the answer. slurmctld must answer (SlurmError otherwise): a job it holds may run again
-        whatever accounting says of an earlier run (a requeued job's last record says PREEMPTED or REQUEUED
-        until slurmdbd hears of the new one), and a job it no longer holds never runs again."""
+        """Each job's state as slurmctld holds it (one word, slurm/queue.py: `PENDING`, `COMPLETING`,
+        `REQUEUED`...), else, for a job slurmctld no longer holds, its last state in accounting; a job neither
+        knows is missing from the answer. Each job is asked about alone (`squeue -j N`: slurmctld sends that
+        job's record, never the whole queue of every user). slurmctld must answer (SlurmError otherwise): a
+        job it holds may run again whatever accounting says of an earlier run (a requeued job's last record
+        says PREEMPTED or REQUEUED until slurmdbd hears of the new one), and a job it no longer holds never
+        runs again."""
         wanted, out = set(job_ids), {}
-        for j in jobrecord.jobs_of(self._json("squeue", "--json", "--all")):
-            job = j.get("job_id")
-            if type(job) is int and job in wanted:
-                out[job] = "+".join(jobrecord.state_words(j.get("job_state")))
+        for job in sorted(wanted):
+            try:
+                text = self._run("squeue", "-h", "-t", "all", "-O", queue.format_arg(queue.STATE_FIELDS),
+                                 "-j", str(job))
+            except SlurmError as e:
+                if "Invalid job id" in str(e):         # slurmctld no longer holds it
+                    continue
+                raise
+            state = queue.parse_states(text).get(job)
+            if not state:       # squeue names a job it holds, and fails on one it does not: not understood
+                raise SlurmError(f"squeue -j {job} answered without the job's state: {text.strip()[:200]!r}")
+            out[job] = state
         rest = sorted(wanted - set(out))
         if rest:
             try:       # two fields no user writes: the id and Slurm's state word (`CANCELLED by 0`)

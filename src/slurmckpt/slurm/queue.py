@@ -1,5 +1,6 @@
 """What slurmctld says about jobs it still knows, in one `squeue -O` call for the CLI (no accounting, no JSON:
-22.05's `squeue --json` ignores -j and -u and lists every job).
+22.05's `squeue --json` ignores -j and -u and lists every job), and the state of one job for gc and the job's
+end (`STATE_FIELDS`: asked with `-j N`, so slurmctld sends that job's record alone).
 
 The fields are joined by a separator no Slurm name can hold; the comment fields come last (free text).
 """
@@ -13,8 +14,24 @@ FIELDS = ("jobid", "arrayjobid", "arraytaskid", "username", "userid", "state", "
           "nodelist", "reqnodes", "reason", "admin_comment", "comment")
 
 
-def format_arg() -> str:
-    return ",".join(f"{f}:{SEP}" for f in FIELDS)
+# Two fields no user writes. squeue's state word is Slurm's job_state_string(): a flag that says the job is
+# still changing (COMPLETING, STAGE_OUT, REQUEUED, REQUEUE_HOLD, SPECIAL_EXIT...) takes the base state's
+# place, so a word in store/reclaim.py's FINISHED is a job that has ended for good.
+STATE_FIELDS = ("jobid", "state")
+
+
+def format_arg(fields: tuple[str, ...] = FIELDS) -> str:
+    return ",".join(f"{f}:{SEP}" for f in fields)
+
+
+def parse_states(out: str) -> dict[int, str]:
+    """`squeue -h -O format_arg(STATE_FIELDS)` output -> job id: state word; other lines are skipped."""
+    states = {}
+    for line in out.splitlines():
+        values = line.split(SEP)
+        if len(values) >= 2 and _int(values[0]) is not None and re.fullmatch(r"[A-Z_]+", values[1].strip()):
+            states[int(values[0])] = values[1].strip()
+    return states
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
 The SPANK plugin's job epilog (spank/job_end.c: slurmd runs it as root on every node of a job each time the
 job leaves its nodes, whether it ended, was requeued or preempted) starts `slurmckpt job-end` detached, with
 the job id and uid from Slurm, the node's name and the job's node list from slurmd, a fixed environment,
-and returns at once. Only the first node of the job's list acts (the others exit): one process per job
-asks slurmctld, whatever the job's size.
+and returns at once. On every node it first lifts the TCP holds the job still has there (a restore killed
+before both ends of a connection were back leaves them: netlock.lift_job): the job has left the node, and
+its next start cannot come back to it before every node's epilog has returned and the requeue delay has
+passed. Then only the first node of the job's list goes on (the others exit): one process per job asks
+slurmctld, whatever the job's size.
 
-While the epilogs run, slurmctld shows the job COMPLETING (22.05) or COMPLETED+COMPLETING (23.02+) whether
-it ended or is being requeued; its final word comes once every node's epilog has returned. So this asks
-again, bounded (WAIT_S), until `reclaim.verdict` reads a final word: finished -> the whole store goes
+While the epilogs run, slurmctld shows the job COMPLETING whether it ended or is being requeued; its final
+word comes once every node's epilog has returned. So this asks again (about this job alone: slurm/control.py,
+job_states), bounded (WAIT_S), until `reclaim.verdict` reads a final word: finished -> the whole store goes
 (`reclaim.remove_finished`, under the job's lock, the summary kept and saying so); runs again (requeued,
 preempted and requeued, held) -> kept; no final word in time, or no answer from slurmctld -> left to
 `slurmckpt gc`, the safety net (docs/operations.md, "Packaging": a timer or cron entry on every node).
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from slurmckpt.node import packet_filter
+from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError, StorageError
@@ -63,7 +68,9 @@ class JobEnd:
 
 def end(job: JobEnd, config: Config, slurm: Slurm, clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep) -> str:
-    """Wait for Slurm's final word on the job and act on it; what was done, in one line (also logged)."""
+    """Lift the job's TCP holds on this node; then wait for Slurm's final word on the job and act on it; what
+    was done, in one line (also logged)."""
+    lift_tcp_holds(job.job)
     if not job.acts_here():
         return f"left to the job's first node ({job.nodes})"
     try:
@@ -97,6 +104,18 @@ def end(job: JobEnd, config: Config, slurm: Slurm, clock: Callable[[], float] = 
         if clock() >= deadline:
             return _said(logging.WARNING, f"left to gc: no final word from Slurm within {WAIT_S:.0f}s ({detail})")
         sleep(next(pauses, PAUSES[-1]))
+
+
+def lift_tcp_holds(job: int) -> list[str]:
+    """Every rule the job still has in this node's packet filters, and its markers (netlock.lift_job); only
+    where the job ever held TCP on the node (it takes its lock there before any hold)."""
+    if not rendezvous.job_lock_path(rendezvous.LOCK_DIR, job).exists():
+        return []
+    lifted = netlock.lift_job(job, packet_filter.installed())
+    if lifted:
+        log.log(logging.WARNING if any("FAILED" in line for line in lifted) else logging.INFO,
+                "job end: TCP holds left on this node lifted: %s", "; ".join(lifted))
+    return lifted
 
 
 def _said(level: int, text: str) -> str:

@@ -7,11 +7,16 @@
 - Finished jobs: every image of a job Slurm says will not run again (COMPLETED, CANCELLED, FAILED, TIMEOUT,
   ...; never PENDING, REQUEUED or anything held), unless `keep_finished`. At the job's end (job_end.py,
   started by the SPANK plugin's job epilog) and by `slurmckpt gc` (admin, timer), only when slurmctld
-  answered: a job it holds is judged by its state there (one word; a state with flags, 23.02+'s
-  `PENDING+REQUEUED`, is not final), accounting only speaks for jobs it no longer holds (slurm/control.py,
-  job_states). PREEMPTED is final there: slurmctld shows a preempted job that is requeued as
-  REQUEUED/PENDING, and only its accounting record says PREEMPTED. `verdict` is that one reading.
+  answered: a job it holds is judged by its state there (one word, squeue's: a flag such as COMPLETING or
+  REQUEUED takes the base state's place, and is not final), accounting only speaks for jobs it no longer
+  holds (slurm/control.py, job_states). PREEMPTED is final there: slurmctld shows a preempted job that is
+  requeued as REQUEUED/PENDING, and only its accounting record says PREEMPTED. `verdict` is that one reading.
+- Stores moved aside for another instance of a job id (`.stale-<job>-*`, instance.py): kept for the admins,
+  listed by gc, never removed by slurmckpt.
 - Staging: areas whose agent is gone. At agent start and by `slurmckpt gc`, on the node it runs on.
+- TCP holds (rank/sharing/netlock.py): a job's rule set in this node's packet filters, of jobs Slurm says
+  are finished or does not know (the job's epilog lifts them first: job_end.py), by `slurmckpt gc` on the
+  node it runs on.
 - Task cgroups: ours, once empty, of the same task's earlier starts (their agent and watchdog died in
   slurmstepd's final SIGKILL before removing them) at agent start, and of finished jobs by `slurmckpt gc`.
 Removal renames first (under the job's lock, so no commit sees half a directory) and deletes after.
@@ -31,7 +36,9 @@ from slurmckpt.store.durable import is_temp
 from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.identity import TreeName
 from slurmckpt.store.staging import Staging
+from slurmckpt.node.packet_filter import PacketFilter
 from slurmckpt.node.task_cgroup import TaskCgroup
+from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.store.jobstore import TRASH, JobStore, epoch_of, list_jobs, tree_bytes
 
 log = logging.getLogger("slurmckpt.reclaim")
@@ -137,20 +144,30 @@ def collect_finished(root: Path, cluster: str, states: dict[int, str], keep_fini
 
 def remove_finished(store: JobStore, state: str, keep_finished: bool, dry_run: bool = False,
                     summary_dir: str | None = None) -> Removal:
-    """The whole store of a job Slurm says is `state` (finished for good, `verdict`), with the images
-    moved aside for another instance of its id; its summary stays, saying when and why the images went.
-    Under the job's lock the summary is marked and the directory renamed, then deleted: of two removers
-    (nodes, gc) one does it, the other finds nothing. Raises StorageError when the lock cannot be had."""
-    stale = list((store.root / store.cluster).glob(f".stale-{store.job}-*"))
-    size = tree_bytes(store.job_dir) + sum(tree_bytes(p) for p in stale)
+    """The whole store of a job Slurm says is `state` (finished for good, `verdict`); its summary stays,
+    saying when and why the images went. Images another instance of its id left (`.stale-<job>-*`) are not
+    this job's: they stay for the admins (`collect_moved_aside`). Under the job's lock the summary is marked
+    and the directory renamed, then deleted: of two removers (nodes, gc) one does it, the other finds
+    nothing. Raises StorageError when the lock cannot be had."""
+    size = tree_bytes(store.job_dir)
     if keep_finished:
         return Removal("kept", str(store.job_dir), size, f"job {state}; keep_finished is set")
-    if not dry_run and not _remove_job(store, stale, summary_dir, f"job {state}"):
+    if not dry_run and not _remove_job(store, summary_dir, f"job {state}"):
         return Removal("finished-job", str(store.job_dir), 0, f"job {state}; already removed by another")
     return Removal("finished-job", str(store.job_dir), size, f"job {state}")
 
 
-def _remove_job(store: JobStore, stale: list[Path], summary_dir: str | None, why: str) -> bool:
+def collect_moved_aside(root: Path, cluster: str) -> list[Removal]:
+    """Stores moved aside for another instance of their job id (instance.py): never restored, never removed
+    by slurmckpt (they may be another user's images, or the trace of a lost slurmctld state), listed by gc
+    so that the admins see them (docs/storage.md, "Garbage collection")."""
+    directory = root / cluster
+    found = sorted(directory.glob(".stale-*")) if directory.is_dir() else []
+    return [Removal("kept", str(p), tree_bytes(p), "images of another instance of the job id, moved aside: kept "
+                    "for the admins (never restored; remove by hand)") for p in found if p.is_dir()]
+
+
+def _remove_job(store: JobStore, summary_dir: str | None, why: str) -> bool:
     trash = store.root / store.cluster / f"{TRASH}job-{store.job}-{time.time_ns()}"
     with store.lock():
         if not store.job_dir.is_dir():
@@ -161,8 +178,7 @@ def _remove_job(store: JobStore, stale: list[Path], summary_dir: str | None, why
             os.rename(store.job_dir, trash)
         except FileNotFoundError:
             return False
-    for path in (trash, *stale):
-        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)
     return True
 
 
@@ -234,6 +250,47 @@ def collect_finished_task_cgroups(root: str, states: dict[int, str], dry_run: bo
     return out
 
 
+def tcp_hold_jobs(filters: list[PacketFilter], lock_dir: Path | None = None) -> set[int]:
+    """The jobs with TCP holds on this node: a rule set in one of its packet filters, or their lock (they
+    held some here once)."""
+    jobs = rendezvous.locked_jobs(lock_dir or rendezvous.LOCK_DIR)
+    for packets in filters:
+        try:
+            jobs |= packets.jobs()
+        except OSError as e:
+            log.warning("cannot list the TCP holds of %s: %s", packets.name, e)
+    return jobs
+
+
+def collect_tcp_holds(jobs: set[int], states: dict[int, str], filters: list[PacketFilter], dry_run: bool = False,
+                      lock_dir: Path | None = None) -> list[Removal]:
+    """The TCP holds of `jobs` on this node whose job Slurm says is finished or does not know: nothing of
+    such a job can be restoring here."""
+    lock_dir = lock_dir or rendezvous.LOCK_DIR
+    out = []
+    for job in sorted(jobs):
+        state = states.get(job)
+        if verdict(state) not in ("finished", "unknown"):
+            continue
+        why = f"job {state}" if state else "Slurm knows no such job"
+        if dry_run:
+            counts = [_held_count(f, job) for f in filters]
+            counts = [c for c in counts if c]
+        else:
+            counts = netlock.lift_job(job, filters, lock_dir)
+            rendezvous.job_lock_path(lock_dir, job).unlink(missing_ok=True)
+        out.append(Removal("tcp-hold", f"job {job}: " + ("; ".join(counts) or "no rule left"), 0, why))
+    return out
+
+
+def _held_count(packets: PacketFilter, job: int) -> str:
+    try:
+        count = len(packets.held(job).drops)
+    except OSError as e:
+        return f"{packets.name}: cannot be read ({e})"
+    return f"{packets.name}: {count} rule(s)" if count else ""
+
+
 def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Staging, keep_finished: bool,
                 dry_run: bool = False, summary_dir: str | None = None) -> list[Removal]:
     """Everything `slurmckpt gc` does, in order: finished jobs, then dead epochs of the jobs left, then
@@ -243,6 +300,7 @@ def collect_all(root: Path, cluster: str, states: dict[int, str], staging: Stagi
         if job_cluster == cluster:
             out += collect_job(JobStore(root, cluster, job), dry_run, wait=True)
     out += collect_staging(staging, dry_run)
+    out += collect_moved_aside(root, cluster)
     for trash in (root / cluster).glob(TRASH + "*") if (root / cluster).is_dir() else []:
         out.append(Removal("trash", str(trash), tree_bytes(trash), "an interrupted deletion"))
         if not dry_run:

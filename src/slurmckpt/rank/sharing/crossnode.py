@@ -7,7 +7,8 @@ after a crash (a periodic epoch restored) nothing does, and the end restored fir
 other node's kernel. So each end's restore drops its own outgoing packets of the connection (OUTPUT, on its
 node) from before its criu restore until the other end has said, in the job's directory of the shared image
 store, that it is back; then it lifts its rule and TCP retransmits what was dropped. An end that never comes
-lifts the hold after `timeout_s`: the connection then resets, as it would without the hold.
+lifts the hold after `timeout_s`: the connection then resets, as it would without the hold. A job that ends
+first has what it holds on the node lifted by its epilog (netlock.lift_job).
 
 A node that lacks a recorded local address (the job was requeued onto other nodes) refuses the restore
 before criu runs, naming the address and the node it belonged to.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.errors import RestoreError
+from slurmckpt.node import packet_filter
 from slurmckpt.node.packet_filter import Drop, PacketFilter
 from slurmckpt.node.proctree import TcpConnection
 
@@ -47,12 +49,15 @@ def _drop(local: str, remote: str) -> Drop:
 
 
 class Hold:
-    """One rank's ends of cross-node connections around its restore (see the module docstring)."""
+    """One rank's ends of cross-node connections around its restore (see the module docstring). Its rules
+    are in the job's rule set on this node (packet_filter.py), changed in one batch at a time under the
+    job's lock (rendezvous.job_lock), at most `cap` connections for the job on the node (tcp_hold_max)."""
 
-    def __init__(self, entries: list[list[str]], sync_dir: Path, key: str, tag: str, packets: PacketFilter,
-                 timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
-        self.entries, self.sync_dir, self.key, self.tag = entries, sync_dir, key, tag
-        self.packets, self.timeout_s, self.poll_s = packets, timeout_s, poll_s
+    def __init__(self, entries: list[list[str]], sync_dir: Path, key: str, job: int, packets: PacketFilter,
+                 cap: int, timeout_s: float = 300.0, poll_s: float = 0.5, lock_dir: Path | None = None) -> None:
+        self.entries, self.sync_dir, self.key, self.job = entries, sync_dir, key, job
+        self.packets, self.cap, self.timeout_s, self.poll_s = packets, cap, timeout_s, poll_s
+        self.lock_dir = lock_dir or rendezvous.LOCK_DIR
         self.held: dict[tuple[str, str], Drop] = {}
         self.thread: threading.Thread | None = None
 
@@ -62,13 +67,16 @@ class Hold:
         return rendezvous.marker(self.sync_dir, self.key, netlock.pair_id(local, remote), end)
 
     def before_restore(self) -> None:
-        for local, remote in self.entries:
-            drop = _drop(local, remote)
-            try:
-                self.packets.hold([drop], self.tag)
-                self.held[(local, remote)] = drop
-            except OSError as e:            # no worse than before: the connection may be reset
-                log.warning("cannot hold %s -> %s during the restore: %s", local, remote, e)
+        """Hold every end (RestoreError above the cap, before anything is held)."""
+        if not self.entries:
+            return
+        drops = {(local, remote): _drop(local, remote) for local, remote in self.entries}
+        try:
+            with rendezvous.job_lock(self.job, self.lock_dir):
+                packet_filter.update(self.packets, self.job, drops.values(), cap=self.cap)
+            self.held = drops
+        except OSError as e:            # no worse than before: the connections may be reset
+            log.warning("cannot hold TCP to other nodes during the restore: %s", e)
 
     def after_restore(self) -> None:
         """This end is back: say so, and lift each rule once the other end has said the same."""
@@ -81,23 +89,25 @@ class Hold:
 
     def release(self) -> None:
         """Lift every rule still held (the restore failed, or the wait is over)."""
-        for pair in list(self.held):
-            self._lift(pair)
+        self._lift(list(self.held))
 
-    def _lift(self, pair: tuple[str, str]) -> None:
-        drop = self.held.pop(pair)
+    def _lift(self, pairs: list[tuple[str, str]]) -> None:
+        drops = [self.held.pop(pair) for pair in pairs]
+        if not drops:
+            return
         try:
-            self.packets.lift([drop], self.tag)
+            with rendezvous.job_lock(self.job, self.lock_dir):
+                packet_filter.update(self.packets, self.job, remove=drops)
         except OSError as e:
-            log.warning("cannot lift the hold on %s -> %s: %s", *pair, e)
+            log.warning("cannot lift the hold on %s: %s", ", ".join(f"{a} -> {b}" for a, b in pairs), e)
 
     def _await_peers(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while self.held and time.monotonic() < deadline:
-            for local, remote in list(self.held):
-                if self._marker(remote, local).exists():
-                    log.info("%s -> %s: the other end is back, hold lifted", local, remote)
-                    self._lift((local, remote))
+            back = [(local, remote) for local, remote in self.held if self._marker(remote, local).exists()]
+            if back:
+                log.info("%s: the other end is back, hold lifted", ", ".join(f"{a} -> {b}" for a, b in back))
+                self._lift(back)
             time.sleep(self.poll_s)
         if self.held:
             log.warning("the other end of %s never came back within %.0fs: hold lifted",

@@ -1,9 +1,9 @@
 """Where the ranks of one restore meet (one scheme: `marker(directory, key, *names)`, names `<key>.<...>`):
-in the node's own directory (LOCK_DIR, under the node-wide lock or claimed first-come) for what ranks of a
-node share: the TCP holds between them (netlock.py) and the one verdict on a file they share (ipc.py,
+in the node's own directory (LOCK_DIR, under the job's lock or claimed first-come) for what ranks of a node
+share: the TCP holds between them (netlock.py) and the one verdict on a file they share (ipc.py,
 shm_files.py); in the job's directory of the shared image store for what ranks on different nodes share:
-"this end is back" of a connection between nodes (crossnode.py). Two directories because the node-wide
-lock must never wait on a shared file system, and nodes see only the shared one.
+"this end is back" of a connection between nodes (crossnode.py). Two directories because a lock on the
+node must never wait on a shared file system, and nodes see only the shared one.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from slurmckpt.node import procfs
 
-LOCK_DIR = Path("/run/slurmckpt/restore-sync")     # node-wide lock and per-restore markers
+LOCK_DIR = Path("/run/slurmckpt/restore-sync")     # jobs' locks and per-restore markers
 
 
 def marker(directory: Path, key: object, *names: str) -> Path:
@@ -59,25 +59,39 @@ def restore_key(job: int, restart: int, epoch: int) -> RestoreKey:
     return RestoreKey(int(job), int(restart), int(epoch), netns)
 
 
+def job_lock_path(lock_dir: Path, job: int) -> Path:
+    return lock_dir / f".lock-{int(job)}"
+
+
 @contextmanager
-def node_lock(lock_dir: Path = LOCK_DIR) -> Iterator[None]:
-    """Serialises the short bookkeeping steps of the restores running on this node (not the restores).
-    Every user's restore waits for it: nothing done under it touches a path, fd or process of a user."""
+def job_lock(job: int, lock_dir: Path = LOCK_DIR) -> Iterator[None]:
+    """Serialises the changes to one job's TCP holds on this node (netlock.py, crossnode.py, the job's end
+    and gc): short bookkeeping and one packet filter batch, never a wait on a user's path. Only that job's
+    ranks wait for it: no other job's restore does (docs/security.md, "Blocking and node-wide locks")."""
     lock_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
-    with open(lock_dir / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    fd = os.open(job_lock_path(lock_dir, job), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def locked_jobs(lock_dir: Path = LOCK_DIR) -> set[int]:
+    """The jobs that took their lock on this node (host): each made TCP holds here at some time."""
+    try:
+        names = [p.name for p in lock_dir.iterdir()]
+    except OSError:
+        return set()
+    return {int(n[6:]) for n in names if n.startswith(".lock-") and n[6:].isdigit()}
 
 
 # ---- one verdict per restore of the node ------------------------------------------------------------------
 # Ranks of one node that share a file (a /dev/shm segment, a file mapped shared) each recorded it at the
 # cut; its check or write-back is done once per restore of the node, by the first rank, and the others take
 # its verdict (the ranks restored first already use the file again). That work touches the user's paths, so
-# it never runs under node_lock: the marker is claimed by creating it (O_EXCL), the work runs outside any
-# lock, and its verdict replaces the marker (rename). Only the ranks of the same restore wait for it.
+# no lock is held around it: the marker is claimed by creating it (O_EXCL), the work runs, and its verdict
+# replaces the marker (rename). Only the ranks of the same restore wait for it.
 
 
 def first_on_node(marker: Path, work: Callable[[], str], wait_s: float, poll_s: float = 0.05,
