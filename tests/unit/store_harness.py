@@ -126,14 +126,18 @@ class InProcess:
         def kill(self) -> None:           # a persister killed before it ran persists nothing
             self.killed.set()
 
-        def wait(self, timeout: float | None = None) -> int:
+        def wait(self, timeout: float | None = None) -> int:      # as Popen.wait
             self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise subprocess.TimeoutExpired("persist-final", timeout or 0)
             return 0
 
     def __call__(self, argv: list[str], env: dict[str, str]) -> "InProcess.Handle":
         from slurmckpt.store.final_persist import persist_handed
         args = dict(zip(argv[4::2], argv[5::2]))
         assert argv[3] == "persist-final" and args["--job"] == str(self.store.job), argv
+        # the persister is told where the agent's own package lies (an agent not run from a venv)
+        assert (Path(env["PYTHONPATH"]) / "slurmckpt" / "__init__.py").is_file(), env
 
         def run() -> None:
             while self.hold is not None and not self.hold.wait(0.02):

@@ -218,6 +218,33 @@ def test_an_abort_after_the_hand_over_stops_the_persister_and_drops_its_images(t
     assert not job.store.rank_dir(epoch, "batch", 0).exists() and newest(job.store) == first
 
 
+def test_a_persister_that_cannot_start_fails_the_final_capture_at_once_and_the_previous_commit_stays(tmp_path, tree):
+    """A persister that exits with an error right after its start (it could not even import its package)
+    fails the hand-over inside the window, said as the capture's failure, instead of a final epoch handed
+    to nobody and found lost by the next run."""
+    class Failed:
+        pid = 1
+
+        def poll(self) -> int:
+            return 1
+
+        def kill(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    job = Job(tmp_path, tree)
+    first = job.periodic(images(1))
+    job.p.ctx = job.p.ctx.__class__(**{**job.p.ctx.__dict__, "policy": job.p.ctx.policy.__class__(
+        **{**job.p.ctx.policy.__dict__, "spawn": lambda argv, env: Failed()})})
+    epoch = job.store.allocate_epoch(1, 600, "test", run=0)
+    job.p.prepare(epoch)
+    with pytest.raises(Exception, match="persister failed at its start"):
+        job.p.capture(epoch, final=True)
+    assert not job.store.rank_dir(epoch, "batch", 0).exists() and newest(job.store) == first
+
+
 # ---- leaving the job's cgroups --------------------------------------------------------------------------
 def test_the_persister_leaves_every_cgroup_of_the_job(tmp_path):
     """Hybrid host (cgroup v1 controllers, v2 at unified): every v1 hierarchy's root, and slurmckpt's own

@@ -17,12 +17,14 @@ Each function takes the rank's context and the epoch's state (context.py).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import slurmckpt
 from slurmckpt.rank import fit, output_snapshot
 from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
@@ -41,6 +43,8 @@ from slurmckpt.store.jobstore import JobStore, atomic_write_json, tree_bytes
 from slurmckpt.store.persist import HANDOVER
 
 from slurmckpt.sizes import size_text
+
+PERSISTER_START_S = 0.5      # a persister that fails within this after its start could not start at all
 
 if TYPE_CHECKING:
     from slurmckpt.rank.context import EpochState, RankContext, RestoreState
@@ -166,12 +170,23 @@ def hand_over(ctx: RankContext, st: EpochState) -> None:
     lease.extend(ctx.store, st.epoch, handover.heartbeat(str(ctx.name)), lease.clock() + handover.HEARTBEAT_S)
     argv = [sys.executable, "-m", "slurmckpt", "persist-final", "--cluster", ctx.store.cluster,
             "--job", str(ctx.store.job), "--epoch", str(st.epoch), "--step", ctx.step, "--rank", str(ctx.rank)]
+    # the persister imports this very package: where it lies is handed on (an agent run from a directory
+    # of root's, not a venv, has no other way to say it), with Slurm's config and nothing else
+    env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF"}
+    env["PYTHONPATH"] = str(Path(slurmckpt.__file__).resolve().parents[1])
     try:
-        st.persister = ctx.policy.spawn(argv, {k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
+        st.persister = persister = ctx.policy.spawn(argv, env)
     except OSError as e:
         raise CaptureError(f"the final capture's persister did not start: {e}", epoch=st.epoch, step=ctx.step,
                            rank=ctx.rank) from e
-    ctx.policy.staging.hand_to(where, st.persister.pid)
+    ctx.policy.staging.hand_to(where, persister.pid)
+    try:
+        early = persister.wait(timeout=PERSISTER_START_S)      # one that cannot even start is said now
+    except subprocess.TimeoutExpired:
+        return
+    if early:            # 0: small images, already persisted
+        raise CaptureError(f"the final capture's persister failed at its start (exit {early})", epoch=st.epoch,
+                           step=ctx.step, rank=ctx.rank)
 
 
 def stop_persister(ctx: RankContext, st: EpochState) -> None:
