@@ -361,7 +361,7 @@ cmd_logs() {
 
 cmd_stop_node() {
   local node=${1:?usage: cluster.sh stop-node NODE}
-  cluster_node_names | grep -qx "$node" || die "no node '$node' in this cluster ($(cluster_node_names | tr '\n' ' '))"
+  cluster_node_names | grep -x "$node" >/dev/null || die "no node '$node' in this cluster ($(cluster_node_names | tr '\n' ' '))"
   if is_multi; then
     local pids
     pids=$(ip netns pids "$node" 2>/dev/null | tr '\n' ' ' || true)
@@ -377,7 +377,7 @@ cmd_stop_node() {
 
 cmd_start_node() {
   local node=${1:?usage: cluster.sh start-node NODE}
-  cluster_node_names | grep -qx "$node" || die "no node '$node' in this cluster ($(cluster_node_names | tr '\n' ' '))"
+  cluster_node_names | grep -x "$node" >/dev/null || die "no node '$node' in this cluster ($(cluster_node_names | tr '\n' ' '))"
   start_slurmd "$node"
   wait_nodes "$node"
   log "$node: $(node_state "$node")"

@@ -46,7 +46,7 @@ def test_openmpi_mpirun_on_one_node_requeued_twice_equals_an_uninterrupted_run()
                  "-J", "mpi-local", "-n2", "-N1", "-w", "node1", "--checkpoint-interval=10s")
     for restart in (1, 2):
         job.wait_output(r"committed \(interval\)", restart, timeout=180)
-        assert "final " not in job.text(), "the ring ended before the requeue"
+        assert not ring_lines(job)[1], "the ring ended before the requeue"   # its own "final" line
         job.requeue()
         job.wait_output(r"restored from checkpoint epoch", restart, timeout=240)
     assert job.wait_done(timeout=400) == "COMPLETED", job.text()[-3000:]
@@ -109,7 +109,7 @@ def requeue_after_a_commit(job: Job, ranks: int) -> None:
     """Requeue once the job's next periodic capture of `ranks` ranks committed, before the ring ended."""
     pattern = rf"committed \(interval\): {ranks} rank"
     job.wait_output(pattern, len(re.findall(pattern, job.text())) + 1, timeout=180)
-    assert "final " not in job.text(), "the ring ended before the requeue"
+    assert not ring_lines(job)[1], "the ring ended before the requeue"   # its own "final" line
     job.requeue()
 
 

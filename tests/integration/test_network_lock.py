@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurmjob import AGENT_LOGS, WORKLOADS, site_config, submit, workdir
+from tests.integration.slurmjob import AGENT_LOGS, site_config, submit, workdir
 
 sys.path.insert(0, str(Path(__file__).parent / "workloads"))
 from ipc_pair import expected_lines  # noqa: E402
@@ -94,7 +94,8 @@ def test_a_job_holding_1500_connections_is_one_rule_set_leaves_criu_room_and_goe
     lock could no longer be made past 1024, so every TCP capture on the node failed) or 3000 rules in
     OUTPUT, and nothing but the same job's next restore lifted them. Now: one table (one base chain) or one
     chain per job, criu's lock still made, and the job's end (netlock.lift_job) leaves nothing."""
-    p = subprocess.run(["unshare", "--net", PYTHON, "-c", MANY, method, "1500", str(WORKLOADS / "tcp_many.py")],
+    wd = workdir("ckptuser1", f"tcp-many-{method}")      # where ckptuser1 can read the workload (the repo may be
+    p = subprocess.run(["unshare", "--net", PYTHON, "-c", MANY, method, "1500", str(wd / "tcp_many.py")],  # 0700)
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])

@@ -76,5 +76,5 @@ def test_job_name_directory_and_output_path_do_not_choose_the_agents_facts() -> 
     said = re.search(r"cvd=(\S*) pid1=(\S+)", out.read_text())
     assert said and said.group(1) == "0", out.read_text()
     assert said.group(2) == Path("/proc/1/comm").read_text().strip() != "slurmckpt-init", said.group(0)
-    assert f"no mount namespace of its own: Slurm allocated GPUs [] on {node})" in log, log[-3000:]
+    assert f"no mount namespace of its own: Slurm allocated GPUs [] on {node};" in log, log[-3000:]
     run("scancel", str(job.id))
