@@ -43,14 +43,17 @@ def main() -> int:
     ap.add_argument("--pin-memory", action="store_true")
     a = ap.parse_args()
     # torchrun sets RANK, WORLD_SIZE and MASTER_*; a task of `srun -n N` has Slurm's
-    rank = int(os.environ.get("RANK", os.environ["SLURM_PROCID"]))
-    world = int(os.environ.get("WORLD_SIZE", os.environ["SLURM_NTASKS"]))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    # (read lazily: under torchrun in a batch script Slurm sets no SLURM_NTASKS, outside Slurm none of them).
+    env = os.environ
+    rank = int(env["RANK"]) if "RANK" in env else int(env["SLURM_PROCID"])
+    world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else int(env["SLURM_NTASKS"])
+    if "MASTER_PORT" not in env:
+        env["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
+        env["MASTER_PORT"] = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     device = torch.device("cpu")
     if a.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("SLURM_LOCALID", "0")) % torch.cuda.device_count())
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) % torch.cuda.device_count())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(device)
     ddp = DistributedDataParallel(model)
