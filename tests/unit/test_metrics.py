@@ -194,12 +194,12 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     wrapper, the coordinator and the schedule start an epoch with, is one of them."""
     import re
     from slurmckpt.agent.service import PHASE_OPS
-    from slurmckpt.rank.capture import CAPTURE_FINAL as CAPTURE, PREPARE, RESUME
+    from slurmckpt.rank.capture import FINAL_CAPTURE, PERSIST, PREPARE
     from slurmckpt.agent.metrics import STAGES
     from slurmckpt.task.schedule import TRIGGERS
     src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
     named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))
-    assert named and {st.name for st in PREPARE + CAPTURE + RESUME[-1:]} | set(PHASE_OPS) | named <= set(STAGES)
+    assert named and {*PREPARE.names, *FINAL_CAPTURE.names, *PERSIST.names} | set(PHASE_OPS) | named <= set(STAGES)
     started = set(re.findall(r'(?:self\.trigger|self\.epoch)\("([a-z-]+)"', (src / "task" / "wrapper.py").read_text()
                              + (src / "coordinator" / "host.py").read_text()))
     started |= set(re.findall(r'\[\("([a-z-]+)", True\)\]', (src / "task" / "schedule.py").read_text()))

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from slurmckpt.identity import RankName
 from slurmckpt.node.packet_filter import Iptables
-from slurmckpt.rank.capture import CAPTURE_FINAL as CAPTURE_STAGES, PREPARE as PREPARE_STAGES
+from slurmckpt.rank.capture import FINAL_CAPTURE, PERIODIC_CAPTURE, PERSIST, PREPARE, RESUME
 from slurmckpt.rank.context import Limits, RankContext
 from slurmckpt.rank.runner import RankRunner
 from slurmckpt.store.compression import Zstd
@@ -154,9 +154,12 @@ def rooted(p: RankRunner, pid: int | None) -> None:
 
 
 def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
-    assert [s.name for s in PREPARE_STAGES] == ["check", "pmi-precheck", "space", "memory", "gpu-lock",
-                                                "gpu-checkpoint", "freeze", "pmi-idle", "drain-output"]
-    assert [s.name for s in CAPTURE_STAGES] == ["record", "host-copy", "dump", "snapshot-output", "handover"]
+    assert PREPARE.names == ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze",
+                             "pmi-idle", "drain-output")
+    assert PERIODIC_CAPTURE.names == ("record", "host-copy", "dump", "snapshot-output")
+    assert FINAL_CAPTURE.names == ("record", "host-copy", "dump", "snapshot-output", "handover")
+    assert RESUME.names == ("thaw", "gpu-restore", "gpu-unlock", "memory") and RESUME.settled
+    assert PERSIST.names == ("persist",)
 
 
 def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:
@@ -297,7 +300,7 @@ def test_a_memory_limit_raised_for_the_capture_is_put_back_on_every_path(tmp_pat
     abort), or once the tree is killed (final); the watchdog covers a dead agent (test_capture_memory.py)."""
     from slurmckpt.node import host_memory
     from slurmckpt.rank import capture
-    from slurmckpt.rank.context import EpochState
+    from slurmckpt.rank.context import CaptureState
     from slurmckpt.rank.fit import Footprint
     level = host_memory.Headroom(0, 24 << 30, "/job_7", 4 << 30, True, "/sys/fs/cgroup/job_7", True, ("memory.max",))
     made = host_memory.Raise("/sys/fs/cgroup/job_7", ("memory.max",), 35 << 30, "/job_7")
@@ -307,8 +310,8 @@ def test_a_memory_limit_raised_for_the_capture_is_put_back_on_every_path(tmp_pat
     monkeypatch.setattr(capture.host_memory, "put_back",
                         lambda raised, ledger: j.events.append(f"put back {raised[0].by >> 30}") or [])
     p.ctx = replace(p.ctx, limits=Limits(memory_ledger=tmp_path / "ledger"))
-    p.state = EpochState(1, footprint=Footprint(3 << 30, GpuUse({11: {"GPU-a": 16 << 30}}), 500 << 30, (level,),
-                                                 None, raise_allowed=True))
+    p.state = CaptureState(1, footprint=Footprint(3 << 30, GpuUse({11: {"GPU-a": 16 << 30}}), 500 << 30, (level,),
+                                                   None, raise_allowed=True))
     if path == "abort":
         with pytest.raises(GpuError):
             p.prepare(1)
@@ -524,3 +527,53 @@ def test_a_tree_with_gpu_state_is_left_stopped_by_a_periodic_dump_and_handed_to_
             except ProcessLookupError:
                 pass
         root.wait()
+
+
+def test_the_epoch_phase_follows_the_tables_the_runner_runs(tmp_path: Path) -> None:
+    from slurmckpt.rank.context import Phase
+    p, _, _ = make(tmp_path)
+    p.prepare(1)
+    assert p.state.phase is Phase.PREPARED and p.state.holding
+    p.capture(1, final=False)
+    assert p.state.phase is Phase.CAPTURED
+    p.resume(1)
+    assert p.state.phase is Phase.PERSISTED and not p.state.holding and PERSIST.stages == tuple(p.state.done)
+    p.prepare(2)
+    p.capture(2, final=True)
+    assert p.state.phase is Phase.HANDED_OVER and p.state.holding
+    p.state.persister.wait()
+    p.ctx.cgroup.members = []                # (the fake's tree is this test's own process otherwise)
+    p.finish(2)
+    assert p.state.phase is Phase.FINISHED and p.state.done == []
+
+
+@pytest.mark.parametrize("fails", ["check", "gpu-checkpoint", "dump", "none"])
+def test_abort_drops_the_images_only_once_the_epoch_no_longer_holds_the_tree(tmp_path: Path, monkeypatch,
+                                                                            fails: str) -> None:
+    """The decision is the epoch's phase: a failing stage's own rollback never drops the epoch's images (a
+    failure in PREPARE's first stage, with nothing done yet, did); the coordinator's ABORT after it does,
+    as it does after RESUME; an ABORT while the tree is held runs the undos and keeps them."""
+    from slurmckpt.rank import runner as runner_module
+    p, j, _ = make(tmp_path, gpu_fail="gpu-checkpoint" if fails == "gpu-checkpoint" else "",
+                   criu_fail=fails == "dump")
+    if fails == "check":
+        p.ctx.gpu.refused = ("MPS",)
+    discarded: list[int] = []
+    monkeypatch.setattr(runner_module.images, "discard", lambda ctx, epoch: discarded.append(epoch))
+    if fails == "none":
+        p.prepare(1)
+        p.abort(1)                             # held: undone, nothing dropped
+        assert discarded == [] and j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"]
+        p.prepare(2)
+        p.capture(2, final=False)
+        p.resume(2)
+        p.abort(2)                             # after the thaw (the epoch failed elsewhere): dropped
+        assert discarded == [2]
+        return
+    with pytest.raises((CaptureError, GpuError, CriuError)):
+        p.prepare(1)
+        p.capture(1, final=False)
+    undone = [1] if fails == "dump" else []      # the undo of `record` drops what it staged
+    assert p.failed_stage == fails and discarded == undone
+    p.abort(1)                                 # the coordinator's ABORT of the epoch
+    assert discarded == undone + [1]

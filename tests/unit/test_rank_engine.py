@@ -1,24 +1,28 @@
-"""rank/engine.py: a table runs in order, each stage timed and kept for the rollback; the first failure is
-handed to the caller's rollback with its stage named; undos run last first and every one of them runs."""
+"""rank/engine.py: a named table runs in order, each stage timed and kept for the rollback, the epoch's phase
+set as it starts and once it is done; the first failure is named and raised, and the rollback undoes exactly
+the stages done, last first, every one of them; a settled table runs every stage whatever the others do."""
 from __future__ import annotations
 
 import pytest
 
-from slurmckpt.rank.context import EpochState
-from slurmckpt.rank.engine import Stage, run_table, settle, undo_steps
+from slurmckpt.rank.capture import FINAL_CAPTURE, PERIODIC_CAPTURE, PERSIST, PREPARE, RESUME
+from slurmckpt.rank.context import EpochState, Phase, RestoreState
+from slurmckpt.rank.engine import Stage, Table, Unsettled, rollback, run_table
+from slurmckpt.rank.restore import RESTORE
 
 
-def table(log: list[str], fail: str = "") -> tuple[Stage, ...]:
+def table(log: list[str], fail: str = "", settled: bool = False) -> Table[EpochState]:
     def step(name: str):
         def run(ctx, st) -> None:
             log.append(name)
-            if name == fail:
+            if name in fail.split(","):
                 raise OSError(f"{name} broke")
         return run
 
     def undo(name: str):
         return lambda ctx, st: log.append(f"undo {name}")
-    return tuple(Stage(n, step(n), undo(n) if n != "b" else None) for n in ("a", "b", "c", "d"))
+    return Table("t", tuple(Stage(n, step(n), undo(n) if n != "b" else None) for n in ("a", "b", "c", "d")),
+                 running=Phase.PREPARING, reached=Phase.PREPARED, settled=settled)
 
 
 class Ctx:
@@ -26,35 +30,65 @@ class Ctx:
         stall_after = None
 
 
-def test_a_table_runs_in_order_and_times_each_stage() -> None:
+def test_a_table_runs_in_order_times_each_stage_and_reaches_its_phase() -> None:
     log: list[str] = []
     st = EpochState(3)
-    run_table(table(log), Ctx(), st, lambda stage, e: pytest.fail("nothing failed"))
+    run_table(table(log), Ctx(), st)
     assert log == ["a", "b", "c", "d"] and [s.name for s in st.done] == ["a", "b", "c", "d"]
-    assert set(st.timings) == {"a", "b", "c", "d"} and st.failed_stage == ""
+    assert set(st.timings) == {"a", "b", "c", "d"} and st.failed_stage == "" and st.phase is Phase.PREPARED
 
 
-def test_the_first_failure_is_named_and_handed_to_the_rollback_then_raised() -> None:
+def test_a_failure_mid_table_is_named_raised_and_rolls_back_exactly_the_stages_done() -> None:
     log: list[str] = []
     st = EpochState(3)
-    seen: list[tuple[str, str]] = []
-
-    def rollback(stage: str, error: BaseException) -> None:
-        seen.append((stage, str(error)))
-        assert settle(undo_steps(st.done), Ctx(), st) == []
     with pytest.raises(OSError, match="c broke"):
-        run_table(table(log, fail="c"), Ctx(), st, rollback)
-    assert seen == [("c", "c broke")] and st.failed_stage == "c"
+        run_table(table(log, fail="c"), Ctx(), st)
+    assert st.failed_stage == "c" and st.phase is Phase.PREPARING and [s.name for s in st.done] == ["a", "b"]
+    assert rollback(Ctx(), st) == []
     assert log == ["a", "b", "c", "undo a"]          # b has no undo; c failed, so it is not undone; d never ran
+    assert st.done == [] and st.phase is Phase.ROLLED_BACK
+    assert rollback(Ctx(), st) == [] and log[-1] == "undo a"       # nothing is undone twice
 
 
 def test_every_undo_runs_whatever_the_others_do_last_first() -> None:
     log: list[str] = []
-    done = list(table(log))
+    st = EpochState(1)
+    run_table(table(log), Ctx(), st)
 
     def broken(ctx, st) -> None:
         raise RuntimeError("thaw: cgroup.freeze: No such device")
-    done[3] = Stage("d", done[3].run, broken)
-    failures = settle(undo_steps(done), Ctx(), EpochState(1))
-    assert log == ["undo c", "undo a"]
+    st.done[3] = Stage("d", st.done[3].run, broken)
+    failures = rollback(Ctx(), st)
+    assert log[4:] == ["undo c", "undo a"]
     assert [str(f) for f in failures] == ["d: thaw: cgroup.freeze: No such device"]
+
+
+def test_a_settled_table_runs_every_stage_and_raises_its_failures_together() -> None:
+    """RESUME's tree stages: a thaw that fails does not keep the GPUs locked; nothing is timed or kept for
+    a rollback, and the phase it reaches is reached only when none failed."""
+    log: list[str] = []
+    st = EpochState(2)
+    with pytest.raises(Unsettled) as e:
+        run_table(table(log, fail="a,c", settled=True), Ctx(), st)
+    assert log == ["a", "b", "c", "d"] and [str(f) for f in e.value.failures] == ["a: a broke", "c: c broke"]
+    assert st.done == [] and st.timings == {} and st.failed_stage == "" and st.phase is Phase.PREPARING
+    run_table(table(log, settled=True), Ctx(), st)
+    assert st.phase is Phase.PREPARED and st.done == []
+
+
+def test_the_named_tables_hold_their_stages_in_order_and_name_their_phases() -> None:
+    assert PREPARE.names == ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze",
+                             "pmi-idle", "drain-output")
+    assert (PREPARE.running, PREPARE.reached) == (Phase.PREPARING, Phase.PREPARED)
+    # the two captures are one table but for the final one's hand-over, and reach different phases
+    assert FINAL_CAPTURE.stages[:-1] == PERIODIC_CAPTURE.stages
+    assert FINAL_CAPTURE.names == ("record", "host-copy", "dump", "snapshot-output", "handover")
+    assert (PERIODIC_CAPTURE.reached, FINAL_CAPTURE.reached) == (Phase.CAPTURED, Phase.HANDED_OVER)
+    assert RESUME.names == ("thaw", "gpu-restore", "gpu-unlock", "memory") and RESUME.settled
+    assert all(s.undo is None for s in RESUME.stages + PERSIST.stages) and PERSIST.names == ("persist",)
+    assert RESTORE.names == ("gpu-check", "unpack", "shared-files", "output", "truncate", "shm", "handovers",
+                             "tcp-hold", "criu", "host-copy", "tcp-release", "gpu-restore")
+    assert [s.name for s in RESTORE.stages if s.undo] == ["tcp-hold", "criu"]
+    assert RestoreState(1).phase is Phase.RESTORING and (RESTORE.running, RESTORE.reached) == (
+        Phase.RESTORING, Phase.RESTORED)
+    assert not any(t.settled for t in (PREPARE, PERIODIC_CAPTURE, FINAL_CAPTURE, PERSIST, RESTORE))

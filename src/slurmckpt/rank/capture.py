@@ -1,5 +1,6 @@
-"""One rank's capture as three stage tables, run by the engine (engine.py) over the rank's context and the
-epoch's state (context.py). The coordinator drives the phases across ranks:
+"""One rank's capture as named stage tables (PREPARE, PERIODIC_CAPTURE or FINAL_CAPTURE, RESUME, PERSIST), run
+by the engine (engine.py) over the rank's context and the epoch's CaptureState (context.py). The coordinator
+drives the phases across ranks:
 
     SIZE      (GPU jobs) host and GPU bytes, refused up front when they cannot fit (fit.py; runner.py)
     PREPARE   refuse unrestorable state (checks.py) -> no PMI exchange under way (cheap early look)
@@ -13,7 +14,7 @@ epoch's state (context.py). The coordinator drives the phases across ranks:
               -> (final only) hand-over: a persister outside the job's cgroups takes the staged images to the
               store after Slurm's SIGKILL (store/handover.py commits the epoch once every rank's are there)
     RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> memory limits put back
-              -> persist at bounded priority
+    PERSIST   (once the tree runs again) the staged images to the store at bounded priority
     then      COMMIT (coordinator's agent, atomic manifest rename) | final: hand-over record -> FINISH (kill)
     or        ABORT at any point -> the undos of what was done, in reverse: the previous commit stays.
 
@@ -34,32 +35,32 @@ from slurmckpt.cuda.procscan import inherited_device_majors
 from slurmckpt.errors import CaptureError
 from slurmckpt.node import host_memory, proctree, stopped, tcp_ports
 from slurmckpt.rank import checks, ghost, host_copy, images, output_pipes, output_snapshot
-from slurmckpt.rank.context import EpochState, RankContext
-from slurmckpt.rank.engine import Stage
+from slurmckpt.rank.context import CaptureState, Phase, RankContext
+from slurmckpt.rank.engine import Stage, Table
 from slurmckpt.rank.sharing import ipc, netlock, shm_files
 from slurmckpt.slurm import pmi
 
 log = logging.getLogger("slurmckpt.pipeline")
 
 
-def _freeze(ctx: RankContext, st: EpochState) -> None:
+def _freeze(ctx: RankContext, st: CaptureState) -> None:
     if not st.replay:     # srun must keep relaying what the (frozen) steps already wrote to the output
         st.timings["freeze_wait"] = ctx.cgroup.freeze()
 
 
-def _thaw(ctx: RankContext, st: EpochState) -> None:
+def _thaw(ctx: RankContext, st: CaptureState) -> None:
     ctx.cgroup.thaw()
 
 
-def _gpu_lock(ctx: RankContext, st: EpochState) -> None:
+def _gpu_lock(ctx: RankContext, st: CaptureState) -> None:
     ctx.gpu.lock(ctx.cgroup.pids())     # refuses unsupported GPU set-ups before anything is frozen
 
 
-def _gpu_unlock(ctx: RankContext, st: EpochState) -> None:
+def _gpu_unlock(ctx: RankContext, st: CaptureState) -> None:
     ctx.gpu.unlock()
 
 
-def _gpu_checkpoint(ctx: RankContext, st: EpochState) -> None:
+def _gpu_checkpoint(ctx: RankContext, st: CaptureState) -> None:
     """The driver's copy of each CUDA process's device memory into new memory of that process; that new
     memory (its host copy) is noted for CAPTURE to copy in parallel (host_copy.py)."""
     pids = ctx.cgroup.pids() if ctx.limits.host_copy_threads else []
@@ -69,18 +70,18 @@ def _gpu_checkpoint(ctx: RankContext, st: EpochState) -> None:
         st.host_copies = host_copy.grown(before, host_copy.anonymous_ranges(pids))
 
 
-def _gpu_resume(ctx: RankContext, st: EpochState) -> None:
+def _gpu_resume(ctx: RankContext, st: CaptureState) -> None:
     ctx.gpu.resume()
 
 
-def _raise_memory(ctx: RankContext, st: EpochState) -> None:
+def _raise_memory(ctx: RankContext, st: CaptureState) -> None:
     """Where the site lets root, the job's memory limits go up by what the GPU copy (and the images' page
     cache) add, as SIZE planned (rank/fit.py, node/host_memory.py); put back after the GPU restore."""
     if ctx.limits.memory_ledger is not None and st.footprint is not None and st.footprint.raises:
         st.memory_raised = host_memory.raise_limits(st.footprint.raises, ctx.limits.memory_ledger)
 
 
-def put_back_memory(ctx: RankContext, st: EpochState) -> None:
+def put_back_memory(ctx: RankContext, st: CaptureState) -> None:
     """The raise taken back, always: a job left holding more than its own limit meets the kernel's
     enforcement of its --mem, as at any other time (said in the agent's log)."""
     if ctx.limits.memory_ledger is None or not st.memory_raised:
@@ -90,7 +91,7 @@ def put_back_memory(ctx: RankContext, st: EpochState) -> None:
     st.memory_raised = []
 
 
-def _pmi_between_exchanges(ctx: RankContext, st: EpochState) -> None:
+def _pmi_between_exchanges(ctx: RankContext, st: CaptureState) -> None:
     """No PMI exchange under way, or the round is tried again (pmi.require_no_exchange). A replayed batch
     step is not frozen and not imaged: nothing to check."""
     h = ctx.handovers
@@ -98,14 +99,14 @@ def _pmi_between_exchanges(ctx: RankContext, st: EpochState) -> None:
         pmi.require_no_exchange(h.pmi_fd, h.pmi_ino, ctx.cgroup.pids(), ctx.step, ctx.rank)
 
 
-def _drain_output(ctx: RankContext, st: EpochState) -> None:
+def _drain_output(ctx: RankContext, st: CaptureState) -> None:
     """After the freeze: what the tree wrote to its stdio pipes has been read by slurmstepd, so the batch
     rank's output snapshot (CAPTURE, after the barrier) can hold it (output_pipes.py)."""
     if not st.replay:
         output_pipes.wait_drained(ctx.creds, [pid for pid in (ctx.wrapper_pid, ctx.root_pid) if pid])
 
 
-def _record(ctx: RankContext, st: EpochState) -> None:
+def _record(ctx: RankContext, st: CaptureState) -> None:
     pids = ctx.cgroup.pids()
     root = ctx.root_pid or 0
     ghosts = [] if st.replay else proctree.deleted_files(pids)
@@ -180,7 +181,7 @@ def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
             if f"socket:[{ino}]" in held]
 
 
-def _host_copy(ctx: RankContext, st: EpochState) -> None:
+def _host_copy(ctx: RankContext, st: CaptureState) -> None:
     """On the frozen tree, before criu: the GPU checkpoint's host copy into the images by several threads;
     criu then dumps those pages as untouched (host_copy.py)."""
     if st.record["kind"] != "image" or not st.host_copies:
@@ -192,7 +193,7 @@ def _host_copy(ctx: RankContext, st: EpochState) -> None:
     st.timings["host_copy"] = seconds
 
 
-def _dump(ctx: RankContext, st: EpochState) -> None:
+def _dump(ctx: RankContext, st: CaptureState) -> None:
     """criu dump into the staging area. A final capture lets criu end the tree itself: it closes TCP sockets
     in repair mode, so no FIN and no TIME_WAIT holds the ports the restore must bind again (a plain kill
     after the dump would). An interrupted dump is the runner's to answer (runner.py: the tree dies)."""
@@ -221,19 +222,19 @@ def _dump(ctx: RankContext, st: EpochState) -> None:
         raise CaptureError("tree was thawed by the dump", epoch=st.epoch)
 
 
-def _discard_images(ctx: RankContext, st: EpochState) -> None:
+def _discard_images(ctx: RankContext, st: CaptureState) -> None:
     images.discard(ctx, st.epoch)
 
 
-def _snapshot_output(ctx: RankContext, st: EpochState) -> None:
+def _snapshot_output(ctx: RankContext, st: CaptureState) -> None:
     st.record["outputs"] = output_snapshot.take(ctx, st, images.area(ctx, st.epoch))
 
 
-def _persist_resumed(ctx: RankContext, st: EpochState) -> None:
+def _persist_resumed(ctx: RankContext, st: CaptureState) -> None:
     images.persist(ctx, st, background=True)       # beside the running tree, at bounded priority
 
 
-PREPARE = (
+PREPARE = Table("prepare", (
     Stage("check", checks.check_restorable),
     # the same PMI check on the running tree: a rank that sits in a long PMI barrier is sent back before its
     # GPU checkpoint, which each retried round would otherwise repeat (seconds per GiB); the check after the
@@ -246,24 +247,27 @@ PREPARE = (
     Stage("freeze", _freeze, undo=_thaw),
     Stage("pmi-idle", _pmi_between_exchanges),
     Stage("drain-output", _drain_output),
-)
-CAPTURE_PERIODIC = (
+), running=Phase.PREPARING, reached=Phase.PREPARED)
+_CAPTURE: tuple[Stage[CaptureState], ...] = (
     Stage("record", _record, undo=_discard_images),
     Stage("host-copy", _host_copy),
     Stage("dump", _dump),
     Stage("snapshot-output", _snapshot_output),
 )
+# A periodic capture leaves its images in staging and the tree frozen; they persist after RESUME's thaw.
+PERIODIC_CAPTURE = Table("periodic-capture", _CAPTURE, running=Phase.CAPTURING, reached=Phase.CAPTURED)
 # A final capture ends inside Slurm's window once its images are complete in staging: a persister of its own
 # takes them to the store after the job ended, outside the job's cgroups (images.hand_over; store/handover.py).
-# Periodic captures persist in RESUME, after the thaw.
-CAPTURE_FINAL = CAPTURE_PERIODIC + (Stage("handover", images.hand_over, undo=images.stop_persister),)
-# After a periodic capture of every rank: the tree runs on, then its staged images go to the store at
-# bounded priority (COMMIT needs every rank's). The tree's stages run whatever the others do (a tree left
-# frozen or locked is worse than an error); the persist only once the tree runs again.
-RESUME_TREE = (
+FINAL_CAPTURE = Table("final-capture", _CAPTURE + (Stage("handover", images.hand_over, undo=images.stop_persister),),
+                      running=Phase.CAPTURING, reached=Phase.HANDED_OVER)
+# The tree runs on: its stages run whatever the others do (a tree left frozen or locked is worse than an
+# error), and none is undone after (ABORT then drops the epoch's images).
+RESUME = Table("resume", (
     Stage("thaw", _thaw),
     Stage("gpu-restore", _gpu_resume),
     Stage("gpu-unlock", _gpu_unlock),
     Stage("memory", put_back_memory),
-)
-RESUME = RESUME_TREE + (Stage("persist", _persist_resumed),)
+), running=Phase.RESUMING, reached=Phase.RESUMED, settled=True)
+# After RESUME of a periodic capture, once the tree runs again: its staged images go to the store at bounded
+# priority (COMMIT needs every rank's).
+PERSIST = Table("persist", (Stage("persist", _persist_resumed),), running=Phase.PERSISTING, reached=Phase.PERSISTED)

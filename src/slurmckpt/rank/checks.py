@@ -17,12 +17,12 @@ from slurmckpt.errors import CaptureError
 from slurmckpt.identity import TreeName
 
 if TYPE_CHECKING:
-    from slurmckpt.rank.context import EpochState, RankContext
+    from slurmckpt.rank.context import CaptureState, RankContext
 
 log = logging.getLogger("slurmckpt.pipeline")
 
 
-def check_restorable(ctx: RankContext, st: EpochState) -> None:
+def check_restorable(ctx: RankContext, st: CaptureState) -> None:
     """Refuse, before anything is frozen, what could not be restored (named, so users can act on it)."""
     pids = ctx.cgroup.pids()
     if st.replay:     # replayed, not imaged: srun's own connections to the step daemons are expected
@@ -114,7 +114,7 @@ def _refuse_more_held_tcp_than_the_cap(ctx: RankContext, pids: list[int], trees:
                            step=ctx.step, rank=ctx.rank)
 
 
-def _refuse_replayed_peers(ctx: RankContext, st: EpochState, trees: dict[int, TreeName]) -> None:
+def _refuse_replayed_peers(ctx: RankContext, st: CaptureState, trees: dict[int, TreeName]) -> None:
     """TCP to a batch step that runs srun: such a batch step is replayed on requeue (its script runs again
     from the top), not restored, so its end of the connection would start afresh while this one is restored.
     That is OpenMPI's mpirun starting its daemons (orted) through srun (docs/mpi.md)."""
@@ -150,7 +150,7 @@ def _refuse_replayed_batch_talking_to_other_nodes(ctx: RankContext, pids: list[i
                            step=ctx.step, rank=ctx.rank)
 
 
-def tcp_leaving_the_node(st: EpochState, pids: list[int]) -> dict[str, Any]:
+def tcp_leaving_the_node(st: CaptureState, pids: list[int]) -> dict[str, Any]:
     """TCP whose other end is not on this node, as the check sorted it (st.tcp_outside) and still established
     now (the tree is frozen): to another node of the job (restored as dumped, held until both ends are
     back: crossnode.py), or to outside the job (its other end goes on without the job, so it is restored

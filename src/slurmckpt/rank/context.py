@@ -1,11 +1,14 @@
 """What one rank's stages work on: `RankContext`, built whole by the agent once the task's tree exists (or is
-about to be restored) and frozen from then on, and `EpochState`, what one epoch (or one restore) found and
-did. A stage reads the context and writes only the epoch's state (engine.py)."""
+about to be restored) and frozen from then on, and the state of one epoch: `CaptureState`, what a capture
+found and did (capture.py), or `RestoreState`, what a restore of a committed epoch found (restore.py), both
+an `EpochState`, what the engine keeps of any table's run (engine.py) and where the epoch stands (`Phase`).
+A stage reads the context and writes only the state it is typed on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, TYPE_CHECKING
+from typing import Any, Callable, Self, TYPE_CHECKING
 
 from slurmckpt.identity import RankName
 from slurmckpt.store.space import CopyBudget
@@ -77,16 +80,47 @@ class RankContext:
         return self.name.rank
 
 
+class Phase(Enum):
+    """Where one rank's epoch stands. The engine sets a table's phases (engine.Table: `running`, then
+    `reached` once every stage is done; `ROLLED_BACK` after the undos); the runner the others. The runner
+    decides by it what CAPTURE, RESUME and ABORT may do (runner.py)."""
+    SIZED = "sized"                  # SIZE measured the tree; nothing is held
+    PREPARING = "preparing"
+    PREPARED = "prepared"            # locked, GPU-checkpointed, frozen: CAPTURE may come
+    CAPTURING = "capturing"
+    CAPTURED = "captured"            # periodic: dumped into staging, the tree still frozen: RESUME persists it
+    HANDED_OVER = "handed-over"      # final: dumped, its persister owns the images
+    RESUMING = "resuming"            # RESUME gives the tree back: nothing of the epoch is undone any more
+    RESUMED = "resumed"
+    PERSISTING = "persisting"
+    PERSISTED = "persisted"
+    ROLLED_BACK = "rolled-back"      # the undos of the stages done ran (a failed stage, or ABORT)
+    FINISHED = "finished"            # a final capture's tree killed (FINISH)
+    RESTORING = "restoring"
+    RESTORED = "restored"
+
+
+# The epoch holds the task's tree (its undos are what ABORT runs); in any other phase ABORT drops its images.
+HOLDING = frozenset({Phase.PREPARING, Phase.PREPARED, Phase.CAPTURING, Phase.CAPTURED, Phase.HANDED_OVER})
+
+
 @dataclass
 class EpochState:
-    """One epoch of one rank, from SIZE (or PREPARE) to COMMIT or ABORT."""
+    """What a capture and a restore of one epoch of one rank both have: what the engine keeps of the tables
+    it ran over it (engine.py) and where the epoch stands."""
     epoch: int
-    final: bool = False
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen or imaged
-    done: list[Stage] = field(default_factory=list)      # the stages done, for the rollback
-    record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    phase: Phase = Phase.SIZED
+    done: list[Stage[Self]] = field(default_factory=list)      # the stages done, for the rollback
     timings: dict[str, float] = field(default_factory=dict)
     failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
+
+
+@dataclass
+class CaptureState(EpochState):
+    """One epoch of one rank, from SIZE (or PREPARE) to COMMIT or ABORT."""
+    final: bool = False
+    record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     footprint: Footprint | None = None                    # SIZE's measure (fit.py)
     gpu_record: dict[str, Any] | None = None
     tcp_peers: list[Any] = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
@@ -102,13 +136,15 @@ class EpochState:
     persister: Detached | None = None                     # a final capture's, once handed over (images.hand_over)
 
     @property
-    def dumped(self) -> bool:
-        return any(s.name == "dump" for s in self.done)
+    def holding(self) -> bool:
+        """The epoch holds the tree: PREPARE or CAPTURE ran (or runs) and nothing gave it back yet."""
+        return self.phase in HOLDING
 
 
 @dataclass
 class RestoreState(EpochState):
     """One restore of a committed epoch (restore.py): what each stage found for the next."""
+    phase: Phase = Phase.RESTORING
     stdio: list[int] = field(default_factory=list)       # the new start's stdio fds (and batch script's)
     images: Path | None = None                            # the unpacked images
     manifest: dict[str, Any] = field(default_factory=dict)          # the rank's rank.json, as verified

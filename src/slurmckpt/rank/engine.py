@@ -1,32 +1,53 @@
-"""The one engine that runs a rank's stage tables (PREPARE, CAPTURE, RESUME: capture.py; RESTORE: restore.py).
+"""The one engine that runs a rank's named stage tables (capture.py: PREPARE, PERIODIC_CAPTURE, FINAL_CAPTURE,
+RESUME, PERSIST; restore.py: RESTORE).
 
-A table is an ordered tuple of `Stage(name, run, undo)`; each stage takes the rank's frozen context and the
-state of the epoch (context.py). `run_table` runs the stages in order, times each one, and on the first
-failure undoes the stages done so far in reverse, naming the stage that failed; a failure while undoing is
-added to the message, never put in its place (the first failure is what the user and the admin need).
-`settle` runs every step it is given whatever the others do (RESUME's tree stages, and the rollback): a tree left
-frozen or locked is worse than a logged error.
+A `Table[S]` is a named, ordered tuple of `Stage[S](name, run, undo)`, each stage typed on the state it works
+on (context.py: a CaptureState or a RestoreState) and taking the rank's frozen context with it. `run_table`
+sets the epoch's phase the table names, runs the stages in order, times each one and keeps it for the
+rollback; the first failure is named (`failed_stage`) and raised as it is, for the caller to roll back
+(`rollback`) after what must come first (runner.py: a tree criu may have left its parasite in is killed before
+the thaw). A settled table (RESUME's tree stages) runs every stage whatever the others do, and so does the
+rollback: a tree left frozen or locked is worse than a logged error. A failure while undoing is added to the
+message, never put in its place (the first failure is what the user and the admin need).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
+
+from slurmckpt.rank.context import EpochState, Phase
 
 if TYPE_CHECKING:
-    from slurmckpt.rank.context import EpochState, RankContext
+    from slurmckpt.rank.context import RankContext
 
 log = logging.getLogger("slurmckpt.pipeline")
 
-Step = Callable[["RankContext", "EpochState"], None]
+S = TypeVar("S", bound=EpochState)
 
 
 @dataclass(frozen=True)
-class Stage:
+class Stage(Generic[S]):
     name: str
-    run: Step
-    undo: Step | None = None
+    run: Callable[[RankContext, S], None]
+    undo: Callable[[RankContext, S], None] | None = None
+
+
+@dataclass(frozen=True)
+class Table(Generic[S]):
+    """A named table: its stages in order, the phase the epoch is in while it runs and the one it reached
+    once every stage is done. A `settled` table runs every stage whatever the others do (nothing to undo,
+    nothing timed); its failures are raised together (Unsettled)."""
+    name: str
+    stages: tuple[Stage[S], ...]
+    running: Phase
+    reached: Phase
+    settled: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
 
 
 @dataclass
@@ -38,26 +59,48 @@ class Failure:
         return f"{self.stage}: {self.error}"
 
 
-def run_table(table: tuple[Stage, ...], ctx: RankContext, st: EpochState,
-              on_failure: Callable[[str, BaseException], None]) -> None:
-    """Run `table` in order; each stage done is appended to `st.done` and timed in `st.timings`. The first
-    stage that raises is recorded in `st.failed_stage` and handed to `on_failure(stage, error)`: the rollback,
-    which raises what the caller gets (the error itself, or one that names it and what undoing it met)."""
-    for stage in table:
+class Unsettled(Exception):
+    """A settled table's stages that failed, in the order they did (every other stage ran)."""
+
+    def __init__(self, table: str, failures: list[Failure]) -> None:
+        super().__init__(f"{table}: " + "; ".join(map(str, failures)))
+        self.failures = failures
+
+
+def run_table(table: Table[S], ctx: RankContext, st: S) -> None:
+    """Run `table` over `st`. Each stage done is appended to `st.done` and timed in `st.timings`; the first
+    that raises is recorded in `st.failed_stage` and its error raised, the stages done kept for `rollback`.
+    A settled table: every stage, then Unsettled if any failed."""
+    st.phase = table.running
+    if table.settled:
+        failures = _settle([(s.name, s.run) for s in table.stages], ctx, st)
+        if failures:
+            raise Unsettled(table.name, failures)
+        st.phase = table.reached
+        return
+    for stage in table.stages:
         start = time.monotonic()
         try:
             stage.run(ctx, st)
-        except Exception as e:  # an unexpected failure still rolls back
+        except Exception:  # named here; the caller rolls back
             st.failed_stage = stage.name
-            on_failure(stage.name, e)
             raise
         st.timings[stage.name] = round(time.monotonic() - start, 4)
         st.done.append(stage)
         _stall(ctx, st, stage.name)
+    st.phase = table.reached
 
 
-def settle(steps: list[tuple[str, Step]], ctx: RankContext, st: EpochState) -> list[Failure]:
-    """Run every step, whatever the others do; the failures, in the order they happened."""
+def rollback(ctx: RankContext, st: S) -> list[Failure]:
+    """The undos of the stages done, last first, each whatever the others do; the failures, in the order
+    they happened. Nothing is left to undo after it."""
+    failures = _settle([(s.name, s.undo) for s in reversed(st.done) if s.undo is not None], ctx, st)
+    st.done = []
+    st.phase = Phase.ROLLED_BACK
+    return failures
+
+
+def _settle(steps: list[tuple[str, Callable[[RankContext, S], None]]], ctx: RankContext, st: S) -> list[Failure]:
     failures = []
     for name, step in steps:
         try:
@@ -65,11 +108,6 @@ def settle(steps: list[tuple[str, Step]], ctx: RankContext, st: EpochState) -> l
         except Exception as e:  # keep going: a tree left frozen is worse than a logged error
             failures.append(Failure(name, e))
     return failures
-
-
-def undo_steps(done: list[Stage]) -> list[tuple[str, Step]]:
-    """The undos of the stages done, last first (the rollback)."""
-    return [(s.name, s.undo) for s in reversed(done) if s.undo is not None]
 
 
 def _stall(ctx: RankContext, st: EpochState, stage: str) -> None:

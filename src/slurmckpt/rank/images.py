@@ -47,7 +47,7 @@ from slurmckpt.sizes import size_text
 PERSISTER_START_S = 0.5      # a persister that fails within this after its start could not start at all
 
 if TYPE_CHECKING:
-    from slurmckpt.rank.context import EpochState, RankContext, RestoreState
+    from slurmckpt.rank.context import CaptureState, RankContext, RestoreState
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def area(ctx: RankContext, epoch: int, purpose: str = "capture") -> Path:
     return ctx.policy.staging.area(ctx.store.cluster, ctx.store.job, purpose, epoch, ctx.step, ctx.rank)
 
 
-def copied_files(ctx: RankContext, st: EpochState) -> tuple[tuple[str, int], ...]:
+def copied_files(ctx: RankContext, st: CaptureState) -> tuple[tuple[str, int], ...]:
     """What the capture copies besides the tree's memory, by the bytes each holds: the task's output files,
     the /dev/shm files the tree holds open or mapped, and the deleted files it holds, which criu copies
     into its images (ghost.py; at their size, which the ghost limit caps). A replayed batch step: its
@@ -90,7 +90,7 @@ def copied_files(ctx: RankContext, st: EpochState) -> tuple[tuple[str, int], ...
     return tuple(files)
 
 
-def reserve(ctx: RankContext, st: EpochState) -> None:
+def reserve(ctx: RankContext, st: CaptureState) -> None:
     """PREPARE: refuse a capture that cannot fit, before anything is locked or frozen (the job runs on).
     The bytes counted for copied files become the capture's budget for them (space.CopyBudget)."""
     epoch = st.epoch
@@ -116,7 +116,7 @@ def reserve(ctx: RankContext, st: EpochState) -> None:
         raise
 
 
-def release(ctx: RankContext, st: EpochState) -> None:
+def release(ctx: RankContext, st: CaptureState) -> None:
     space.release_store(ctx.store, st.epoch, ctx.step, ctx.rank)
     ctx.policy.staging.remove(area(ctx, st.epoch))
 
@@ -129,7 +129,7 @@ def staged(ctx: RankContext, epoch: int) -> Path:
     return where
 
 
-def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
+def persist(ctx: RankContext, st: CaptureState, background: bool) -> None:
     """Staging -> store. Failure leaves the epoch uncommitted (this rank's store directory removed); the
     staging area goes either way."""
     start, epoch = time.monotonic(), st.epoch
@@ -151,7 +151,7 @@ def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
     st.timings["persist"] = round(time.monotonic() - start, 4)
 
 
-def hand_over(ctx: RankContext, st: EpochState) -> None:
+def hand_over(ctx: RankContext, st: CaptureState) -> None:
     """A final capture's last stage inside Slurm's window: the staged images go to a persister of their own
     (store/final_persist.py: root, outside the job's cgroups, so Slurm's SIGKILL does not reach it), which
     compresses them into the store after the job has ended and commits the epoch once every rank's images
@@ -189,7 +189,7 @@ def hand_over(ctx: RankContext, st: EpochState) -> None:
                            step=ctx.step, rank=ctx.rank)
 
 
-def stop_persister(ctx: RankContext, st: EpochState) -> None:
+def stop_persister(ctx: RankContext, st: CaptureState) -> None:
     """An epoch aborted after its hand-over (another rank failed): its persister stops, its images go."""
     if st.persister is not None and st.persister.poll() is None:
         st.persister.kill()

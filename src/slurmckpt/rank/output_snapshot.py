@@ -26,7 +26,7 @@ from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError, RestoreError
 
 if TYPE_CHECKING:
-    from slurmckpt.rank.context import EpochState, RankContext
+    from slurmckpt.rank.context import CaptureState, RankContext
 
 FDS = (1, 2)
 
@@ -46,7 +46,7 @@ def measure(wrapper_pid: int) -> list[tuple[str, int]]:
     return list(out.items())
 
 
-def take(ctx: RankContext, st: EpochState, where: Path) -> list[dict[str, Any]]:
+def take(ctx: RankContext, st: CaptureState, where: Path) -> list[dict[str, Any]]:
     """CAPTURE (every rank frozen): the output files' data up to their size at
     the freeze into `where`; the rank record's `outputs`."""
     if st.replay:
@@ -68,7 +68,7 @@ def take(ctx: RankContext, st: EpochState, where: Path) -> list[dict[str, Any]]:
     return outputs
 
 
-def _copy(ctx: RankContext, st: EpochState, fd: int, t: proctree.FdTarget, dst: Path) -> list[list[int]]:
+def _copy(ctx: RankContext, st: CaptureState, fd: int, t: proctree.FdTarget, dst: Path) -> list[list[int]]:
     # Reopened through the wrapper's fd link, as the user: the kernel checks the user's read permission on
     # the file itself (an O_PATH or write-only fd to a file the user cannot read gives nothing).
     src = asuser.open_expected(ctx.creds, str(procfs.path(ctx.wrapper_pid, "fd", fd)), os.O_RDONLY, t.dev, t.ino,

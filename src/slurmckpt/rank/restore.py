@@ -1,4 +1,5 @@
-"""One rank's restore as a stage table run by the engine (engine.py), the mirror of capture.py
+"""One rank's restore as the named stage table RESTORE, run by the engine (engine.py) over the restore's
+RestoreState (context.py), the mirror of capture.py
 (docs/architecture.md, "Restore on requeue"):
 
     gpu-check (the target GPUs, before anything is unpacked or touched) -> unpack (verify the images into
@@ -30,8 +31,8 @@ from slurmckpt.errors import CriuInterrupted, PermissionDenied, RestoreError, Sl
 from slurmckpt.node import asuser, proctree, tcp_ports
 from slurmckpt.node.launch import Credentials
 from slurmckpt.rank import host_copy, images, output_snapshot
-from slurmckpt.rank.context import EpochState, RankContext, RestoreState
-from slurmckpt.rank.engine import Stage, run_table, settle, undo_steps
+from slurmckpt.rank.context import Phase, RankContext, RestoreState
+from slurmckpt.rank.engine import Stage, Table, rollback, run_table
 from slurmckpt.rank.sharing import crossnode, ipc, netlock, rendezvous, shm_files
 from slurmckpt.slurm import pmi
 
@@ -40,13 +41,14 @@ log = logging.getLogger("slurmckpt.pipeline")
 
 def run(ctx: RankContext, st: RestoreState) -> None:
     """RESTORE's table; on failure its undos, and the first failure raised (naming what undoing met)."""
-    def rolled_back(stage: str, error: BaseException) -> None:
-        failures = settle(undo_steps(st.done), ctx, st)
-        st.done = []
+    try:
+        run_table(RESTORE, ctx, st)
+    except Exception as error:
+        failures = rollback(ctx, st)
         if failures:
             raise RestoreError(f"{error}; then {'; '.join(map(str, failures))}", step=ctx.step,
                                rank=ctx.rank) from error
-    run_table(RESTORE, ctx, st, rolled_back)
+        raise
 
 
 def restored(ctx: RankContext, pid: int) -> RankContext:
@@ -54,61 +56,52 @@ def restored(ctx: RankContext, pid: int) -> RankContext:
     return dataclasses.replace(ctx, root_pid=pid, standin_fds=())
 
 
-def _r(st: EpochState) -> RestoreState:
-    assert isinstance(st, RestoreState)
-    return st
-
-
-def _gpu_check(ctx: RankContext, st: EpochState) -> None:
+def _gpu_check(ctx: RankContext, st: RestoreState) -> None:
     ctx.gpu.check_restore(ctx.store.read_rank_manifest(st.epoch, ctx.step, ctx.rank).get("gpu"))
 
 
-def _unpack(ctx: RankContext, st: EpochState) -> None:
-    images.unpack(ctx, _r(st))
-    st.replay = _r(st).manifest["kind"] == "replay"
+def _unpack(ctx: RankContext, st: RestoreState) -> None:
+    images.unpack(ctx, st)
+    st.replay = st.manifest["kind"] == "replay"
 
 
-def _shared_files(ctx: RankContext, st: EpochState) -> None:
+def _shared_files(ctx: RankContext, st: RestoreState) -> None:
     """Files mapped shared with other ranks hold what they held at the cut, or the restore is refused; a
     /dev/shm file the capture saved is not compared: the `shm` stage writes its saved bytes back (one policy
     for /dev/shm, sharing/shm_files.py), so a crash or another node changes nothing there."""
-    r = _r(st)
-    r.key = rendezvous.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
-    ipc.check_shared_files(files_to_check(r.manifest)[0], r.key, ctx.creds,
-                           same_node=r.manifest.get("node") == socket.gethostname())
+    st.key = rendezvous.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
+    ipc.check_shared_files(files_to_check(st.manifest)[0], st.key, ctx.creds,
+                           same_node=st.manifest.get("node") == socket.gethostname())
 
 
-def _output(ctx: RankContext, st: EpochState) -> None:
-    r = _r(st)
-    assert r.images is not None
-    output_snapshot.rewrite(r.manifest, r.images, r.stdio)
+def _output(ctx: RankContext, st: RestoreState) -> None:
+    assert st.images is not None
+    output_snapshot.rewrite(st.manifest, st.images, st.stdio)
 
 
-def _truncate(ctx: RankContext, st: EpochState) -> None:
+def _truncate(ctx: RankContext, st: RestoreState) -> None:
     if not st.replay:
-        _truncate_written_files(files_to_check(_r(st).manifest)[1], ctx.creds)
+        _truncate_written_files(files_to_check(st.manifest)[1], ctx.creds)
 
 
-def _shm(ctx: RankContext, st: EpochState) -> None:
-    r = _r(st)
+def _shm(ctx: RankContext, st: RestoreState) -> None:
     if st.replay:
         return
-    assert r.images is not None
+    assert st.images is not None
     try:
-        handed = shm_files.put_back(ctx.creds, r.manifest.get("shm_files", []), r.images, r.key,
-                                    shared={e["path"] for e in r.manifest.get("shared_files", [])})
+        handed = shm_files.put_back(ctx.creds, st.manifest.get("shm_files", []), st.images, st.key,
+                                    shared={e["path"] for e in st.manifest.get("shared_files", [])})
     except PermissionDenied as err:
         raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}") from err
-    r.owned_fds += handed.fds            # closed once the restore is over (runner.py)
-    r.inherit += [InheritedFd(key, fd) for key, fd in handed.inherit]
+    st.owned_fds += handed.fds            # closed once the restore is over (runner.py)
+    st.inherit += [InheritedFd(key, fd) for key, fd in handed.inherit]
 
 
-def _handovers(ctx: RankContext, st: EpochState) -> None:
+def _handovers(ctx: RankContext, st: RestoreState) -> None:
     """The new start's fds in the old ones' places (criu --inherit-fd)."""
-    r = _r(st)
     if st.replay:
         return
-    manifest, stdio, inherit, seen = r.manifest, r.stdio, r.inherit, set()
+    manifest, stdio, inherit, seen = st.manifest, st.stdio, st.inherit, set()
     for entry in manifest["stdio"]:
         if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))
                                         or entry["key"].startswith("file[")):
@@ -136,19 +129,18 @@ def _handovers(ctx: RankContext, st: EpochState) -> None:
         pmi.reinit(pmi_fd)        # slurmstepd takes a task's first PMI line as its init
 
 
-def _tcp_hold(ctx: RankContext, st: EpochState) -> None:
-    r = _r(st)
+def _tcp_hold(ctx: RankContext, st: RestoreState) -> None:
     if st.replay:
         return
-    manifest = r.manifest
-    r.held = netlock.confirmed(manifest.get("tcp_ranks", []), ctx.step, ctx.rank,
-                               lambda step, rank: ctx.store.read_rank_manifest(st.epoch, step, rank))
+    manifest = st.manifest
+    st.held = netlock.confirmed(manifest.get("tcp_ranks", []), ctx.step, ctx.rank,
+                                lambda step, rank: ctx.store.read_rank_manifest(st.epoch, step, rank))
     between_nodes = manifest.get("tcp_nodes", [])
     if between_nodes:
         crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
-    hold = r.hold = crossnode.Hold(between_nodes, ctx.store.job_dir / ".tcp-sync",
-                                   f"{ctx.cgroup.tree.restart}.{st.epoch}", ctx.store.job, ctx.packets,
-                                   ctx.limits.tcp_hold_max)
+    hold = st.hold = crossnode.Hold(between_nodes, ctx.store.job_dir / ".tcp-sync",
+                                    f"{ctx.cgroup.tree.restart}.{st.epoch}", ctx.store.job, ctx.packets,
+                                    ctx.limits.tcp_hold_max)
     tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
@@ -157,64 +149,63 @@ def _tcp_hold(ctx: RankContext, st: EpochState) -> None:
         raise
 
 
-def _tcp_unhold(ctx: RankContext, st: EpochState) -> None:
-    hold = _r(st).hold
+def _tcp_unhold(ctx: RankContext, st: RestoreState) -> None:
+    hold = st.hold
     if hold is not None and hold.thread is None:      # once handed to its waiting thread, it lifts itself
         hold.release()
 
 
-def _criu(ctx: RankContext, st: EpochState) -> None:
-    r = _r(st)
+def _criu(ctx: RankContext, st: RestoreState) -> None:
     if st.replay:
         return
-    assert r.images is not None and r.key is not None
+    assert st.images is not None and st.key is not None
     try:
-        with netlock.hold_during_restore(r.held, r.key, ctx.packets, ctx.limits.tcp_hold_max):
-            r.pid = ctx.criu.restore(r.images, r.inherit, freezer=ctx.cgroup.path, pidfile=r.images / "restore.pid",
-                                     join=ctx.cgroup.add, tcp_close=r.manifest.get("tcp_close", []),
-                                     mntns=r.manifest.get("mntns", False),
-                                     leave_stopped=holds_gpu_state(r.manifest.get("gpu")))
+        with netlock.hold_during_restore(st.held, st.key, ctx.packets, ctx.limits.tcp_hold_max):
+            st.pid = ctx.criu.restore(st.images, st.inherit, freezer=ctx.cgroup.path,
+                                      pidfile=st.images / "restore.pid",
+                                      join=ctx.cgroup.add, tcp_close=st.manifest.get("tcp_close", []),
+                                      mntns=st.manifest.get("mntns", False),
+                                      leave_stopped=holds_gpu_state(st.manifest.get("gpu")))
     except CriuInterrupted:    # criu did not take back what it had restored: none of it may run
         _end_restored_tree(ctx, st)
         raise
 
 
-def _host_copy_back(ctx: RankContext, st: EpochState) -> None:
+def _host_copy_back(ctx: RankContext, st: RestoreState) -> None:
     """The GPU host copy the capture saved itself, back into the restored (stopped) processes before the
     GPU restore reads it (host_copy.py)."""
-    r = _r(st)
-    entries = r.manifest.get("host_copy", [])
+    entries = st.manifest.get("host_copy", [])
     if st.replay or not entries:
         return
-    assert r.images is not None
-    pids = proctree.descendants(r.pid) if r.pid else ctx.cgroup.pids()
-    st.timings["host_copy"] = host_copy.copy_in(entries, r.images, pids, max(1, ctx.limits.host_copy_threads),
+    assert st.images is not None
+    pids = proctree.descendants(st.pid) if st.pid else ctx.cgroup.pids()
+    st.timings["host_copy"] = host_copy.copy_in(entries, st.images, pids, max(1, ctx.limits.host_copy_threads),
                                                 step=ctx.step, rank=ctx.rank, epoch=st.epoch)
 
 
-def _tcp_release(ctx: RankContext, st: EpochState) -> None:
-    hold = _r(st).hold
+def _tcp_release(ctx: RankContext, st: RestoreState) -> None:
+    hold = st.hold
     if hold is not None:
         hold.after_restore()
 
 
-def _gpu_restore(ctx: RankContext, st: EpochState) -> None:
+def _gpu_restore(ctx: RankContext, st: RestoreState) -> None:
     """After criu: the tree is back, and stopped if it holds GPU state, which is restored before it runs
     again. Without its GPU state it must not run on (the undo of `criu` kills it)."""
     if st.replay:
         return
     try:
-        pid = _r(st).pid
-        ctx.gpu.restore(_r(st).manifest.get("gpu"), proctree.descendants(pid) if pid else ctx.cgroup.pids())
+        pid = st.pid
+        ctx.gpu.restore(st.manifest.get("gpu"), proctree.descendants(pid) if pid else ctx.cgroup.pids())
     except SlurmckptError:
         raise
     except Exception as e:
         raise RestoreError(f"GPU restore failed: {e}", step=ctx.step, rank=ctx.rank) from e
 
 
-def _end_restored_tree(ctx: RankContext, st: EpochState, timeout_s: float = 10.0) -> None:
+def _end_restored_tree(ctx: RankContext, st: RestoreState, timeout_s: float = 10.0) -> None:
     """Kill every process of the task cgroup and wait until it is empty (what a restore left running)."""
-    _r(st).pid = None
+    st.pid = None
     try:
         ctx.cgroup.kill_all()
     except OSError as e:
@@ -227,7 +218,7 @@ def _end_restored_tree(ctx: RankContext, st: EpochState, timeout_s: float = 10.0
                            step=ctx.step, rank=ctx.rank)
 
 
-RESTORE = (
+RESTORE = Table("restore", (
     Stage("gpu-check", _gpu_check),
     Stage("unpack", _unpack),                      # its staging area goes either way (runner.py)
     Stage("shared-files", _shared_files),
@@ -240,7 +231,7 @@ RESTORE = (
     Stage("host-copy", _host_copy_back),
     Stage("tcp-release", _tcp_release),
     Stage("gpu-restore", _gpu_restore),
-)
+), running=Phase.RESTORING, reached=Phase.RESTORED)
 
 
 def files_to_check(manifest: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

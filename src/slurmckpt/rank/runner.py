@@ -1,7 +1,8 @@
 """One rank, as the agent drives it: the phases the coordinator sends (SIZE, PREPARE, CAPTURE, RESUME, ABORT,
-FINISH) and the restore, each one table run by the engine (capture.py, restore.py) over the context the
-agent built (context.py). The runner keeps what outlives an epoch: the context of the tree it runs, the
-current epoch's state, and why it killed the tree, if it did."""
+FINISH) and the restore, each a named table run by the engine (capture.py, restore.py) over the context the
+agent built (context.py). What a phase may do is decided by where the epoch stands (its `Phase`); a failing
+stage is rolled back by the engine. The runner keeps what outlives an epoch: the context of the tree it runs,
+the current epoch's state, and why it killed the tree, if it did."""
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,8 @@ from typing import Any
 from slurmckpt.errors import CaptureError, CriuInterrupted, SlurmckptError, TaskEnded
 from slurmckpt.node import procfs, proctree
 from slurmckpt.rank import capture, images, restore
-from slurmckpt.rank.context import EpochState, RankContext, RestoreState
-from slurmckpt.rank.engine import Failure, Stage, run_table, settle, undo_steps
+from slurmckpt.rank.context import CaptureState, Phase, RankContext, RestoreState
+from slurmckpt.rank.engine import Failure, Table, Unsettled, rollback, run_table
 from slurmckpt.rank.fit import Footprint, measure as measure_footprint
 
 log = logging.getLogger("slurmckpt.pipeline")
@@ -21,7 +22,7 @@ log = logging.getLogger("slurmckpt.pipeline")
 class RankRunner:
     def __init__(self) -> None:
         self.ctx: RankContext | None = None      # the running tree's; None until the agent built one
-        self.state: EpochState | None = None     # the current (or last) epoch's
+        self.state: CaptureState | None = None   # the current (or last) capture epoch's
         self.killed_for = ""                     # why this agent killed the tree (kill_tree)
         self._failed_stage = ""
 
@@ -49,7 +50,7 @@ class RankRunner:
         """SIZE, before anything is locked: what this rank's capture will take (host memory, GPU memory per
         process, room in host memory and the store); refuses a capture that cannot fit, naming why."""
         ctx = self._require_tree()
-        self.state = EpochState(epoch)
+        self.state = CaptureState(epoch)
         try:
             measured = measure_footprint(ctx.cgroup.pids(), ctx.gpu, ctx.store.job_dir,
                                          raise_allowed=ctx.limits.memory_ledger is not None)
@@ -66,8 +67,8 @@ class RankRunner:
     def prepare(self, epoch: int) -> dict[str, Any]:
         ctx = self._require_tree()
         sized = self.state.footprint if self.state and self.state.epoch == epoch else None
-        st = self.state = EpochState(epoch, footprint=sized,
-                                     replay=ctx.step == "batch" and proctree.has_slurm_client(ctx.cgroup.pids()))
+        st = self.state = CaptureState(epoch, footprint=sized,
+                                       replay=ctx.step == "batch" and proctree.has_slurm_client(ctx.cgroup.pids()))
         self._run(capture.PREPARE, ctx, st)
         return {"timings": st.timings}
 
@@ -76,36 +77,41 @@ class RankRunner:
         and Slurm's SIGKILL may follow at once). A periodic one persists in RESUME, after the thaw:
         compressing and copying GiBs must not stretch the freeze."""
         st = self.state
-        if self.ctx is None or st is None or st.epoch != epoch or not st.done or st.done[-1] is not capture.PREPARE[-1]:
+        if self.ctx is None or st is None or st.epoch != epoch or st.phase is not Phase.PREPARED:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
         st.final = final
-        self._run(capture.CAPTURE_FINAL if final else capture.CAPTURE_PERIODIC, self.ctx, st)
+        self._run(capture.FINAL_CAPTURE if final else capture.PERIODIC_CAPTURE, self.ctx, st)
         return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings,
                 **({"persisting": True} if st.persister is not None else {})}
 
     def resume(self, epoch: int) -> dict[str, Any]:
-        """After a periodic capture of every rank: RESUME's table. A persist failure leaves the epoch
-        uncommitted and staging clean; the tree keeps running."""
+        """After a periodic capture of every rank: RESUME's table gives the tree back, then PERSIST takes the
+        staged images to the store (a final capture's went to their persister). A persist failure leaves
+        the epoch uncommitted and staging clean; the tree keeps running."""
         st, ctx = self.state, self.ctx
         if st is None or ctx is None:
             return {"bytes": 0, "raw_bytes": 0}
-        persisted = st.persister is not None      # a final capture's images went to their persister
-        dumped = st.dumped
-        if st.done:
-            st.done = []
-            self._settled(settle([(s.name, s.run) for s in capture.RESUME_TREE], ctx, st), ctx, epoch)
-        if dumped and not persisted:
-            capture.RESUME[-1].run(ctx, st)
+        if st.holding:
+            staged = st.phase is Phase.CAPTURED
+            st.done = []         # given back: nothing of PREPARE or CAPTURE is undone any more
+            try:
+                run_table(capture.RESUME, ctx, st)
+            except Unsettled as e:
+                self._settled(e.failures, ctx, epoch)
+            if staged:
+                run_table(capture.PERSIST, ctx, st)
         return {"bytes": st.record.get("bytes", 0), "raw_bytes": st.record.get("raw_bytes", 0)}
 
     def abort(self, epoch: int) -> None:
-        """Undo this epoch; after the thaw (its persist done, the epoch failed elsewhere) its images go."""
+        """Undo this epoch: while it holds the tree, the undos of its stages done; once it no longer does
+        (after the thaw, its persist done and the epoch failed elsewhere; or after its own rollback) its
+        images go."""
         st, ctx = self.state, self.ctx
         if st is None or ctx is None:
             return
-        resumed = not st.done
-        self._rollback(ctx, st)
-        if resumed:
+        held = st.holding
+        self._settled(rollback(ctx, st), ctx, st.epoch)
+        if not held:
             images.discard(ctx, epoch)
 
     def finish(self, epoch: int) -> None:
@@ -116,6 +122,7 @@ class RankRunner:
             self.ctx.cgroup.kill_all()
         if self.state is not None:
             self.state.done = []
+            self.state.phase = Phase.FINISHED
             if self.ctx is not None:
                 capture.put_back_memory(self.ctx, self.state)
 
@@ -127,8 +134,8 @@ class RankRunner:
     def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, dict[str, Any]]:
         """Restore this rank from `epoch` with the new task's stdio fds (RESTORE's table): (root pid, or None
         for a replayed batch step; the rank manifest). On success the runner holds the restored tree."""
-        self.ctx, st = ctx, RestoreState(epoch, stdio=stdio)
-        self.state = st
+        self.ctx, self.state = ctx, None
+        st = RestoreState(epoch, stdio=stdio)
         try:
             restore.run(ctx, st)
         finally:
@@ -170,9 +177,12 @@ class RankRunner:
             raise TaskEnded("no running task tree to capture", **({"step": ctx.step, "rank": ctx.rank} if ctx else {}))
         return ctx
 
-    def _run(self, table: tuple[Stage, ...], ctx: RankContext, st: EpochState) -> None:
-        def rolled_back(stage: str, error: BaseException) -> None:
-            self.failed_stage = stage
+    def _run(self, table: Table[CaptureState], ctx: RankContext, st: CaptureState) -> None:
+        """`table` over the epoch; a failing stage is named and the engine rolls back what was done."""
+        try:
+            run_table(table, ctx, st)
+        except Exception as error:  # an unexpected failure still rolls back
+            stage = self.failed_stage = st.failed_stage
             if isinstance(error, CriuInterrupted):
                 # Stopped at its timeout or killed: a process may still hold criu's parasite code (or half of
                 # a cure), which the rollback's thaw would run. Killed first, while frozen (criu/driver.py).
@@ -184,12 +194,7 @@ class RankRunner:
                 raise CaptureError(f"stage {stage} failed: {error}; then {undo}", epoch=st.epoch) from error
             if not isinstance(error, SlurmckptError):
                 raise CaptureError(f"stage {stage} failed: {error}", epoch=st.epoch) from error
-        run_table(table, ctx, st, rolled_back)
-
-    def _rollback(self, ctx: RankContext, st: EpochState) -> None:
-        failures = settle(undo_steps(st.done), ctx, st)
-        st.done = []
-        self._settled(failures, ctx, st.epoch)
+            raise
 
     def _settled(self, failures: list[Failure], ctx: RankContext, epoch: int) -> None:
         """A process the GPU rollback could not bring back (cuda.stage.GpuRollbackError: `stuck`) has lost
