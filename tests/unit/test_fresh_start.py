@@ -358,26 +358,26 @@ def test_a_batch_step_that_restores_nothing_prints_the_agent_s_reason_before_the
     printed_at_launch: list[int] = []
     w = make({"fresh_start": {"notice": NOTICE},
               "launch": lambda args: (printed_at_launch.append(len(said)), {"pid": 99})[1]}, step="batch")
-    w._start({"candidates": []})
+    w.task.start({"candidates": []}, w.env, w.srun_relay)
     assert w.agent.ops() == ["fresh_start", "launch"] and said == [NOTICE] and printed_at_launch == [1]
 
 
 def test_a_batch_step_whose_restores_all_failed_asks_for_the_reason_after_the_last_one(make, said):
     w = make({"restore": restores({5, 4}), "fresh_start": {"notice": NOTICE}, "launch": {"pid": 99}}, step="batch")
-    w._start({"candidates": [image(5), image(4)]})
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
     assert w.agent.ops() == ["restore", "restore", "fresh_start", "launch"] and said[-1] == NOTICE
     assert not any(line == "no checkpoint could be restored: starting the task from the beginning" for line in said)
 
 
 def test_prepare_tells_the_agent_the_capture_s_finality_and_trigger(make):
     w = make({"prepare": {}})
-    w._on_command("prepare", 3, {"type": "prepare", "epoch": 3, "final": True, "trigger": "sigterm"})
+    w.epochs.on_command("prepare", 3, {"type": "prepare", "epoch": 3, "final": True, "trigger": "sigterm"})
     assert w.agent.calls == [("prepare", {"epoch": 3, "final": True, "trigger": "sigterm", "nfds": 0})]
 
 
 def test_the_hosting_wrapper_relays_its_coordinator_s_verdict_on_an_aborted_epoch(make, said):
     w = make({"capture_failed": {}})
-    w._epoch_result({"status": "aborted", "epoch": 6, "stage": "timeout", "error": "a rank did not answer in time"},
+    w.epochs.epoch_result({"status": "aborted", "epoch": 6, "stage": "timeout", "error": "a rank did not answer in time"},
                     "sigterm", True)
     deadline = time.monotonic() + 5
     while "capture_failed" not in w.agent.ops() and time.monotonic() < deadline:
