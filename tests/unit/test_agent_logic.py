@@ -13,9 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt.rank.context import Handovers
+from slurmckpt.rank.context import Limits
 from slurmckpt.config import Config
+from slurmckpt.agent.epochs import EpochControl
+from slurmckpt.agent.facts import TaskFacts
+from slurmckpt.agent.job import JobOperations
+from slurmckpt.agent.plan import TaskPlan, relay_path
 from slurmckpt.agent.service import Agent
+from slurmckpt.agent.tree import TaskTree
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, StorageError
 from slurmckpt.store.instance import JobInstance, claim
@@ -72,21 +77,31 @@ class FakeTree:
 ME = JobInstance("c", 43, 1001, 1001, "2026-12-03T11:26:17", 1)
 
 
+def assemble(ident: TaskIdentity, store: JobStore, *, config=None, channel=None, peer=None, cgroup=None,
+             runner=None, instance=None, slurm_job=None, store_note=None, reporter=None) -> Agent:
+    """An agent built from its parts as Agent.start builds them, nothing started: no watchdog, no drivers (a
+    test that needs one sets it on the part that owns it)."""
+    facts = TaskFacts(ident, config or Config(), store, instance, slurm_job, store_note, reporter=reporter)
+    peer = peer or FakePeer()
+    trees: list[TaskTree] = []
+    plan = TaskPlan(facts, lambda: trees[0].cgroup.path / "cgroup.procs")
+    tree = TaskTree(facts, plan, peer, cgroup, -1, None, None, None, Limits(), None)
+    trees.append(tree)
+    if runner is not None:
+        tree.runner = runner
+    return Agent(facts, channel or FakeChannel(), peer, plan, tree, EpochControl(facts, plan, tree),
+                 JobOperations(facts))
+
+
 def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePeer | None = None,
                tree: FakeTree | None = None, rank: int = 0) -> Agent:
-    a = object.__new__(Agent)          # what serve() and the operations below use, nothing started
-    a.ident = TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count)
-    a.config = Config()
-    a.channel, a.peer = channel or FakeChannel(), peer or FakePeer()
-    a.cgroup = tree or FakeTree(tmp_path / "cg")
-    a.wrapper_pid = a.peer.pid
-    a.store = JobStore(tmp_path / "images", "c", 43)
-    a.store.ensure()
-    a.instance, a.slurm_job = ME, JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {})
-    a.store_note = claim(a.store, ME)
-    a.runner = SimpleNamespace(root_pid=None, failed_stage="", killed_for="")
-    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
-    return a
+    store = JobStore(tmp_path / "images", "c", 43)
+    store.ensure()
+    return assemble(TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count), store, channel=channel,
+                    peer=peer, cgroup=tree or FakeTree(tmp_path / "cg"),
+                    runner=SimpleNamespace(root_pid=None, failed_stage="", killed_for=""), instance=ME,
+                    slurm_job=JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {}),
+                    store_note=claim(store, ME))
 
 
 def request(op: str, fds: list[int] | None = None, **args) -> tuple[dict, list[int]]:
@@ -103,7 +118,7 @@ def test_each_request_gets_one_reply_its_fds_are_closed_and_the_wrappers_exit_en
     with pytest.raises(OSError):
         os.fstat(r)                       # closed by the agent once handled
     os.close(w)
-    assert a.cgroup.done == ["kill_all", "remove"]      # nothing of the tree outlives its wrapper
+    assert a.tree.cgroup.done == ["kill_all", "remove"]      # nothing of the tree outlives its wrapper
 
 
 def test_an_unknown_operation_is_refused_and_serving_goes_on(tmp_path):
@@ -125,7 +140,7 @@ def test_errors_are_replied_with_their_type_and_a_bug_does_not_stop_the_agent(tm
 
     def buggy(m, fds):
         raise KeyError("root_pid")
-    a.op_prepare, a.op_abort = contended, buggy
+    a.operations["prepare"], a.operations["abort"] = contended, buggy
     a.serve()
     assert chan.sent[0]["error_type"] == "LockContended" and "pid=7" in chan.sent[0]["error"]
     assert chan.sent[1]["error_type"] == "SlurmckptError" and "KeyError" in chan.sent[1]["error"]
@@ -137,7 +152,7 @@ def test_nothing_is_done_for_a_process_that_is_not_the_wrapper(tmp_path):
     chan = FakeChannel(request("abort", epoch=3))
     a = make_agent(tmp_path, chan, FakePeer(gone=True))
     ran = []
-    a.op_abort = lambda m, fds: ran.append(m)
+    a.operations["abort"] = lambda m, fds: ran.append(m)
     a.serve()
     assert ran == [] and chan.sent[0]["ok"] is False and chan.sent[0]["error_type"] == "PermissionDenied"
 
@@ -148,13 +163,13 @@ def test_a_bad_frame_ends_the_service_and_the_tree(tmp_path):
     a = make_agent(tmp_path, chan)
     a.serve()
     assert len(chan.sent) == 1 and chan.sent[0]["error_type"] == "ProtocolError"
-    assert a.cgroup.done == ["kill_all", "remove"]
+    assert a.tree.cgroup.done == ["kill_all", "remove"]
 
 
 def test_the_tree_cgroup_is_removed_even_when_killing_fails(tmp_path):
     a = make_agent(tmp_path, tree=FakeTree(tmp_path / "cg", kill_fails=True))
     a.serve()
-    assert a.cgroup.done == ["kill_all", "remove"]
+    assert a.tree.cgroup.done == ["kill_all", "remove"]
 
 
 # ---- what the task should do: restore, or run -----------------------------------------------------------
@@ -168,10 +183,10 @@ def commit(store: JobStore, epoch: int, ranks: dict) -> None:
 
 def test_plan_offers_the_epochs_that_hold_this_rank_newest_first(tmp_path):
     a = make_agent(tmp_path)
-    commit(a.store, 1, {"0.0": {"kind": "image"}, "0.1": {"kind": "image"}})
-    commit(a.store, 2, {"0.1": {"kind": "image"}})                        # this rank not in it
-    commit(a.store, 3, {"0.0": {"kind": "image"}, "0.1": {"kind": "completed", "exit_code": 0}})
-    plan = a.op_plan({}, [])
+    commit(a.facts.store, 1, {"0.0": {"kind": "image"}, "0.1": {"kind": "image"}})
+    commit(a.facts.store, 2, {"0.1": {"kind": "image"}})                        # this rank not in it
+    commit(a.facts.store, 3, {"0.0": {"kind": "image"}, "0.1": {"kind": "completed", "exit_code": 0}})
+    plan = a.plan.plan({}, [])
     assert [c["epoch"] for c in plan["candidates"]] == [3, 1] and plan["newest"] == 3
     assert plan["completed"] == {"0.1": {"kind": "completed", "exit_code": 0}}
     assert "warning" not in plan
@@ -179,24 +194,24 @@ def test_plan_offers_the_epochs_that_hold_this_rank_newest_first(tmp_path):
 
 def test_plan_offers_nothing_to_a_first_run(tmp_path):
     a = make_agent(tmp_path)
-    commit(a.store, 1, {"0.0": {"kind": "image"}})
-    a.ident = TaskIdentity("c", 43, "0", 0, 1001, 1001, 0)
-    assert a.op_plan({}, [])["candidates"] == []
+    commit(a.facts.store, 1, {"0.0": {"kind": "image"}})
+    a.facts.ident = TaskIdentity("c", 43, "0", 0, 1001, 1001, 0)
+    assert a.plan.plan({}, [])["candidates"] == []
 
 
 def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
     """Only a committed epoch, only into a task without a tree, only with the task's own stdio."""
     a = make_agent(tmp_path)
-    commit(a.store, 1, {"0.0": {"kind": "image"}})
+    commit(a.facts.store, 1, {"0.0": {"kind": "image"}})
     with pytest.raises(StorageError, match="epoch 2 is not a committed checkpoint"):
-        a.op_restore({"epoch": 2}, [0, 1, 2])
-    a.runner.root_pid = 999
+        a.tree.restore({"epoch": 2}, [0, 1, 2])
+    a.tree.runner.root_pid = 999
     with pytest.raises(PermissionDenied, match="already running"):
-        a.op_restore({"epoch": 1}, [0, 1, 2])
-    a.runner.root_pid = None
+        a.tree.restore({"epoch": 1}, [0, 1, 2])
+    a.tree.runner.root_pid = None
     with pytest.raises(ProtocolError, match="stdio"):
-        a.op_restore({"epoch": 1}, [0, 1])
-    assert a.cgroup.done == [] and not (tmp_path / "cg").exists()
+        a.tree.restore({"epoch": 1}, [0, 1])
+    assert a.tree.cgroup.done == [] and not (tmp_path / "cg").exists()
 
 
 # ---- the SIZE phase --------------------------------------------------------------------------------------
@@ -207,13 +222,13 @@ def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tu
     from slurmckpt.store.fresh_start import FailureReporter
     from slurmckpt.identity import TreeName
     a = make_agent(tmp_path, chan)
-    a.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
-    a.config = Config(capture_timeout_s=60.0)
-    a.runner = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None, killed_for="")
-    a.criu = SimpleNamespace(timeout_s=60.0)
-    a.reporter = FailureReporter(a.store, 43, "0.0", "n1", annotate=lambda job, text: "AdminComment",
+    a.tree.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
+    a.facts.config = Config(capture_timeout_s=60.0)
+    a.tree.runner = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None, killed_for="")
+    a.tree.criu = SimpleNamespace(timeout_s=60.0)
+    a.facts.reporter = FailureReporter(a.facts.store, 43, "0.0", "n1", annotate=lambda job, text: "AdminComment",
                                  background=False)
-    r, a.watchdog_fd = os.pipe()
+    r, a.tree.watchdog_fd = os.pipe()
     return a, r
 
 
@@ -224,14 +239,14 @@ def test_size_lengthens_criu_and_watchdog_limits_from_roots_own_measurement(tmp_
     from slurmckpt.cuda.interface import GpuUse
 
     def size(epoch):
-        a.runner.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)
+        a.tree.runner.footprint = Footprint(4 * 10**9, GpuUse({7: {"GPU-x": 100 * 10**9}}), 2**40, None, None)
         return {"gpu_bytes": 100 * 10**9, "notes": []}
     chan = FakeChannel(request("size", epoch=3, final=False, trigger="interval"))
     a, r = sizing_agent(tmp_path, chan, size, others=1)
     a.serve()
     assert chan.sent[0]["ok"] and chan.sent[0]["gpu_bytes"] == 100 * 10**9
     expect = 2 * (2 * 104 / 1.6 + 2 * 104 / 1.6)     # two trees' images through one disk, then read back
-    assert a.criu.timeout_s == pytest.approx(expect)
+    assert a.tree.criu.timeout_s == pytest.approx(expect)
     assert os.read(r, 100) == f"limit {expect + 120:.0f}\n".encode()
 
 
@@ -240,16 +255,16 @@ def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     from slurmckpt.store.fresh_start import failures
 
     def size(epoch):
-        a.runner.failed_stage = "size"
+        a.tree.runner.failed_stage = "size"
         raise CaptureError("capture refused before anything was locked: the GPU checkpoint copies 9.0 GiB ...")
     chan = FakeChannel(request("size", epoch=3, final=True, trigger="sigterm"))
     a, r = sizing_agent(tmp_path, chan, size)
     a.serve()
     assert chan.sent[0]["ok"] is False and chan.sent[0]["stage"] == "size"
     assert chan.sent[0]["error_type"] == "CaptureError"
-    (failure,) = failures(a.store)
+    (failure,) = failures(a.facts.store)
     assert (failure.epoch, failure.stage, failure.final, failure.trigger) == (3, "size", True, "sigterm")
-    assert a.criu.timeout_s == 60.0        # nothing measured: the limits stay
+    assert a.tree.criu.timeout_s == 60.0        # nothing measured: the limits stay
 
 
 def test_epoch_numbers_for_the_coordinator_are_unique_and_leased(tmp_path):
@@ -259,11 +274,11 @@ def test_epoch_numbers_for_the_coordinator_are_unique_and_leased(tmp_path):
     a = make_agent(tmp_path, FakeChannel(request("allocate_epoch", at_least=1), request("allocate_epoch", at_least=1),
                                          request("allocate_epoch", at_least=40),
                                          request("allocate_epoch", at_least="7; rm -rf /")))
-    a.config = Config.from_mapping({"prepare_timeout_s": 10, "capture_timeout_s": 20, "persist_timeout_s": 30})
+    a.facts.config = Config.from_mapping({"prepare_timeout_s": 10, "capture_timeout_s": 20, "persist_timeout_s": 30})
     a.serve()
     assert [m.get("epoch") for m in a.channel.sent[:3]] == [1, 2, 40]
     assert a.channel.sent[3]["ok"] is False and a.channel.sent[3]["error_type"] == "ProtocolError"
-    lease = json.loads((a.store.epoch_dir(40) / ".lease").read_text())
+    lease = json.loads((a.facts.store.epoch_dir(40) / ".lease").read_text())
     import time
     assert 10 + 20 + 30 < lease["expires_at"] - time.time() <= 10 + 20 + 30 + 120
 
@@ -280,12 +295,12 @@ def test_a_relayed_srun_step_takes_the_name_of_the_step_whose_record_holds_its_t
     """Slurm gave the step id 0; the newest epoch holding the token at this rank named it 1: the plan offers
     step 1's epochs and answers step 1, and later captures and failure reports use that name."""
     a = make_agent(tmp_path)
-    a.reporter = SimpleNamespace(rank="0.0")
-    commit(a.store, 1, {"0.0": {"kind": "completed", "exit_code": 0}, "1.0": {"kind": "image"}})
-    rank_record(a.store, 1, "1.0", step_token="0123456789abcdef")
-    plan = a.op_plan({"token": "0123456789abcdef"}, [])
+    a.facts.reporter = SimpleNamespace(rank="0.0")
+    commit(a.facts.store, 1, {"0.0": {"kind": "completed", "exit_code": 0}, "1.0": {"kind": "image"}})
+    rank_record(a.facts.store, 1, "1.0", step_token="0123456789abcdef")
+    plan = a.plan.plan({"token": "0123456789abcdef"}, [])
     assert plan["step"] == "1" and [c["epoch"] for c in plan["candidates"]] == [1]
-    assert a.step == "1" and a.step_token == "0123456789abcdef" and a.reporter.rank == "1.0"
+    assert a.plan.step == "1" and a.plan.step_token == "0123456789abcdef" and a.facts.reporter.rank == "1.0"
 
 
 def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_path):
@@ -293,31 +308,31 @@ def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_pa
     step 0 of the earlier run). A token that is not 16 hex digits is not used at all; the batch step never
     takes another name."""
     a = make_agent(tmp_path)
-    a.reporter = SimpleNamespace(rank="0.0")
-    commit(a.store, 1, {"0.0": {"kind": "image"}, "1.0": {"kind": "image"}})
-    rank_record(a.store, 1, "1.0", step_token="0123456789abcdef")
-    plan = a.op_plan({"token": "fedcba9876543210"}, [])
+    a.facts.reporter = SimpleNamespace(rank="0.0")
+    commit(a.facts.store, 1, {"0.0": {"kind": "image"}, "1.0": {"kind": "image"}})
+    rank_record(a.facts.store, 1, "1.0", step_token="0123456789abcdef")
+    plan = a.plan.plan({"token": "fedcba9876543210"}, [])
     assert plan["candidates"] == [] and plan["step"] == "0"
     (tmp_path / "b").mkdir(); (tmp_path / "c").mkdir()
     b = make_agent(tmp_path / "b")
-    b.reporter = SimpleNamespace(rank="0.0")
-    commit(b.store, 1, {"0.0": {"kind": "image"}})
+    b.facts.reporter = SimpleNamespace(rank="0.0")
+    commit(b.facts.store, 1, {"0.0": {"kind": "image"}})
     for bad in ("../../etc", "0123456789ABCDEF", 7, ["0123456789abcdef"]):
-        plan = b.op_plan({"token": bad}, [])
+        plan = b.plan.plan({"token": bad}, [])
         assert [c["epoch"] for c in plan["candidates"]] == [1] and plan["step"] == "0"
-        assert b.step_token == ""
+        assert b.plan.step_token == ""
     c = make_agent(tmp_path / "c")
-    c.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
-    c.step = "batch"
-    c.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
-    c.config = Config(run_dir=str(tmp_path / "run"))
-    c.srun_relay = c._relay_path()
-    commit(c.store, 1, {"batch.0": {"kind": "image"}, "1.0": {"kind": "image"}})
-    rank_record(c.store, 1, "1.0", step_token="0123456789abcdef")
-    plan = c.op_plan({"token": "0123456789abcdef"}, [])
+    c.facts.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, ME.restart_count)
+    c.plan.step = "batch"
+    c.facts.reporter = SimpleNamespace(rank="batch.0", failed_since=lambda epoch: None)
+    c.facts.config = Config(run_dir=str(tmp_path / "run"))
+    c.plan.srun_relay = relay_path(c.facts.config, c.facts.ident)
+    commit(c.facts.store, 1, {"batch.0": {"kind": "image"}, "1.0": {"kind": "image"}})
+    rank_record(c.facts.store, 1, "1.0", step_token="0123456789abcdef")
+    plan = c.plan.plan({"token": "0123456789abcdef"}, [])
     assert plan["step"] == "batch"
     assert plan["srun_relay"] == str(tmp_path / "run" / "srun-relay" / "1001" / "43")     # the batch step's relay
-    assert "srun_relay" not in b.op_plan({}, [])
+    assert "srun_relay" not in b.plan.plan({}, [])
 
 
 def test_a_stand_in_socket_must_be_a_unix_stream_socket_and_a_restore_needs_one_per_stand_in(tmp_path):
@@ -326,17 +341,17 @@ def test_a_stand_in_socket_must_be_a_unix_stream_socket_and_a_restore_needs_one_
     a = make_agent(tmp_path)
     r, w = os.pipe()
     with pytest.raises(ProtocolError):
-        a.op_srun_standin({}, [r])
+        a.tree.srun_standin({}, [r])
     with pytest.raises(ProtocolError):
-        a.op_srun_standin({}, [])
+        a.tree.srun_standin({}, [])
     s1, s2 = socket.socketpair()
-    assert a.op_srun_standin({}, [s1.fileno()])["ino"] == os.fstat(s1.fileno()).st_ino
-    assert a.handovers.standin_inos == {os.fstat(s1.fileno()).st_ino}
-    commit(a.store, 1, {"0.0": {"kind": "image"}})
+    assert a.tree.srun_standin({}, [s1.fileno()])["ino"] == os.fstat(s1.fileno()).st_ino
+    assert a.tree.handovers.standin_inos == {os.fstat(s1.fileno()).st_ino}
+    commit(a.facts.store, 1, {"0.0": {"kind": "image"}})
     for standins, fds in ((2, [0, 1, 2, r]), (-1, [0, 1, 2]), ("1", [0, 1, 2, r]), (1, [0, 1, 2, r, w, r]), (True, [0, 1, 2, r])):
         with pytest.raises(ProtocolError, match="srun stand-in"):
-            a.op_restore({"epoch": 1, "standins": standins}, fds)
-    assert a.cgroup.done == []
+            a.tree.restore({"epoch": 1, "standins": standins}, fds)
+    assert a.tree.cgroup.done == []
     for fd in (r, w):
         os.close(fd)
     s1.close(), s2.close()

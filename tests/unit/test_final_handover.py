@@ -290,16 +290,16 @@ def test_a_wrapper_that_calls_any_commit_final_gets_nothing_committed_its_ranks_
     from test_agent_logic import FakeChannel, make_agent
     from slurmckpt.config import Config
     a = make_agent(tmp_path, FakeChannel())
-    a.config = Config.from_mapping({})
-    first = a.store.allocate_epoch(1, 600, "t", run=a.ident.restart_count)
-    rdir = a.store.rank_dir(first, "0", 0)
+    a.facts.config = Config.from_mapping({})
+    first = a.facts.store.allocate_epoch(1, 600, "t", run=a.facts.ident.restart_count)
+    rdir = a.facts.store.rank_dir(first, "0", 0)
     rdir.mkdir(parents=True)
     (rdir / "pages-1.img").write_bytes(b"x")
-    a.store.write_rank_manifest(first, "0", 0, {"kind": "image"})
-    a.op_commit({"epoch": first, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval"}, [])
-    lie = a.store.allocate_epoch(1, 600, "t", run=a.ident.restart_count)
-    assert a.op_commit({"epoch": lie, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval",
+    a.facts.store.write_rank_manifest(first, "0", 0, {"kind": "image"})
+    a.job.commit({"epoch": first, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval"}, [])
+    lie = a.facts.store.allocate_epoch(1, 600, "t", run=a.facts.ident.restart_count)
+    assert a.job.commit({"epoch": lie, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval",
                         "final": True}, []) == {"committed": False}
-    assert a.store.committed()[0]["epoch"] == first
-    out = handover.settle(a.store, 600, sleep=lambda s: None)
-    assert out.abandoned and out.abandoned[0][0] == lie and a.store.committed()[0]["epoch"] == first
+    assert a.facts.store.committed()[0]["epoch"] == first
+    out = handover.settle(a.facts.store, 600, sleep=lambda s: None)
+    assert out.abandoned and out.abandoned[0][0] == lie and a.facts.store.committed()[0]["epoch"] == first

@@ -266,17 +266,17 @@ def test_the_agent_refuses_a_final_capture_that_cannot_fit_in_size_and_records_i
     from slurmckpt.store.fresh_start import failures
 
     def size(epoch):
-        a.runner.footprint = footprint(40 * GIB)
+        a.tree.runner.footprint = footprint(40 * GIB)
         return {"host_bytes": 40 * GIB, "notes": []}
     chan = FakeChannel(request("size", epoch=3, final=True, trigger="sigterm", trigger_age_s=1.0),
                        request("size", epoch=4, final=True, trigger="walltime"))
     a, _ = sizing_agent(tmp_path, chan, size)
-    a.final_window = fw(kill_wait=30)
+    a.epochs.final_window = fw(kill_wait=30)
     a.serve()
     refused, fitted = chan.sent
     assert refused["ok"] is False and refused["stage"] == "window" and refused["error_type"] == "WindowTooShort"
     assert "final capture skipped: final capture needs ~" in refused["error"]
-    (failure,) = failures(a.store)
+    (failure,) = failures(a.facts.store)
     assert (failure.epoch, failure.stage, failure.final, failure.trigger) == (3, "window", True, "sigterm")
     assert failure.describe().startswith("the final capture at epoch 3 was not taken on rank 0.0: final capture "
                                          "skipped: final capture needs ~")
@@ -288,11 +288,11 @@ def test_the_hosting_agent_records_a_final_epoch_begun_and_hands_it_over_instead
     from slurmckpt.config import Config
     from slurmckpt.store import handover
     a = make_agent(tmp_path, FakeChannel(request("allocate_epoch", at_least=1, final=True)))
-    a.config = Config.from_mapping({})
+    a.facts.config = Config.from_mapping({})
     a.serve()
     epoch = a.channel.sent[0]["epoch"]
-    assert handover.begun(a.store)["epoch"] == epoch
+    assert handover.begun(a.facts.store)["epoch"] == epoch
     ranks = {"0.0": {"kind": "image", "node": "n1"}}
-    assert a.op_commit({"epoch": epoch, "ranks": ranks, "reason": "sigterm", "final": True}, []) == \
+    assert a.job.commit({"epoch": epoch, "ranks": ranks, "reason": "sigterm", "final": True}, []) == \
         {"committed": False}
-    assert a.store.committed() == [] and handover.pending(a.store.read_manifest())[0]["ranks"] == ranks
+    assert a.facts.store.committed() == [] and handover.pending(a.facts.store.read_manifest())[0]["ranks"] == ranks

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmckpt.rank.context import Handovers
 from slurmckpt.store import fresh_start
-from slurmckpt.config import Config
+from slurmckpt.agent.plan import TaskPlan
 from slurmckpt.agent.service import Agent
 from slurmckpt.identity import TaskIdentity
 from slurmckpt.errors import CaptureError, CriuError, ProtocolError
@@ -252,20 +251,17 @@ def test_coordinator_verdict_is_checked_field_by_field() -> None:
 
 # ---- the agent operations ------------------------------------------------------------------------------------
 def _agent(tmp_path: Path, restart_count: int, notes: Notes, fail: str | None = None) -> Agent:
-    a = object.__new__(Agent)
-    a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, restart_count)
-    a.config = Config()
-    a.store = _store(tmp_path)
-    a.instance = a.slurm_job = a.store_note = None
-    a.reporter = _reporter(a.store, notes)
+    from test_agent_logic import assemble
+    store = _store(tmp_path)
 
     def prepare(epoch: int) -> dict:
         if fail:
-            a.runner.failed_stage = "check"
+            a.tree.runner.failed_stage = "check"
             raise CaptureError(fail, step="batch", rank=0)
         return {}
-    a.runner = SimpleNamespace(prepare=prepare, failed_stage="", killed_for="")
-    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
+    a = assemble(TaskIdentity("c", 43, "batch", 0, 1001, 1001, restart_count), store,
+                 runner=SimpleNamespace(prepare=prepare, failed_stage="", killed_for=""),
+                 reporter=_reporter(store, notes))
     return a
 
 
@@ -273,15 +269,15 @@ def test_the_batch_agent_of_a_requeued_job_says_why_it_starts_afresh_and_a_first
         tmp_path: Path, monkeypatch) -> None:
     notes = Notes()
     first = _agent(tmp_path / "first", 0, notes)
-    assert first.op_fresh_start({}, []) == {"notice": None} and notes.sent == []
+    assert first.plan.fresh_start({}, []) == {"notice": None} and notes.sent == []
     again = _agent(tmp_path / "again", 1, notes)
-    monkeypatch.setattr(Agent, "_not_restorable", lambda self: None)
-    assert again.op_fresh_start({}, [])["notice"] == ("starting from the beginning (restart 1): no checkpoint "
+    monkeypatch.setattr(TaskPlan, "not_restorable", lambda self: None)
+    assert again.plan.fresh_start({}, [])["notice"] == ("starting from the beginning (restart 1): no checkpoint "
                                                       "committed yet")
     assert notes.sent == [(43, "slurmckpt: started from the beginning (restart 1): no checkpoint committed yet")]
     restored = _agent(tmp_path / "restored", 1, notes)
-    restored.restored = 2
-    assert restored.op_fresh_start({}, []) == {"notice": None}
+    restored.plan.restored = 2
+    assert restored.plan.fresh_start({}, []) == {"notice": None}
 
 
 def test_a_refused_prepare_is_recorded_by_the_rank_s_agent_before_the_error_reaches_the_coordinator(
@@ -289,16 +285,16 @@ def test_a_refused_prepare_is_recorded_by_the_rank_s_agent_before_the_error_reac
     notes = Notes()
     a = _agent(tmp_path, 0, notes, fail="unix stream socket /x is connected to ? in a process outside this task")
     with pytest.raises(CaptureError):
-        a.op_prepare({"epoch": 3, "final": True, "trigger": "sigterm"}, [])
-    f = failures(a.store)[0]
+        a.epochs.prepare({"epoch": 3, "final": True, "trigger": "sigterm"}, [])
+    f = failures(a.facts.store)[0]
     assert (f.epoch, f.stage, f.final, f.trigger, f.seen_by) == (3, "check", True, "sigterm", "agent")
     assert "unix stream socket /x" in f.reason and notes.sent[0][1].startswith("slurmckpt: the final capture at epoch 3")
-    a.op_capture_failed({"epoch": 3, "final": True, "trigger": "sigterm", "stage": "prepare", "rank": "batch.0",
+    a.job.capture_failed({"epoch": 3, "final": True, "trigger": "sigterm", "stage": "prepare", "rank": "batch.0",
                          "node": "node1", "error": "something else"}, [])
-    assert failures(a.store)[0].reason == f.reason          # the rank's own record stays
-    a.op_capture_failed({"epoch": 4, "final": False, "trigger": "interval", "stage": "timeout",
+    assert failures(a.facts.store)[0].reason == f.reason          # the rank's own record stays
+    a.job.capture_failed({"epoch": 4, "final": False, "trigger": "interval", "stage": "timeout",
                          "error": "a rank did not answer in time"}, [])
-    assert failures(a.store)[0].describe() == "the interval capture at epoch 4 failed: a rank did not answer in time"
+    assert failures(a.facts.store)[0].describe() == "the interval capture at epoch 4 failed: a rank did not answer in time"
 
 
 def test_the_coordinator_tells_ranks_in_prepare_whether_the_capture_is_final_and_why() -> None:
@@ -333,19 +329,19 @@ def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tm
     and which final capture was lost, and why. A newer periodic capture that failed is a warning."""
     notes = Notes()
     a = _agent(tmp_path, 1, notes)
-    a.cgroup = SimpleNamespace(path=tmp_path / "cg")
-    monkeypatch.setattr(Agent, "_not_restorable", lambda self: None)
-    manifest = a.store.read_manifest()
+    a.tree.cgroup = SimpleNamespace(path=tmp_path / "cg")
+    monkeypatch.setattr(TaskPlan, "not_restorable", lambda self: None)
+    manifest = a.facts.store.read_manifest()
     manifest["epochs"] = [{"epoch": 2, "reason": "interval", "committed_at": 0, "ranks": {"batch.0": {"kind": "image"}}}]
-    (a.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
-    assert "warning" not in a.op_plan({}, [])
-    record(a.store, _failure(3, reason="ghost file too large"))
-    plan = a.op_plan({}, [])
+    (a.facts.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
+    assert "warning" not in a.plan.plan({}, [])
+    record(a.facts.store, _failure(3, reason="ghost file too large"))
+    plan = a.plan.plan({}, [])
     assert "warning" not in plan
     assert re.fullmatch(r"taken \d+ s before the requeue; the final capture \(epoch 3\) was lost: ghost file too large",
                         plan["candidates"][0]["cost"]), plan
-    record(a.store, CaptureFailure(4, 0.0, "batch.0", "n1", False, "interval", "dump", "criu failed", "agent"))
-    assert a.op_plan({}, [])["warning"] == ("the interval capture at epoch 4 failed on rank batch.0: criu failed; "
+    record(a.facts.store, CaptureFailure(4, 0.0, "batch.0", "n1", False, "interval", "dump", "criu failed", "agent"))
+    assert a.plan.plan({}, [])["warning"] == ("the interval capture at epoch 4 failed on rank batch.0: criu failed; "
                                             "restoring the older checkpoint epoch 2")
 
 
@@ -362,26 +358,26 @@ def test_a_batch_step_that_restores_nothing_prints_the_agent_s_reason_before_the
     printed_at_launch: list[int] = []
     w = make({"fresh_start": {"notice": NOTICE},
               "launch": lambda args: (printed_at_launch.append(len(said)), {"pid": 99})[1]}, step="batch")
-    w._start({"candidates": []})
+    w.task.start({"candidates": []}, w.env, w.srun_relay)
     assert w.agent.ops() == ["fresh_start", "launch"] and said == [NOTICE] and printed_at_launch == [1]
 
 
 def test_a_batch_step_whose_restores_all_failed_asks_for_the_reason_after_the_last_one(make, said):
     w = make({"restore": restores({5, 4}), "fresh_start": {"notice": NOTICE}, "launch": {"pid": 99}}, step="batch")
-    w._start({"candidates": [image(5), image(4)]})
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
     assert w.agent.ops() == ["restore", "restore", "fresh_start", "launch"] and said[-1] == NOTICE
     assert not any(line == "no checkpoint could be restored: starting the task from the beginning" for line in said)
 
 
 def test_prepare_tells_the_agent_the_capture_s_finality_and_trigger(make):
     w = make({"prepare": {}})
-    w._on_command("prepare", 3, {"type": "prepare", "epoch": 3, "final": True, "trigger": "sigterm"})
+    w.epochs.on_command("prepare", 3, {"type": "prepare", "epoch": 3, "final": True, "trigger": "sigterm"})
     assert w.agent.calls == [("prepare", {"epoch": 3, "final": True, "trigger": "sigterm", "nfds": 0})]
 
 
 def test_the_hosting_wrapper_relays_its_coordinator_s_verdict_on_an_aborted_epoch(make, said):
     w = make({"capture_failed": {}})
-    w._epoch_result({"status": "aborted", "epoch": 6, "stage": "timeout", "error": "a rank did not answer in time"},
+    w.epochs.epoch_result({"status": "aborted", "epoch": 6, "stage": "timeout", "error": "a rank did not answer in time"},
                     "sigterm", True)
     deadline = time.monotonic() + 5
     while "capture_failed" not in w.agent.ops() and time.monotonic() < deadline:

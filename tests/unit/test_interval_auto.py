@@ -148,22 +148,22 @@ def test_the_agent_plans_auto_answers_from_its_cache_and_records_the_choice(tmp_
     from slurmckpt.policy import JobPolicy
     FakeSlurm(sacct="NODE_FAIL|3600|1\nCOMPLETED|3600|1\n").install(monkeypatch)
     a = make_agent(tmp_path)
-    a.config = Config(run_dir=str(tmp_path / "run"), interruption_mtbi=7200, auto_first_interval=300)
-    a.policy = JobPolicy(min_interval=60, min_from="partition debug", max_interval=3600, max_from="QOS q")
-    a.slurm_job = dataclasses.replace(a.slurm_job, partition="debug", nodes=("n1", "n2"))
-    a.events = None
-    plan = a._auto_plan()
+    a.facts.config = Config(run_dir=str(tmp_path / "run"), interruption_mtbi=7200, auto_first_interval=300)
+    a.facts.policy = JobPolicy(min_interval=60, min_from="partition debug", max_interval=3600, max_from="QOS q")
+    a.facts.slurm_job = dataclasses.replace(a.facts.slurm_job, partition="debug", nodes=("n1", "n2"))
+    a.facts.events = None
+    plan = a.plan._auto_plan()
     assert plan == {"min_s": 60, "max_s": 3600, "first_s": 300, "mtbi_s": 3600.0, "min_from": "partition debug",
                     "max_from": "QOS q", "stalls": []}
-    first = a.op_interruptions({}, [])
+    first = a.job.interruptions({}, [])
     assert first["source"] == "pending" and first["mtbi_s"] == 3600
-    a.history._thread.join(10)
-    got = a.op_interruptions({}, [])
+    a.job.history._thread.join(10)
+    got = a.job.interruptions({}, [])
     assert (got["source"], got["interruptions"], got["node_s"], got["nodes"]) == ("accounting", 1, 7200.0, 2)
     assert got["mtbi_s"] == pytest.approx((7200 + 7200) / 2 / 2)
     assert (tmp_path / "run" / "interruptions" / "c.debug.json").exists()
-    a.op_interval_chosen({"choice": {"interval_s": 120, "stalls": [0.3, 0.4], "basis": "daly"}}, [])
-    assert a._auto_plan()["stalls"] == [0.3, 0.4]                   # the next run of the job starts from them
+    a.job.interval_chosen({"choice": {"interval_s": 120, "stalls": [0.3, 0.4], "basis": "daly"}}, [])
+    assert a.plan._auto_plan()["stalls"] == [0.3, 0.4]                   # the next run of the job starts from them
 
 
 # ---- the coordinator process -------------------------------------------------------------------------------

@@ -47,18 +47,18 @@ def test_init_gets_the_flag_before_the_workloads_argv() -> None:
     (False, {"allow_io_uring": True}, False)])
 def test_the_agent_blocks_io_uring_unless_the_site_or_the_job_said_otherwise(tmp_path: Path, monkeypatch, site,
                                                                             request_field, blocked) -> None:
-    from slurmckpt.agent import service as agent_mod
+    from slurmckpt.agent import tree as agent_mod
     calls: list[dict] = []
     monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args, **kw: calls.append(kw) or 4242)
     monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
     a = _agent(tmp_path, _me())
-    a.config = Config(block_io_uring=site, run_dir=str(tmp_path))
-    a._task_credentials = lambda: None
-    a._place_with_slurm = lambda: None
-    a._context = lambda creds, pid: pid
-    a.runner = SimpleNamespace(root_pid=None, started=lambda ctx: None)
+    a.facts.config = Config(block_io_uring=site, run_dir=str(tmp_path))
+    a.tree._task_credentials = lambda: None
+    a.tree._place_with_slurm = lambda: None
+    a.tree._context = lambda creds, pid: pid
+    a.tree.runner = SimpleNamespace(root_pid=None, started=lambda ctx: None)
     request = {"argv": ["sleep"], "env": {"SLURMCKPT_IO_URING": "allow"}, "cwd": "/", **request_field}
-    assert a.op_launch(request, [0, 1, 2]) == {"pid": 4242}
+    assert a.tree.launch(request, [0, 1, 2]) == {"pid": 4242}
     assert calls[-1]["block_io_uring"] is blocked      # the request's field decides, never its environment
 
 
@@ -66,7 +66,7 @@ def test_a_launch_whose_io_uring_field_is_no_bool_is_refused(tmp_path: Path) -> 
     a = _agent(tmp_path, _me())
     for value in ("allow", 1, None):
         with pytest.raises(ProtocolError, match="allow_io_uring"):
-            a.op_launch({"argv": ["sleep"], "env": {}, "cwd": "/", "allow_io_uring": value}, [0, 1, 2])
+            a.tree.launch({"argv": ["sleep"], "env": {}, "cwd": "/", "allow_io_uring": value}, [0, 1, 2])
 
 
 def test_the_site_key_defaults_to_blocked_and_reads_as_a_bool() -> None:

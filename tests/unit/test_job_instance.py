@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt.rank.context import Handovers
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.task import defaults as task_defaults
 from slurmckpt.store import instance
 from slurmckpt.node import proctree
-from slurmckpt.config import Config
 from slurmckpt.identity import TreeName
 from slurmckpt.store.instance import JobInstance, claim, mismatch
 from slurmckpt.errors import SlurmError
@@ -207,57 +205,54 @@ def test_pre_capture_checks_see_only_trees_of_the_same_job(tmp_path: Path) -> No
 def _agent(tmp_path: Path, me: JobInstance | None, gpus: dict | None = None):
     from types import SimpleNamespace
 
-    from slurmckpt.agent.service import Agent
+    from test_agent_logic import FakePeer, assemble
     from slurmckpt.identity import TaskIdentity
     from slurmckpt.store.fresh_start import FailureReporter
     from slurmckpt.slurm.jobrecord import JobRecord
-    a = object.__new__(Agent)
-    a.ident = TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1)
-    a.config = Config()
-    a.store = _store(tmp_path)
-    a.instance, a.store_note = me, (claim(a.store, me) if me else None)
-    a.cgroup = SimpleNamespace(path=tmp_path / "cg")
-    a.wrapper_pid = 0
-    a.runner = SimpleNamespace(root_pid=None, killed_for="")
-    a.step, a.step_token, a.handovers = a.ident.step, "", Handovers()
-    a.slurm_job = JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {})
-    a.reporter = FailureReporter(a.store, 43, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
-                                 background=False)
-    return a
+    store = _store(tmp_path)
+    peer = FakePeer()
+    peer.pid = 0
+    return assemble(TaskIdentity("c", 43, "batch", 0, 1001, 1001, me.restart_count if me else 1), store,
+                    peer=peer, cgroup=SimpleNamespace(path=tmp_path / "cg"),
+                    runner=SimpleNamespace(root_pid=None, killed_for=""), instance=me,
+                    store_note=claim(store, me) if me else None,
+                    slurm_job=JobRecord(43, 1001, 1001, "t", 0, "RUNNING", gpus or {}),
+                    reporter=FailureReporter(store, 43, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
+                                             background=False))
 
 
 def _commit_foreign(a, uid: int) -> None:
-    manifest = a.store.read_manifest()
+    manifest = a.facts.store.read_manifest()
     manifest["instance"]["uid"] = uid
-    (a.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
-    _foreign_epoch(a.store)
+    (a.facts.store.job_dir / "manifest.json").write_text(json.dumps(manifest))
+    _foreign_epoch(a.facts.store)
 
 
 def test_plan_offers_nothing_to_a_job_that_was_never_requeued(tmp_path: Path) -> None:
     a = _agent(tmp_path, _me(restarts=0))
-    _foreign_epoch(a.store)                 # even images bound to this very instance
-    assert a.op_plan({}, [])["candidates"] == []
+    _foreign_epoch(a.facts.store)                 # even images bound to this very instance
+    assert a.plan.plan({}, [])["candidates"] == []
     from slurmckpt.errors import StorageError
     with pytest.raises(StorageError):
-        a.op_restore({"epoch": 1}, [0, 1, 2])
+        a.tree.restore({"epoch": 1}, [0, 1, 2])
 
 
 def test_plan_and_restore_refuse_images_bound_to_another_uid(tmp_path: Path) -> None:
     from slurmckpt.errors import StorageError
     a = _agent(tmp_path, _me(restarts=1))
     _commit_foreign(a, 1002)
-    plan = a.op_plan({}, [])
+    plan = a.plan.plan({}, [])
     assert plan["candidates"] == [] and "uid 1002" in plan["warning"]
     with pytest.raises(StorageError, match="uid 1002"):
-        a.op_restore({"epoch": 1}, [0, 1, 2])
+        a.tree.restore({"epoch": 1}, [0, 1, 2])
     b = _agent(tmp_path / "b", _me(restarts=1))
-    _foreign_epoch(b.store)
-    assert [c["epoch"] for c in b.op_plan({}, [])["candidates"]] == [1]
+    _foreign_epoch(b.facts.store)
+    assert [c["epoch"] for c in b.plan.plan({}, [])["candidates"]] == [1]
 
 
 def test_plan_refuses_when_slurm_did_not_say_who_the_job_is(tmp_path: Path) -> None:
     a = _agent(tmp_path, None)
-    assert "could not learn" in a.op_plan({}, [])["warning"]
+    assert "could not learn" in a.plan.plan({}, [])["warning"]
 
 
 def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monkeypatch) -> None:
@@ -268,9 +263,9 @@ def test_restore_gpus_come_from_slurm_not_from_the_wrapper(tmp_path: Path, monke
     for claimed, used in (("1", "0,2"), ("", "0,2"), ("2", "2"), ("2,0", "2,0"), ("0,0", "0,2"),
                           ("GPU-abc", "0,2"), ("3,0", "0,2")):
         monkeypatch.setattr(procfs, "environ", lambda pid, v=claimed: {"CUDA_VISIBLE_DEVICES": v})
-        assert a._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
-    a.slurm_job = None
-    assert a._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
+        assert a.tree._allocated_gpus() == (used, "PCI_BUS_ID"), claimed
+    a.facts.slurm_job = None
+    assert a.tree._allocated_gpus() == ("", "PCI_BUS_ID")        # no allocation known: no GPU to restore onto
 
 
 def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environment(tmp_path: Path,
@@ -280,7 +275,7 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
     import socket
     from types import SimpleNamespace
 
-    from slurmckpt.agent import service as agent_mod
+    from slurmckpt.agent import tree as agent_mod
     modes: list[bool] = []
     monkeypatch.setattr(agent_mod, "spawn_tree", lambda *args, **kw: modes.append(args[-1]) or 4242)
     monkeypatch.setattr(agent_mod, "init_home", lambda *args: "/nonexistent")
@@ -291,14 +286,14 @@ def test_a_tree_gets_its_own_mount_namespace_by_slurms_gpus_never_by_its_environ
                                           ({here: [1]}, {}, True), ({here: [0]}, {"CUDA_VISIBLE_DEVICES": ""}, True)]):
         a = _agent(tmp_path / str(n), _me(), gpus=gpus)
         if gpus is None:
-            a.slurm_job = None                      # Slurm could not be asked: no GPU is assumed
-        a.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path), cuda_checkpoint_launch="",
+            a.facts.slurm_job = None                      # Slurm could not be asked: no GPU is assumed
+        a.facts.config = SimpleNamespace(init_path="/x", run_dir=str(tmp_path), cuda_checkpoint_launch="",
                                    block_io_uring=True)
-        a._task_credentials = lambda: None
-        a._place_with_slurm = lambda: None
-        a._context = lambda creds, pid: pid              # the tree's context: not what this test is about
-        a.runner = SimpleNamespace(root_pid=None, started=lambda ctx: None)
-        assert a.op_launch({"argv": ["sleep"], "env": env, "cwd": "/"}, [0, 1, 2]) == {"pid": 4242}
+        a.tree._task_credentials = lambda: None
+        a.tree._place_with_slurm = lambda: None
+        a.tree._context = lambda creds, pid: pid              # the tree's context: not what this test is about
+        a.tree.runner = SimpleNamespace(root_pid=None, started=lambda ctx: None)
+        assert a.tree.launch({"argv": ["sleep"], "env": env, "cwd": "/"}, [0, 1, 2]) == {"pid": 4242}
         assert modes[-1] is own, (gpus, env)
 
 

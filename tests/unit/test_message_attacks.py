@@ -31,18 +31,15 @@ TOKEN = "ab" * 32
 # ---- the agent's operations (called directly: what a forged wrapper request reaches) -----------------------
 @pytest.fixture
 def agent(tmp_path: Path) -> Agent:
-    a = object.__new__(Agent)     # the operations below touch only these attributes
-    a.ident = TaskIdentity("c", 77, "batch", 0, 1000, 1000, 1)
-    a.store = JobStore(tmp_path / "images", "c", 77)
-    a.store.ensure()
-    a.config = SimpleNamespace(keep_epochs=2)
-    a.instance = a.slurm_job = a.store_note = None    # job-instance binding: not what these tests are about
-    a.runner = SimpleNamespace(capture=lambda epoch, final: {"final": final},
-                                 prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None, killed_for="")
-    a.step, a.step_token = a.ident.step, ""
-    a.reporter = FailureReporter(a.store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
-                                 background=False)
-    return a
+    from test_agent_logic import assemble
+    store = JobStore(tmp_path / "images", "c", 77)
+    store.ensure()
+    # job-instance binding (no instance, no store note): not what these tests are about
+    return assemble(TaskIdentity("c", 77, "batch", 0, 1000, 1000, 1), store, config=SimpleNamespace(keep_epochs=2),
+                    runner=SimpleNamespace(capture=lambda epoch, final: {"final": final}, prepare=lambda epoch: {},
+                                           resume=lambda epoch: {}, abort=lambda epoch: None, killed_for=""),
+                    reporter=FailureReporter(store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
+                                             background=False))
 
 
 def _bounded(fn, seconds: float = 3.0):
@@ -63,13 +60,13 @@ def _bounded(fn, seconds: float = 3.0):
 
 @pytest.mark.parametrize("wait", [float("nan"), float("inf"), float("-inf"), 1e300, -5, "NaN", [1], True])
 def test_lookup_coordinator_refuses_non_finite_and_huge_wait(agent, wait):
-    kind, result = _bounded(lambda: agent.op_lookup_coordinator({"scope": "job", "wait_s": wait}, []))
+    kind, result = _bounded(lambda: agent.job.lookup_coordinator({"scope": "job", "wait_s": wait}, []))
     assert kind == "raised" and isinstance(result, ProtocolError) and "wait_s" in str(result)
 
 
 def test_lookup_coordinator_still_waits_a_bounded_time(agent):
     t0 = time.monotonic()
-    assert agent.op_lookup_coordinator({"scope": "job", "wait_s": 0.3}, []) == {"found": False}
+    assert agent.job.lookup_coordinator({"scope": "job", "wait_s": 0.3}, []) == {"found": False}
     assert 0.25 < time.monotonic() - t0 < 2
 
 
@@ -80,13 +77,13 @@ def test_lookup_coordinator_still_waits_a_bounded_time(agent):
 def test_publish_coordinator_refuses_bad_values(agent, field, value):
     m = {"scope": "job", "host": "127.0.0.1", "port": 4000, "token": TOKEN, field: value}
     with pytest.raises(ProtocolError, match=field):
-        agent.op_publish_coordinator(m, [])
-    assert not list(agent.store.job_dir.glob("coordinator-*")), "a file was written anyway"
+        agent.job.publish_coordinator(m, [])
+    assert not list(agent.facts.store.job_dir.glob("coordinator-*")), "a file was written anyway"
 
 
 def test_publish_then_lookup_roundtrip(agent):
-    agent.op_publish_coordinator({"scope": "job", "host": "127.0.0.1", "port": 4000, "token": TOKEN}, [])
-    found = agent.op_lookup_coordinator({"scope": "job", "wait_s": 0}, [])
+    agent.job.publish_coordinator({"scope": "job", "host": "127.0.0.1", "port": 4000, "token": TOKEN}, [])
+    found = agent.job.lookup_coordinator({"scope": "job", "wait_s": 0}, [])
     assert found["found"] and found["port"] == 4000 and found["token"] == TOKEN
 
 
@@ -101,21 +98,21 @@ def test_publish_then_lookup_roundtrip(agent):
 ])
 def test_commit_refuses_bad_rank_names_and_records(agent, ranks, field):
     with pytest.raises(ProtocolError, match=field):
-        agent.op_commit({"epoch": 1, "ranks": ranks, "reason": "interval"}, [])
-    assert agent.store.committed() == [], "something was committed"
+        agent.job.commit({"epoch": 1, "ranks": ranks, "reason": "interval"}, [])
+    assert agent.facts.store.committed() == [], "something was committed"
 
 
 @pytest.mark.parametrize("reason", ["\x1b[2Jpwned", "a" * 65, 7, None, ""])
 def test_commit_refuses_a_reason_that_is_not_a_short_label(agent, reason):
     with pytest.raises(ProtocolError, match="reason"):
-        agent.op_commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0}},
+        agent.job.commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0}},
                          "reason": reason}, [])
 
 
 def test_a_valid_commit_passes_validation(agent):
     """Validation lets it through (whatever the store then decides: the instance binding is not ours)."""
     try:
-        agent.op_commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0, "node": "n1"}},
+        agent.job.commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0, "node": "n1"}},
                          "reason": "interval"}, [])
     except ProtocolError:
         raise
@@ -125,19 +122,19 @@ def test_a_valid_commit_passes_validation(agent):
 
 @pytest.mark.parametrize("epoch", [float("nan"), float("inf"), 0, -1, 10**6, "1", True, None, 1.0])
 def test_epoch_taking_operations_refuse_bad_epochs(agent, epoch):
-    for op in (agent.op_prepare, agent.op_capture, agent.op_resume, agent.op_reject_epoch):
+    for op in (agent.epochs.prepare, agent.epochs.capture, agent.epochs.resume, agent.job.reject_epoch):
         with pytest.raises(ProtocolError, match="epoch"):
             op({"epoch": epoch}, [])
 
 
 def test_capture_final_must_be_a_bool_and_reject_reason_bounded_text(agent):
     with pytest.raises(ProtocolError, match="final"):
-        agent.op_capture({"epoch": 1, "final": "no"}, [])
-    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
-    assert agent.op_capture({"epoch": 1, "final": False}, []) == {"final": False}
+        agent.epochs.capture({"epoch": 1, "final": "no"}, [])
+    agent.epochs.prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
+    assert agent.epochs.capture({"epoch": 1, "final": False}, []) == {"final": False}
     for reason in (["x"], 5, "x" * 70_000):
         with pytest.raises(ProtocolError, match="reason"):
-            agent.op_reject_epoch({"epoch": 1, "reason": reason}, [])
+            agent.job.reject_epoch({"epoch": 1, "reason": reason}, [])
 
 
 def test_final_is_fixed_at_prepare_so_min_interval_cannot_be_dodged(agent):
@@ -145,36 +142,70 @@ def test_final_is_fixed_at_prepare_so_min_interval_cannot_be_dodged(agent):
     then says final=False would be a periodic capture (the tree runs on) below min_interval. CAPTURE takes
     PREPARE's flag: a differing one is refused, a missing one is PREPARE's, and a CAPTURE without its
     PREPARE is refused."""
-    agent.policy = JobPolicy(min_interval=3600, min_from="partition low")
-    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
-    assert agent.op_capture({"epoch": 1, "final": False}, []) == {"final": False}
+    agent.facts.policy = JobPolicy(min_interval=3600, min_from="partition low")
+    agent.epochs.prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
+    assert agent.epochs.capture({"epoch": 1, "final": False}, []) == {"final": False}
     with pytest.raises(PermissionDenied, match="minimum interval"):
-        agent.op_prepare({"epoch": 2, "final": False, "trigger": "interval"}, [])
-    agent.op_prepare({"epoch": 2, "final": True, "trigger": "sigterm"}, [])        # exempt: a final one
+        agent.epochs.prepare({"epoch": 2, "final": False, "trigger": "interval"}, [])
+    agent.epochs.prepare({"epoch": 2, "final": True, "trigger": "sigterm"}, [])        # exempt: a final one
     with pytest.raises(ProtocolError, match="its PREPARE said final=True"):
-        agent.op_capture({"epoch": 2, "final": False}, [])                          # the attack
-    assert agent.op_capture({"epoch": 2}, []) == {"final": True}                     # the tree ends after it
+        agent.epochs.capture({"epoch": 2, "final": False}, [])                          # the attack
+    assert agent.epochs.capture({"epoch": 2}, []) == {"final": True}                     # the tree ends after it
     with pytest.raises(ProtocolError, match="without its PREPARE"):
-        agent.op_capture({"epoch": 3, "final": True}, [])
+        agent.epochs.capture({"epoch": 3, "final": True}, [])
 
 
 def test_an_aborted_periodic_capture_counts_for_min_interval(agent):
     """min_interval counts from a periodic capture's PREPARE whether the epoch resumed or was aborted after
     its images were dumped: PREPARE, CAPTURE, ABORT in a loop captured as often as the job liked."""
-    agent.policy = JobPolicy(min_interval=3600, min_from="partition low")
-    agent.op_prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
-    agent.op_capture({"epoch": 1, "final": False}, [])
-    agent.op_abort({"epoch": 1}, [])
+    agent.facts.policy = JobPolicy(min_interval=3600, min_from="partition low")
+    agent.epochs.prepare({"epoch": 1, "final": False, "trigger": "interval"}, [])
+    agent.epochs.capture({"epoch": 1, "final": False}, [])
+    agent.epochs.abort({"epoch": 1}, [])
     with pytest.raises(PermissionDenied, match="minimum interval"):
-        agent.op_prepare({"epoch": 2, "final": False, "trigger": "manual"}, [])
+        agent.epochs.prepare({"epoch": 2, "final": False, "trigger": "manual"}, [])
 
 
 def test_storage_paths_refuse_what_validation_refuses(agent):
     for step, rank in (("../x", 0), ("batch", -1), ("batch/..", 0), ("1", 10**9)):
         with pytest.raises(ProtocolError):
-            agent.store.rank_dir(1, step, rank)
+            agent.facts.store.rank_dir(1, step, rank)
     with pytest.raises(ProtocolError, match="epoch"):
-        agent.store.epoch_dir(-3)
+        agent.facts.store.epoch_dir(-3)
+
+
+# ---- the operation table: the agent's single dispatch -------------------------------------------------------------
+# Every name the wrapper may send, and no other: a change here is a change of what the job's user can ask of root.
+OPERATIONS = {"hello", "plan", "standins", "fresh_start", "launch", "restore", "pmi_socket", "srun_standin",
+              "tree_fate", "size", "prepare", "capture", "resume", "abort", "finish", "interruptions",
+              "interval_chosen", "capture_failed", "commit", "allocate_epoch", "reject_epoch", "publish_coordinator",
+              "lookup_coordinator"}
+
+
+def test_the_operation_table_is_the_agents_single_dispatch(tmp_path: Path) -> None:
+    """The table names exactly the accepted operations, each a handler of one of the agent's parts; no method
+    is reachable by name: nothing else is routed (no `op_` prefix looked up on any object)."""
+    from test_agent_logic import make_agent
+    a = make_agent(tmp_path)
+    assert set(a.operations) == OPERATIONS
+    assert all(callable(handler) for handler in a.operations.values())
+    assert {name: a.operation(name) for name in OPERATIONS} == a.operations
+    for part in (a, a.plan, a.tree, a.epochs, a.job):
+        assert not [n for n in dir(part) if n.startswith("op_")], part
+
+
+@pytest.mark.parametrize("op", ["become_root", "op_hello", "serve", "shutdown", "operation", "_reply_error",
+                                "__init__", "__class__", "start", "follow_size", "not_restorable", "HELLO", "hello ",
+                                "", None, 5, True, ["hello"], {"op": "hello"}])
+def test_an_unknown_operation_is_refused_as_before_and_serving_goes_on(tmp_path: Path, op) -> None:
+    """A name outside the table, a method's name or a value that is no string at all: refused with the same
+    reply, nothing run, and the next request is served."""
+    from test_agent_logic import FakeChannel, make_agent
+    chan = FakeChannel(({"op": op, "epoch": 1}, []), ({"op": "hello"}, []))
+    a = make_agent(tmp_path, chan)
+    a.serve()
+    assert chan.sent[0] == {"ok": False, "error": f"unknown operation {op!r}", "error_type": "ProtocolError"}
+    assert chan.sent[1]["ok"] is True and a.tree.cgroup.done == ["kill_all", "remove"]
 
 
 # ---- the wrapper <-> agent channel -------------------------------------------------------------------------------

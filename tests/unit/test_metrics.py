@@ -193,7 +193,7 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     pipeline's tables, each phase the agent runs and each stage the coordinator names, and each trigger the
     wrapper, the coordinator and the schedule start an epoch with, is one of them."""
     import re
-    from slurmckpt.agent.service import PHASE_OPS
+    from slurmckpt.agent.epochs import PHASE_OPS
     from slurmckpt.rank.capture import FINAL_CAPTURE, PERSIST, PREPARE
     from slurmckpt.agent.metrics import STAGES
     from slurmckpt.task.schedule import TRIGGERS

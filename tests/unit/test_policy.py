@@ -191,19 +191,19 @@ def test_the_agent_plan_and_prepare_follow_the_policy(tmp_path: Path):
     from slurmckpt.errors import PermissionDenied
     from slurmckpt.store.fresh_start import FailureReporter
     a = make_agent(tmp_path)
-    a.reporter = FailureReporter(a.store, 43, "0.0", "n", annotate=lambda j, t: "none", background=False)
-    a.policy, a.interval_s = policy().for_job(["debug"], None), 0
-    a.runner = SimpleNamespace(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, failed_stage="", killed_for="")
-    plan = a.op_plan({}, [])
+    a.facts.reporter = FailureReporter(a.facts.store, 43, "0.0", "n", annotate=lambda j, t: "none", background=False)
+    a.facts.policy, a.plan.interval_s = policy().for_job(["debug"], None), 0
+    a.tree.runner = SimpleNamespace(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, failed_stage="", killed_for="")
+    plan = a.plan.plan({}, [])
     assert plan["disabled"] == "checkpoints are not allowed in partition debug (site policy)"
     with pytest.raises(PermissionDenied, match="not allowed in partition debug"):
-        a.op_prepare({"epoch": 1, "final": True, "trigger": "sigterm"}, [])
-    a.policy = policy().for_job(["low"], None)
-    a.interval_s = a.policy.interval(60, explicit=True)
-    assert a.op_plan({}, [])["interval_s"] == 600 and "disabled" not in a.op_plan({}, [])
-    assert a.op_prepare({"epoch": 2, "final": False, "trigger": "interval"}, []) == {"prepared": 2}
+        a.epochs.prepare({"epoch": 1, "final": True, "trigger": "sigterm"}, [])
+    a.facts.policy = policy().for_job(["low"], None)
+    a.plan.interval_s = a.facts.policy.interval(60, explicit=True)
+    assert a.plan.plan({}, [])["interval_s"] == 600 and "disabled" not in a.plan.plan({}, [])
+    assert a.epochs.prepare({"epoch": 2, "final": False, "trigger": "interval"}, []) == {"prepared": 2}
     import time
-    a.last_periodic = time.monotonic() - 30
+    a.epochs.last_periodic = time.monotonic() - 30
     with pytest.raises(PermissionDenied, match="below the minimum interval 10m of partition low"):
-        a.op_prepare({"epoch": 3, "final": False, "trigger": "manual"}, [])
-    assert a.op_prepare({"epoch": 4, "final": True, "trigger": "sigterm"}, []) == {"prepared": 4}
+        a.epochs.prepare({"epoch": 3, "final": False, "trigger": "manual"}, [])
+    assert a.epochs.prepare({"epoch": 4, "final": True, "trigger": "sigterm"}, []) == {"prepared": 4}

@@ -58,12 +58,12 @@ def test_the_agent_commits_and_allocates_as_its_own_run(tmp_path: Path) -> None:
     from test_agent_logic import ME, FakeChannel, make_agent, request
     a = make_agent(tmp_path, FakeChannel(request("allocate_epoch", at_least=1)))
     from slurmckpt.config import Config
-    a.config = Config.from_mapping({})
-    a.store.enter_run(ME.restart_count + 1)                 # a later run of the job has started
+    a.facts.config = Config.from_mapping({})
+    a.facts.store.enter_run(ME.restart_count + 1)                 # a later run of the job has started
     a.serve()
     assert a.channel.sent[0]["ok"] is False and "run 2 has started since" in a.channel.sent[0]["error"]
     with pytest.raises(StorageError, match="commit refused"):
-        a.op_commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0, "node": "n1"}},
+        a.job.commit({"epoch": 1, "ranks": {"batch.0": {"kind": "completed", "exit_code": 0, "node": "n1"}},
                      "reason": "interval"}, [])
-    assert a.store.committed() == []
+    assert a.facts.store.committed() == []
 

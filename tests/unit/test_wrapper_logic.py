@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt.task import wrapper
+from slurmckpt.task import start as task_start, wrapper
+from slurmckpt.task.epochs import with_interval
 from slurmckpt.config import Config
 from slurmckpt.errors import LockContended, RestoreError, SlurmckptError
 from slurmckpt.slurm import control
@@ -111,6 +112,7 @@ def make(monkeypatch, said, slurm):
         w = wrapper.Wrapper(env, ["app"])
         w.agent.close()                          # the channel the wrapper opened on that fd: not used here
         w.agent, w.member = FakeChannel(answers or {}), FakeMember(connected)
+        w.task.member = w.member                 # the task's start reports to the same (fake) membership
         return w
     yield build
     for s in socks:
@@ -143,25 +145,25 @@ def restores(failing: set[int], pid: int = 4242):
 # ---- restore, fall back, start fresh -------------------------------------------------------------------------
 def test_nothing_committed_starts_the_task_fresh(make, said):
     w = make({"launch": {"pid": 99}})
-    w._start({"candidates": []})
-    assert w.agent.ops() == ["launch"] and w.root_pid == 99
+    w.task.start({"candidates": []}, w.env, w.srun_relay)
+    assert w.agent.ops() == ["launch"] and w.task.root_pid == 99
     assert w.member.events == [("started", {"action": "run"})]
     assert not any("restore" in line for line in said)        # a first start has nothing to say about it
 
 
 def test_the_newest_committed_epoch_is_restored_and_nothing_is_launched(make, said):
     w = make({"restore": restores(set())})
-    w._start({"candidates": [image(5), image(4)]})
-    assert w.agent.calls == [("restore", {"epoch": 5, "nfds": 3})] and w.root_pid == 4242
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
+    assert w.agent.calls == [("restore", {"epoch": 5, "nfds": 3})] and w.task.root_pid == 4242
     assert w.member.events == [("started", {"action": "restore"})]
     assert any("restored from checkpoint epoch 5" in line for line in said)
 
 
 def test_a_failed_restore_falls_back_to_the_previous_epoch(make, said):
     w = make({"restore": restores({5})})
-    w._start({"candidates": [image(5), image(4)]})
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
     assert [a["epoch"] for op, a in w.agent.calls if op == "restore"] == [5, 4] and "launch" not in w.agent.ops()
-    assert w.root_pid == 4242
+    assert w.task.root_pid == 4242
     assert any("epoch 5" in line and "FAILED" in line for line in said)     # never silent
     # said again after the restore: restoring epoch 4 put back its output, which ends before the FAILED line
     # (seen on the GPU machine: the job's output said only "restored from checkpoint epoch 1")
@@ -171,14 +173,14 @@ def test_a_failed_restore_falls_back_to_the_previous_epoch(make, said):
 
 def test_a_fallback_after_an_error_without_text_still_names_it(make, said):
     w = make({"restore": lambda args: RestoreError("") if args["epoch"] == 5 else {"pid": 7, "kind": "image"}})
-    w._start({"candidates": [image(5), image(4)]})
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
     assert said[-1] == "epoch 4 was restored because newer checkpoints could not be: epoch 5: RestoreError"
 
 
 def test_when_no_epoch_restores_the_task_starts_fresh_and_says_so(make, said):
     w = make({"restore": restores({5, 4}), "launch": {"pid": 99}})
-    w._start({"candidates": [image(5), image(4)]})
-    assert w.agent.ops() == ["restore", "restore", "launch"] and w.root_pid == 99
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
+    assert w.agent.ops() == ["restore", "restore", "launch"] and w.task.root_pid == 99
     assert [e for e, _ in w.member.events] == ["started", "started", "started"]
     assert w.member.events[-1] == ("started", {"action": "run"})
     assert any("from the beginning" in line for line in said)
@@ -188,17 +190,17 @@ def test_a_rank_sharing_its_cut_withdraws_the_epoch_for_the_job_instead_of_falli
     """Other ranks restore the same epoch: falling back alone would leave the job at no common cut. The
     epoch is rejected for every rank, the coordinator told, the job requeued; nothing is launched."""
     w = make({"restore": restores({5})}, tasks=2, connected=True)
-    w._start({"candidates": [image(5), image(4)]})
+    w.task.start({"candidates": [image(5), image(4)]}, w.env, w.srun_relay)
     assert w.agent.ops() == ["restore", "reject_epoch"]
     assert w.agent.calls[1][1]["epoch"] == 5 and "criu restore" in w.agent.calls[1][1]["reason"]
     assert ("withdrawn", {"epoch": 5}) in w.member.events
-    assert w.awaiting_requeue and slurm.requeued == [7] and w.root_pid is None
+    assert w.task.awaiting_requeue and slurm.requeued == [7] and w.task.root_pid is None
 
 
 def test_a_completed_rank_is_not_rerun(make, said):
     w = make()
-    w._start({"candidates": [{"epoch": 5, "kind": "completed", "exit_code": 3}]})
-    assert w.agent.ops() == [] and w.completed_code == 3
+    w.task.start({"candidates": [{"epoch": 5, "kind": "completed", "exit_code": 3}]}, w.env, w.srun_relay)
+    assert w.agent.ops() == [] and w.task.completed_code == 3
     assert w.member.events == [("started", {"action": "skip"})]
 
 
@@ -206,17 +208,17 @@ def test_a_replayed_batch_step_relaunches_with_its_output_held_back(make):
     """A batch step that ran srun at the capture is replayed: its output is restored, the script re-run
     through relays that discard what it prints until a step resumes."""
     w = make({"restore": {"kind": "replay"}, "launch": {"pid": 98}}, connected=False)
-    w._start({"candidates": [{"epoch": 5, "kind": "replay"}]})
+    w.task.start({"candidates": [{"epoch": 5, "kind": "replay"}]}, w.env, w.srun_relay)
     assert w.agent.ops() == ["restore", "launch"] and w.agent.calls[1][1]["nfds"] == 3
-    assert not w.gate.is_set() and w.root_pid == 98
-    w._on_rank_started("0.0", "restore")
-    assert w.gate.is_set()
+    assert not w.task.gate.is_set() and w.task.root_pid == 98
+    w.task.rank_started("0.0", "restore")
+    assert w.task.gate.is_set()
 
 
 # ---- signals ---------------------------------------------------------------------------------------------
 def test_sigterm_asks_for_a_final_capture_and_is_not_forwarded(make, tree):
     w = make()
-    w.root_pid = tree.pid
+    w.task.root_pid = tree.pid
     w._on_signal(signal.SIGTERM)
     assert w.member.triggers == [("sigterm", True)]
     time.sleep(0.1)
@@ -225,8 +227,8 @@ def test_sigterm_asks_for_a_final_capture_and_is_not_forwarded(make, tree):
 
 def test_sigterm_after_the_final_commit_asks_for_nothing(make, tree):
     w = make()
-    w.root_pid = tree.pid
-    w.final_committed.set()
+    w.task.root_pid = tree.pid
+    w.epochs.final_committed.set()
     w._on_signal(signal.SIGTERM)
     assert w.member.triggers == [] and tree.poll() is None
 
@@ -236,16 +238,16 @@ def test_a_failed_final_capture_passes_slurms_sigterm_on_to_the_tree(make, said,
     tree gets it (as without slurmckpt), and the job's output says so. A failed periodic capture or a
     failed manual requeue signals nothing."""
     w = make()
-    w.root_pid = tree.pid
+    w.task.root_pid = tree.pid
     procs = tmp_path / "cgroup.procs"
     procs.write_text(f"{tree.pid}\n")
     w.tree_procs = str(procs)
     aborted = {"status": "aborted", "epoch": 4, "stage": "gpu-lock", "rank": "batch.0", "error": "refused"}
-    w._epoch_result(aborted, "interval", False)
-    w._epoch_result(aborted, "manual-requeue", True)
+    w.epochs.epoch_result(aborted, "interval", False)
+    w.epochs.epoch_result(aborted, "manual-requeue", True)
     time.sleep(0.1)
     assert tree.poll() is None
-    w._epoch_result(aborted, "sigterm", True)
+    w.epochs.epoch_result(aborted, "sigterm", True)
     assert tree.wait(5) == -signal.SIGTERM
     assert any("passing Slurm's SIGTERM on to the program" in line for line in said)
 
@@ -256,9 +258,9 @@ def test_a_periodic_capture_that_raced_a_tasks_end_is_not_news_a_final_one_is(ma
     w = make()
     ended = {"status": "aborted", "epoch": 4, "stage": "size", "rank": "0.1", "error": "no running task tree to "
              "capture", "error_kind": "ended"}
-    w._epoch_result(ended, "interval", False)
+    w.epochs.epoch_result(ended, "interval", False)
     assert not any("ABORTED" in line for line in said) and w.agent.ops() == []
-    w._epoch_result(ended, "manual-requeue", True)
+    w.epochs.epoch_result(ended, "manual-requeue", True)
     assert any("epoch 4 (manual-requeue) ABORTED" in line for line in said)
 
 
@@ -272,7 +274,7 @@ def test_sigterm_passed_on_reaches_the_root_child_only_after_the_others(make, tm
     try:
         time.sleep(0.3)
         w = make()
-        w.root_pid = root.pid
+        w.task.root_pid = root.pid
         procs = tmp_path / "cgroup.procs"
         procs.write_text(f"{root.pid}\n{other.pid}\n")
         w.tree_procs = str(procs)
@@ -298,7 +300,7 @@ def test_capture_signals_ask_for_captures(make):
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT, signal.SIGHUP])
 def test_other_signals_are_forwarded_to_the_tree(make, tree, sig):
     w = make()
-    w.root_pid = tree.pid
+    w.task.root_pid = tree.pid
     w._on_signal(sig)
     assert tree.wait(5) == -sig and w.member.triggers == []
 
@@ -306,8 +308,8 @@ def test_other_signals_are_forwarded_to_the_tree(make, tree, sig):
 def test_a_committed_final_capture_for_walltime_requeues_the_job(make, slurm):
     w = make()
     result = {"status": "committed", "epoch": 3, "ranks": 1, "bytes": 0, "commit_s": 0.5}
-    w._epoch_result(result, "interval", False)
-    w._epoch_result(result, "walltime", True)
+    w.epochs.epoch_result(result, "interval", False)
+    w.epochs.epoch_result(result, "walltime", True)
     deadline = time.monotonic() + 5
     while not slurm.requeued and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -336,7 +338,7 @@ def test_sigterm_without_an_agent_ends_the_tree_like_a_plain_task(make, tree, tm
     """No capture is possible: the whole tree (its cgroup's pids) gets SIGTERM, and the job's final epoch is
     still asked for (it aborts: the previous commit stays)."""
     w = make()
-    w.root_pid, w.agent_gone = tree.pid, True
+    w.task.root_pid, w.agent_gone = tree.pid, True
     procs = tmp_path / "cgroup.procs"
     procs.write_text(f"{tree.pid}\n")
     w.tree_procs = str(procs)
@@ -360,7 +362,7 @@ def test_a_program_ended_by_the_sigterm_passed_on_is_not_reported_as_completed(m
     procs = tmp_path / "cgroup.procs"
     procs.write_text(f"{tree.pid}\n")
     w = make()
-    w.root_pid, w.agent_gone, w.tree_procs = tree.pid, True, str(procs)
+    w.task.root_pid, w.agent_gone, w.tree_procs = tree.pid, True, str(procs)
     w._on_signal(signal.SIGTERM)
     assert tree.wait(5) == -signal.SIGTERM
     w._exit(143)
@@ -371,7 +373,7 @@ def test_after_a_failed_final_capture_the_program_is_not_reported_as_completed(m
     procs = tmp_path / "cgroup.procs"
     procs.write_text(f"{tree.pid}\n")
     w = make()
-    w.root_pid, w.tree_procs = tree.pid, str(procs)
+    w.task.root_pid, w.tree_procs = tree.pid, str(procs)
     w._pass_sigterm_on(grace_s=0.5)
     assert tree.wait(5) == -signal.SIGTERM
     w._exit(143)
@@ -393,29 +395,31 @@ def test_a_tree_its_agent_killed_is_not_reported_as_completed(make, said):
 # ---- commands from the coordinator ----------------------------------------------------------------------
 def test_commands_go_to_the_agent_and_track_the_final_capture(make):
     w = make({"capture": {"ok": True, "kind": "image", "bytes": 10}})
-    assert w._on_command("capture", 4, {"final": True}) == {"kind": "image", "bytes": 10}
-    assert w.final_capture.is_set() and w.agent.calls[-1] == ("capture", {"epoch": 4, "final": True, "nfds": 0})
-    w._on_command("abort", 4, {})
-    assert not w.final_capture.is_set()
-    w._on_command("finish", 4, {})
-    assert w.final_committed.is_set()
+    assert w.epochs.on_command("capture", 4, {"final": True}) == {"kind": "image", "bytes": 10}
+    assert w.epochs.final_capture.is_set() and w.agent.calls[-1] == ("capture", {"epoch": 4, "final": True, "nfds": 0})
+    w.epochs.on_command("abort", 4, {})
+    assert not w.epochs.final_capture.is_set()
+    w.epochs.on_command("finish", 4, {})
+    assert w.epochs.final_committed.is_set()
 
 
 def test_a_contended_lock_reaches_the_coordinator_client_as_its_type(make):
     """The agent's LockContended is raised again here, so RankClient reports it as error_kind retryable."""
     w = make({"prepare": LockContended("GPU lock of pid 7 timed out after 500 ms")})
     with pytest.raises(LockContended):
-        w._on_command("prepare", 4, {})
+        w.epochs.on_command("prepare", 4, {})
 
 
 # ---- the site policy, as the agent's plan says it -------------------------------------------------------------
 def test_the_policys_interval_replaces_the_shims_and_is_said(make, said):
     w = make()
     w.env = w.member.env = w.env.__class__(**{**w.env.__dict__, "interval_s": 10})
-    w._apply_interval({"interval_s": 600, "policy": {"min_interval_s": 600, "min_interval_from": "partition low"}})
+    w.env = w.member.env = with_interval({"interval_s": 600, "policy": {"min_interval_s": 600,
+                                                                       "min_interval_from": "partition low"}},
+                                         w.env, w._say)
     assert w.env.interval_s == 600 and w.member.env.interval_s == 600
     assert said == ["checkpoint interval 600s, set by the site policy (partition low)"]
-    w._apply_interval({"interval_s": 600})                    # the same again: nothing to say
+    w.env = with_interval({"interval_s": 600}, w.env, w._say)                    # the same again: nothing to say
     assert len(said) == 1
 
 
@@ -441,17 +445,17 @@ def test_size_notes_go_to_the_jobs_stderr_once_and_not_to_the_coordinator(make, 
     note = "pid 11 (JAX) holds 105.3 GiB ... Set XLA_PYTHON_CLIENT_PREALLOCATE=false for the job"
     w = make({"size": {"ok": True, "gpu_bytes": 5, "notes": [note]}})
     for epoch in (4, 5):
-        assert w._on_command("size", epoch, {"final": False, "trigger": "interval"}) == {"gpu_bytes": 5}
+        assert w.epochs.on_command("size", epoch, {"final": False, "trigger": "interval"}) == {"gpu_bytes": 5}
     assert said == [f"note: {note}"]
     assert w.agent.calls[0] == ("size", {"epoch": 4, "final": False, "trigger": "interval", "nfds": 0})
 
 
 def test_the_coordinators_capture_timeout_bounds_the_wait_for_a_final_commit(make):
     w = make({"capture": {"kind": "image"}})
-    w._on_command("capture", 4, {"final": True, "timeout_s": 1800.0})
-    assert w.capture_timeout_s == 1800.0
-    w._on_command("capture", 5, {"final": True, "timeout_s": 1.0})        # never below the configured floor
-    assert w.capture_timeout_s == w.config.capture_timeout_s
+    w.epochs.on_command("capture", 4, {"final": True, "timeout_s": 1800.0})
+    assert w.epochs.capture_timeout_s == 1800.0
+    w.epochs.on_command("capture", 5, {"final": True, "timeout_s": 1.0})        # never below the configured floor
+    assert w.epochs.capture_timeout_s == w.config.capture_timeout_s
 
 
 @pytest.mark.parametrize("env, added", [
@@ -466,7 +470,7 @@ def test_gpu_tasks_start_with_memory_on_demand_unless_the_job_chose(make, said, 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     w = make({"launch": {"pid": 99}})
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     launched = w.agent.calls[-1][1]["env"]
     assert {k: launched[k] for k in added} == added
     assert not ({"XLA_PYTHON_CLIENT_PREALLOCATE", "TF_FORCE_GPU_ALLOW_GROWTH"} - set(added)) & set(launched)
@@ -478,17 +482,17 @@ def test_every_task_starts_with_pytorchs_store_off_libuv_and_gpu_tasks_with_chec
     for name in ("CUDA_VISIBLE_DEVICES", "USE_LIBUV", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)
     w = make({"launch": {"pid": 99}})
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     env = w.agent.calls[-1][1]["env"]
     assert env["USE_LIBUV"] == "0" and "NCCL_P2P_DISABLE" not in env      # a CPU task: no NCCL settings
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")                        # the job's own choice stands
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     env = w.agent.calls[-1][1]["env"]
     assert (env["NCCL_P2P_DISABLE"], env["NCCL_SHM_DISABLE"], env["NCCL_NVLS_ENABLE"]) == ("0", "1", "0")
-    w.config = Config(nccl_checkpoint_transports=False, torch_store_without_libuv=False)
+    w.task.config = Config(nccl_checkpoint_transports=False, torch_store_without_libuv=False)
     monkeypatch.delenv("NCCL_P2P_DISABLE")
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     env = w.agent.calls[-1][1]["env"]
     assert not {"USE_LIBUV", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"} & set(env)
 
@@ -507,20 +511,20 @@ def test_a_job_with_several_gpus_on_a_node_is_told_the_nccl_trade_and_can_choose
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
     w = make({"launch": {"pid": 99}})
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     env = w.agent.calls[-1][1]["env"]
     assert (env["NCCL_P2P_DISABLE"], env["NCCL_SHM_DISABLE"], env["NCCL_NVLS_ENABLE"]) == ("1", "1", "0")
     [trade] = [line for line in said if "GPUs of this job on node" in line]
     assert trade.startswith("4 GPUs of this job on node n1: NCCL's intra-node transports are off") and "1/82" in trade
     said.clear()
     monkeypatch.setenv("SLURMCKPT_CFG_NCCL_MULTI_GPU", "nvlink")
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     env = w.agent.calls[-1][1]["env"]
     assert not {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"} & set(env)
     assert any(line.startswith("4 GPUs of this job on node n1: NCCL keeps NVLink (the job's choice") for line in said)
     said.clear()
     monkeypatch.setenv("SLURM_LOCALID", "1")                       # the node's other tasks say nothing
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert not any("GPUs of this job on node" in line for line in said)
 
 
@@ -531,7 +535,7 @@ def test_a_step_started_from_the_batch_script_chooses_again_what_the_batch_wrapp
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     w = make({"launch": {"pid": 99}})
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     batch = w.agent.calls[-1][1]["env"]
     assert batch["SLURMCKPT_ADDED"].split() == sorted(f"{k}={v}" for k, v in batch.items()
                                                       if k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
@@ -542,7 +546,7 @@ def test_a_step_started_from_the_batch_script_chooses_again_what_the_batch_wrapp
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("NCCL_SHM_DISABLE", "0")                   # ... which the job changed for one variable
     monkeypatch.setenv("SLURMCKPT_CFG_NCCL_MULTI_GPU", "nvlink")
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     step = w.agent.calls[-1][1]["env"]
     assert "NCCL_P2P_DISABLE" not in step and "NCCL_NVLS_ENABLE" not in step and step["NCCL_SHM_DISABLE"] == "0"
     assert step["USE_LIBUV"] == "0" and "NCCL" not in step["SLURMCKPT_ADDED"]
@@ -553,27 +557,27 @@ def test_gpu_tasks_start_in_a_cuda_checkpoint_job_where_the_site_and_the_driver_
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     w = make({"launch": {"pid": 99}})
-    w.config = Config(cuda_checkpoint_launch="/usr/bin/cuda-checkpoint")
-    monkeypatch.setattr(wrapper, "driver_release", lambda: (610, 57, 4))
-    w._launch(relay=False)
+    w.task.config = Config(cuda_checkpoint_launch="/usr/bin/cuda-checkpoint")
+    monkeypatch.setattr(task_start, "driver_release", lambda: (610, 57, 4))
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["argv"] == ["/usr/bin/cuda-checkpoint", "--launch-job", "app"]
     assert any("started under /usr/bin/cuda-checkpoint --launch-job" in line for line in said)
-    monkeypatch.setattr(wrapper, "driver_release", lambda: (580, 159, 4))
-    w._launch(relay=False)
+    monkeypatch.setattr(task_start, "driver_release", lambda: (580, 159, 4))
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["argv"] == ["app"]
 
 
 def test_the_launch_carries_the_jobs_io_uring_opt_out_and_a_bad_value_is_said(make, said, monkeypatch):
     monkeypatch.delenv("SLURMCKPT_IO_URING", raising=False)
     w = make({"launch": {"pid": 99}})
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["allow_io_uring"] is False
     monkeypatch.setenv("SLURMCKPT_IO_URING", "allow")
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["allow_io_uring"] is True
     assert w.agent.calls[-1][1]["env"]["SLURMCKPT_IO_URING"] == "allow"      # the job's variable, left as it is
     monkeypatch.setenv("SLURMCKPT_IO_URING", "on")
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["allow_io_uring"] is False
     assert any("SLURMCKPT_IO_URING='on' is neither allow nor block" in line for line in said)
 
@@ -582,8 +586,8 @@ def test_the_growth_defaults_can_be_turned_off(make, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     w = make({"launch": {"pid": 99}})
-    w.config = Config(gpu_growth_defaults=False)
-    w._launch(relay=False)
+    w.task.config = Config(gpu_growth_defaults=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in w.agent.calls[-1][1]["env"]
 
 
@@ -594,7 +598,7 @@ def test_only_rank_0_of_a_step_says_it_set_the_growth_defaults(make, said, monke
         monkeypatch.delenv(name, raising=False)
     w = make({"launch": {"pid": 99}})
     w.env = dataclasses.replace(w.env, rank=1)
-    w._launch(relay=False)
+    w.task.launch(w.env, w.srun_relay, relay=False)
     assert w.agent.calls[-1][1]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert not any("checkpointable GPU job" in line for line in said)
 
@@ -614,13 +618,13 @@ def test_automatic_interval_choices_are_said_when_they_change_and_recorded_newes
         recorded.append(args["choice"]["interval_s"])
         return {}
     w = make({"interval_chosen": record})
-    w._interval_chosen({"interval_s": 600}, "checkpoint interval auto: 600s (no capture measured yet)", True)
+    w.epochs.interval_chosen({"interval_s": 600}, "checkpoint interval auto: 600s (no capture measured yet)", True)
     assert entered.wait(5)                       # the first one is being recorded
     for seconds in (40, 41, 42):
-        w._interval_chosen({"interval_s": seconds}, f"checkpoint interval auto: {seconds}s", seconds == 40)
+        w.epochs.interval_chosen({"interval_s": seconds}, f"checkpoint interval auto: {seconds}s", seconds == 40)
     gate.set()
     deadline = _time.monotonic() + 5
-    while (w.choice_recorder or not recorded) and _time.monotonic() < deadline:
+    while (w.epochs.choice_recorder or not recorded) and _time.monotonic() < deadline:
         _time.sleep(0.01)
     assert recorded == [600, 42]
     assert said == ["checkpoint interval auto: 600s (no capture measured yet)", "checkpoint interval auto: 40s"]
@@ -630,9 +634,9 @@ def test_automatic_interval_choices_are_said_when_they_change_and_recorded_newes
 def test_the_restore_line_says_what_the_requeue_cost_and_the_trigger_age_reaches_the_agent(make, said):
     w = make({"restore": restores(set()), "size": {"ok": True, "host_bytes": 5}})
     cost = "taken 40 s before the requeue; the final capture (epoch 6) was not taken: final capture needs ~45 s"
-    w._start({"candidates": [{**image(5), "cost": cost}]})
+    w.task.start({"candidates": [{**image(5), "cost": cost}]}, w.env, w.srun_relay)
     assert re.fullmatch(r"restored from checkpoint epoch 5 in [\d.]+s \(restart 1\): " + re.escape(cost), said[-1])
-    w._on_command("size", 7, {"final": True, "trigger": "sigterm", "trigger_age_s": 1.5})
+    w.epochs.on_command("size", 7, {"final": True, "trigger": "sigterm", "trigger_age_s": 1.5})
     assert w.agent.calls[-1] == ("size", {"epoch": 7, "final": True, "trigger": "sigterm", "trigger_age_s": 1.5,
                                           "nfds": 0})
 
@@ -640,7 +644,7 @@ def test_the_restore_line_says_what_the_requeue_cost_and_the_trigger_age_reaches
 def test_a_final_capture_handed_over_and_one_not_taken_are_said_as_such(make, said):
     from slurmckpt.task.epochs import abort_message
     w = make()
-    w._epoch_result({"status": "committed", "persisting": True, "epoch": 6, "ranks": 2, "bytes": 2 * 2**30,
+    w.epochs.epoch_result({"status": "committed", "persisting": True, "epoch": 6, "ranks": 2, "bytes": 2 * 2**30,
                      "commit_s": 3.2, "cut_s": 0.01}, "sigterm", True)
     assert said[-1].startswith("checkpoint epoch 6 captured (sigterm): 2 rank(s), 2048.0 MiB in staging, "
                                "frozen->handed over 3.20s") and said[-1].endswith("persisted to the image store and "

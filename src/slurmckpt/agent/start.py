@@ -138,15 +138,15 @@ def run_agent(args: ShimArgs) -> None:
                          SlurmdLog(args.log_fd), JobComment(store, ident.job, config.job_comment_field),
                          NodeMetrics(config.metrics_textfile, config.run_dir, task, node))
     interval = interval_arg(args.interval) if args.interval is not None else 0
-    agent = Agent(ident, Channel.from_fd(args.fd), config, peer, slurm_job, events=events, policy=policy,
-                  interval=(interval, args.interval is None or args.interval_from == "option"))
-    agent.store_outage = outage
     window = kill_window(values, slurm_job)
-    agent.final_window = FinalWindow(window, ident.job, CliSlurm(timeout_s=5).preempted)
+    agent = Agent.start(ident, Channel.from_fd(args.fd), config, peer, slurm_job, events=events, policy=policy,
+                        interval=(interval, args.interval is None or args.interval_from == "option"),
+                        store_outage=outage,
+                        final_window=FinalWindow(window, ident.job, CliSlurm(timeout_s=5).preempted))
     log.info("Slurm's window for a final capture: %s; %s when preempted", window.describe(False),
              window.describe(True))
     log.info("job instance from Slurm: %s; restart count %d; policy %s", slurm_job, restart_count,
              policy.describe())
-    log.info("agent up for wrapper pid %d on %s; network lock: %s", agent.wrapper_pid, socket.gethostname(),
-             agent.packets.name)
+    log.info("agent up for wrapper pid %d on %s; network lock: %s", agent.tree.wrapper_pid, socket.gethostname(),
+             agent.tree.packets.name)
     agent.serve()

@@ -6,8 +6,8 @@ new job (of any user) gets the id of an old one, and the old job's images are st
 cluster, job id, uid, gid (from slurmctld, by the trusted job id, cross-checked with the shim's argv) and
 the job's SubmitTime. Every agent start and every commit claims the store again (`claim`): a store bound to
 another instance is moved aside whole (to <root>/<cluster>/.stale-<job>-<ns>, root-only, kept for the admins)
-and the new instance starts a fresh one; `mismatch` is what op_plan/op_restore check before any image is
-offered or restored.
+and the new instance starts a fresh one; `mismatch` is what the agent's plan and restore check before any image
+is offered or restored.
 
 Slurm resets SubmitTime at every requeue (measured on 22.05: 11:07:19 -> 11:07:28 after `scontrol requeue`),
 so the store keeps the SubmitTime of the run that first wrote it and a later run of the same instance

@@ -1,4 +1,4 @@
-"""The wrapper's side of the job's epochs (task/wrapper.py runs it): the coordinator's commands for this
+"""The wrapper's side of the job's epochs (task/wrapper.py composes it): the coordinator's commands for this
 rank, what an epoch's end means for the task (a committed final capture, an abort told to the user, the
 requeue), and, for a wrapper hosting the coordinator, the interval it chose."""
 from __future__ import annotations
@@ -7,29 +7,43 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
+from slurmckpt.config import Config
 from slurmckpt.duration import AUTO
 from slurmckpt.errors import SlurmckptError
-from slurmckpt.task.parts import WrapperParts
+from slurmckpt.slurm.env import TaskEnv
+from slurmckpt.task.schedule import Schedule
 
 log = logging.getLogger("slurmckpt.wrapper")
 
 
-class EpochHandling(WrapperParts):
-    def _apply_interval(self, plan: dict[str, Any]) -> None:
-        """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
-        interval = plan.get("interval_s")
-        if isinstance(interval, int) and interval != self.env.interval_s:
-            rule = plan.get("policy") or {}
-            source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
-                rule.get("default_interval_from")
-            shown = "auto" if interval == AUTO else f"{interval}s"
-            self._say(f"checkpoint interval {shown}, set by the site policy ({source or 'slurmckpt.yaml'})")
-            self.env = dataclasses.replace(self.env, interval_s=interval)
-            self.member.env = self.env
+class EpochHandling:
+    """The coordinator's commands for this rank and the ends of its epochs; its own state: whether a final
+    capture is under way or committed, the current epoch's capture timeout, the notes already said, the
+    schedule of a wrapper that supervises the job, and the automatic interval not yet recorded."""
 
-    def _interval_chosen(self, choice: dict[str, Any], line: str, changed: bool) -> None:
+    def __init__(self, config: Config, call: Callable[..., dict[str, Any]], say: Callable[[str], None],
+                 job_id: int, pass_sigterm_on: Callable[[], None]) -> None:
+        """`call`: the agent's operations; `pass_sigterm_on`: Slurm's SIGTERM to the tree, when a final
+        capture failed (task/wrapper.py)."""
+        self.config, self.call, self._say, self.job_id = config, call, say, job_id
+        self.pass_sigterm_on = pass_sigterm_on
+        self.final_committed = threading.Event()
+        self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
+        self.capture_timeout_s = config.capture_timeout_s    # the coordinator's, for the current epoch
+        self.noted: set[str] = set()             # size notes already said (once per run, not per epoch)
+        self.schedule: Schedule | None = None    # a supervising wrapper's interval and wall-time triggers
+        # --checkpoint-interval=auto: the newest choice of the hosted coordinator not yet recorded
+        self.choice_lock = threading.Lock()
+        self.choice_pending: dict[str, Any] | None = None
+        self.choice_recorder = False
+
+    def schedule_job(self, env: TaskEnv) -> None:
+        """This wrapper supervises the job's epochs (membership.py): it triggers them on time."""
+        self.schedule = Schedule.for_job(env, self.config)
+
+    def interval_chosen(self, choice: dict[str, Any], line: str, changed: bool) -> None:
         """The coordinator this task hosts chose an automatic interval (coordinator/interval.py): said in the
         job's stderr when it changed, recorded by the agent for `slurmckpt status` (and a requeued run) always,
         off the coordinator's link, newest last: one recorder thread takes the latest choice each time."""
@@ -53,10 +67,7 @@ class EpochHandling(WrapperParts):
             except SlurmckptError as e:
                 log.warning("the interval chosen was not recorded: %s", e)
 
-    def trigger(self, reason: str, final: bool) -> None:
-        self.member.trigger(reason, final)
-
-    def _epoch_result(self, result: dict[str, Any], reason: str, final: bool) -> None:
+    def epoch_result(self, result: dict[str, Any], reason: str, final: bool) -> None:
         if result["status"] == "committed" and result.get("persisting"):
             # inside Slurm's window only the dump into staging: the store and the commit come after the job
             self._say(f"checkpoint epoch {result['epoch']} captured ({reason}): {result['ranks']} rank(s), "
@@ -64,7 +75,7 @@ class EpochHandling(WrapperParts):
                       f"consistent cut after {result.get('cut_s', 0):.3f}s; persisted to the image store and "
                       "committed after the job ends (its restore waits for that)")
             if final and reason in ("walltime", "manual-requeue"):
-                threading.Thread(target=self._requeue, daemon=True).start()
+                threading.Thread(target=self.requeue, daemon=True).start()
         elif result["status"] == "committed":
             self._say(f"checkpoint epoch {result['epoch']} committed ({reason}): {result['ranks']} rank(s), "
                           f"{result['bytes'] / 2**20:.1f} MiB, frozen->committed {result['commit_s']:.2f}s, "
@@ -73,7 +84,7 @@ class EpochHandling(WrapperParts):
             if self.schedule:
                 self.schedule.captured(result["commit_s"])
             if final and reason in ("walltime", "manual-requeue"):
-                threading.Thread(target=self._requeue, daemon=True).start()
+                threading.Thread(target=self.requeue, daemon=True).start()
         elif result["status"] == "aborted" and result.get("error_kind") == "ended" and not final:
             log.info("%s: a rank's task had just ended", abort_message(result, reason))   # the next one goes on
         elif result["status"] == "aborted":
@@ -84,7 +95,7 @@ class EpochHandling(WrapperParts):
                 # (its own handler may save its state) instead of running on until KillWait's SIGKILL.
                 self._say(f"the final capture {'was not taken' if result.get('stage') == 'window' else 'failed'}: "
                           "passing Slurm's SIGTERM on to the program")
-                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+                threading.Thread(target=self.pass_sigterm_on, daemon=True).start()
 
     def _report_failure(self, result: dict[str, Any], reason: str, final: bool) -> None:
         """The coordinator's verdict goes to the root agent, which records it in the job's store unless the
@@ -96,15 +107,15 @@ class EpochHandling(WrapperParts):
         except SlurmckptError as e:
             log.warning("the failed epoch %s was not recorded: %s", result.get("epoch"), e)
 
-    def _requeue(self) -> None:
+    def requeue(self) -> None:
         from slurmckpt.slurm.control import default_control
         try:
-            default_control().requeue(self.env.job_id)
+            default_control().requeue(self.job_id)
             self._say("job requeued; it resumes from this checkpoint when it starts again")
         except SlurmckptError as e:
             self._say(f"requeue failed: {e}")
 
-    def _on_command(self, kind: str, epoch: int, message: dict[str, Any]) -> dict[str, Any]:
+    def on_command(self, kind: str, epoch: int, message: dict[str, Any]) -> dict[str, Any]:
         if kind == "finish":
             self.final_committed.set()
         elif kind == "capture" and message.get("final", True):
@@ -123,15 +134,24 @@ class EpochHandling(WrapperParts):
                 self._say(f"note: {note}")
         return reply
 
-    def _on_rank_started(self, rank: str, action: str) -> None:
-        if action in ("restore", "run"):
-            self.gate.set()
-
-    def _await_final_commit(self) -> None:
+    def await_final_commit(self) -> None:
         """The tree ended because a final capture dumped it: its epoch decides (commit or abort)."""
         deadline = time.monotonic() + self.capture_timeout_s + 60
         while self.final_capture.is_set() and not self.final_committed.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def with_interval(plan: dict[str, Any], env: TaskEnv, say: Callable[[str], None]) -> TaskEnv:
+    """The agent's interval: the site policy's default where the job gave none, never below its minimum."""
+    interval = plan.get("interval_s")
+    if isinstance(interval, int) and interval != env.interval_s:
+        rule = plan.get("policy") or {}
+        source = rule.get("min_interval_from") if interval == rule.get("min_interval_s") else \
+            rule.get("default_interval_from")
+        shown = "auto" if interval == AUTO else f"{interval}s"
+        say(f"checkpoint interval {shown}, set by the site policy ({source or 'slurmckpt.yaml'})")
+        return dataclasses.replace(env, interval_s=interval)
+    return env
 
 
 def abort_message(result: dict[str, Any], reason: str) -> str:

@@ -19,17 +19,15 @@ from typing import Any
 
 from slurmckpt.slurm import pmi
 from slurmckpt.node import procfs
-from slurmckpt.task import defaults as task_defaults
 from slurmckpt.node import proctree
 from slurmckpt.channel import Channel
-from slurmckpt.cuda.release import release as driver_release
 from slurmckpt.config import load_user_config
 from slurmckpt.task.membership import HostEvents, Membership
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.slurm.env import PRIVATE, TaskEnv
 from slurmckpt.task.srun_relay import STEP_TOKEN, SrunRelay
-from slurmckpt.task.schedule import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL, Schedule
-from slurmckpt.task.epochs import EpochHandling
+from slurmckpt.task.schedule import CHECKPOINT_SIGNAL, REQUEUE_SIGNAL
+from slurmckpt.task.epochs import EpochHandling, with_interval
 from slurmckpt.task.start import TaskStart
 
 log = logging.getLogger("slurmckpt.wrapper")
@@ -45,7 +43,12 @@ def say(env: TaskEnv, message: str) -> None:
     os.write(2, f"slurmckpt[{stamp} job {env.job_id} {env.rank_name}]: {message}\n".encode())
 
 
-class Wrapper(TaskStart, EpochHandling):
+class Wrapper:
+    """The life of the task: its agent channel, signals, the tree's end and the exit code. It composes the
+    task's start (task/start.py: restore or run, the tree's root pid) and its side of the job's epochs
+    (task/epochs.py), and owns the task's environment, which the plan may rename (a relayed srun's step) and
+    the policy re-time (its interval)."""
+
     def __init__(self, env: TaskEnv, argv: list[str]) -> None:
         self.env, self.argv = env, argv
         self.config = load_user_config()
@@ -53,35 +56,22 @@ class Wrapper(TaskStart, EpochHandling):
         os.set_inheritable(env.agent_fd, False)          # the workload never gets the agent's socket
         self.agent = Channel.from_fd(env.agent_fd)
         self.agent_lock = threading.Lock()
-        self.root_pid: int | None = None
-        self.final_committed = threading.Event()
-        self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
-        self.gate = threading.Event()                    # replayed batch output passes once a step resumes
-        self.gate.set()
-        self.member = Membership(env, self.config, self.call, self._on_command, lambda text: say(env, text))
         self.agent_gone = False
         self.ending = False                  # the task is done: the agent channel is closed on purpose
-        self.awaiting_requeue = False        # a coordinated fallback asked Slurm to restart the job
         # the wrapper passed Slurm's SIGTERM on to the tree (no capture was possible): its end that follows
         # is no completion of the program
         self.passed_sigterm_on = False
         self.tree_procs: str | None = None     # the tree's cgroup.procs: ends the tree if the agent is gone
-        self.schedule: Schedule | None = None
         self.pending: list[int] = []
-        self.relays: list[threading.Thread] = []
-        self.fresh_notice: str | None = None     # why a requeued batch step starts from the beginning
-        self.noted: set[str] = set()             # size notes already said (once per run, not per epoch)
-        self.capture_timeout_s = self.config.capture_timeout_s    # the coordinator's, for the current epoch
+        self.epochs = EpochHandling(self.config, self.call, self._say, env.job_id, self._pass_sigterm_on)
+        self.member = Membership(env, self.config, self.call, self.epochs.on_command, lambda text: say(env, text))
         # srun --mpi=pmi2: the task's socket to slurmstepd goes into the tree only through pmi.Handover
-        self.pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
-        if self.pmi_fd is not None:
-            os.set_inheritable(self.pmi_fd, False)
+        pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
+        if pmi_fd is not None:
+            os.set_inheritable(pmi_fd, False)
+        self.task = TaskStart(argv, self.config, self.call, self._say, self.member, self.epochs.requeue, pmi_fd)
         # the batch step: an MPI launcher's srun runs here, outside the tree (srun_relay.py)
         self.srun_relay: SrunRelay | None = None
-        # --checkpoint-interval=auto: the newest choice of the hosted coordinator not yet recorded
-        self.choice_lock = threading.Lock()
-        self.choice_pending: dict[str, Any] | None = None
-        self.choice_recorder = False
 
     def call(self, op: str, fds: list[int] | None = None, **args: object) -> dict[str, Any]:
         with self.agent_lock:
@@ -94,6 +84,9 @@ class Wrapper(TaskStart, EpochHandling):
 
     def _say(self, text: str) -> None:
         say(self.env, text)
+
+    def trigger(self, reason: str, final: bool) -> None:
+        self.member.trigger(reason, final)
 
     def _agent_lost(self, op: str) -> None:
         """The root agent died (killed, crashed). Without it nothing can be captured or restored here; its
@@ -124,14 +117,14 @@ class Wrapper(TaskStart, EpochHandling):
         if self.env.step == "batch":
             self.srun_relay = SrunRelay.start(plan.get("srun_relay"), self.config.srun_standin_dir, self.call,
                                               lambda text: say(self.env, text))
-        self._apply_interval(plan)
+        self.env = self.member.env = with_interval(plan, self.env, self._say)
         self.tree_procs = plan.get("tree_procs")
-        self.member.join(plan, HostEvents(started=self._on_rank_started, result=self._epoch_result,
-                                          interval=self._interval_chosen))
+        self.member.join(plan, HostEvents(started=self.task.rank_started, result=self.epochs.epoch_result,
+                                          interval=self.epochs.interval_chosen))
         if self.member.supervisor:
-            self.schedule = Schedule.for_job(self.env, self.config)
-        self._start(plan)
-        if plan.get("warning") and not self.fresh_notice:  # the agent's word on what it did not restore;
+            self.epochs.schedule_job(self.env)
+        self.task.start(plan, self.env, self.srun_relay)
+        if plan.get("warning") and not self.task.fresh_notice:  # the agent's word on what it did not restore;
             say(self.env, str(plan["warning"]))             # after a restore rewrote the output
         code = self._supervise(wake_r)
         self.member.stop()
@@ -165,84 +158,33 @@ class Wrapper(TaskStart, EpochHandling):
                     return
                 time.sleep(0.02)
 
-    def _started(self, action: str) -> None:
-        if self.env.step != "batch":
-            self.member.event("started", wait_ack=True, action=action)
-
-    def _launch(self, relay: bool) -> None:
-        stdio = [0, 1, 2]
-        if relay:
-            stdio = [0] + [self._relay(fd) for fd in (1, 2)]
-        env = {k: v for k, v in os.environ.items() if k not in PRIVATE and k != "SLURMCKPT_INTERVAL"}
-        if self.srun_relay:
-            env = self.srun_relay.tree_env(env)
-        # docs/gpu.md, "What slurmckpt sets in a checkpointed job" (recomputed for a step: not inherited)
-        env = task_defaults.without_inherited(env)
-        launch = task_defaults.defaults(env, self.config, driver_release())
-        added = launch.env
-        argv = [*launch.argv_prefix, *self.argv]
-        env.update({**added, **task_defaults.marked(added)})
-        if task_defaults.uses_gpus(env) and (added or launch.argv_prefix) and self.env.rank == 0:  # once a step
-            say(self.env, "checkpointable GPU job: set " + " ".join(f"{k}={v}" for k, v in sorted(added.items()))
-                + (f"; started under {' '.join(launch.argv_prefix)}" if launch.argv_prefix else "")
-                + " (a job's own value stands; docs/gpu.md, \"What slurmckpt sets in a checkpointed job\")")
-        trade = launch.transports.line(self.env.node) if launch.transports else None
-        if trade and os.environ.get("SLURM_LOCALID", "0") == "0":     # once a node and step
-            say(self.env, trade)
-        allow_io_uring, complaint = task_defaults.io_uring_wanted(env)
-        if complaint and self.env.rank == 0:
-            say(self.env, complaint)
-        if self.pmi_fd is not None and not relay:
-            env[pmi.HANDOVER] = pmi.Handover(self.pmi_fd).name
-            env = pmi.rank_env(env)      # in its own PID namespace: no shared memory with the node's ranks
-            argv = pmi.attach_argv(argv)
-        reply = self.call("launch", stdio, argv=argv, env=env, cwd=os.getcwd(), allow_io_uring=allow_io_uring)
-        if relay:
-            for fd in stdio[1:]:
-                os.close(fd)
-        self.root_pid = int(reply["pid"])
-
-    def _relay(self, target: int) -> int:
-        """A pipe whose reader copies to `target` once the gate is open, discarding before that."""
-        r, w = os.pipe()
-
-        def pump() -> None:
-            while block := os.read(r, 65536):
-                if self.gate.is_set():
-                    os.write(target, block)
-            os.close(r)
-
-        t = threading.Thread(target=pump, daemon=True)
-        t.start()
-        self.relays.append(t)
-        return w
-
     # ---- supervision -----------------------------------------------------------------------------------
     def _supervise(self, wake_r: int) -> int:
-        if self.awaiting_requeue:
+        if self.task.awaiting_requeue:
             return self._wait_for_requeue("epoch withdrawn; waiting for Slurm to requeue the job")
-        if self.completed_code is not None:
-            return self._exit(self.completed_code)
+        if self.task.completed_code is not None:
+            return self._exit(self.task.completed_code)
         status: int | None = None
+        schedule = self.epochs.schedule
         while True:
-            timeout = self.schedule.seconds_to_next() if self.schedule else None
+            timeout = schedule.seconds_to_next() if schedule else None
             select.select([wake_r], [], [], timeout)
             try:
                 while os.read(wake_r, 512):
                     pass
             except BlockingIOError:
                 pass
-            if self.schedule:
-                for reason, final in self.schedule.due():
+            if schedule:
+                for reason, final in schedule.due():
                     self.trigger(reason, final)
             while self.pending:
                 sig = self.pending.pop(0)
                 self._on_signal(sig)
             status = self._reap(status)
             if status is not None:
-                if self.final_capture.is_set() and not self.final_committed.is_set():
-                    self._await_final_commit()
-                if self.final_committed.is_set():
+                if self.epochs.final_capture.is_set() and not self.epochs.final_committed.is_set():
+                    self.epochs.await_final_commit()
+                if self.epochs.final_committed.is_set():
                     return self._wait_for_requeue()
                 return self._exit(status)
 
@@ -254,7 +196,7 @@ class Wrapper(TaskStart, EpochHandling):
                 return status
             if pid == 0:
                 return status
-            if pid == self.root_pid:
+            if pid == self.task.root_pid:
                 status = os.waitstatus_to_exitcode(raw)
                 status = 128 - status if status < 0 else status
             elif self.srun_relay and self.srun_relay.reaped(pid, os.waitstatus_to_exitcode(raw)):
@@ -270,16 +212,16 @@ class Wrapper(TaskStart, EpochHandling):
             self._signal_tree(signal.SIGTERM)     # no capture possible here: end like a plain Slurm task
             self.trigger("sigterm", True)          # (the job's final epoch aborts: previous commit stays)
         elif sig == signal.SIGTERM:
-            if not self.final_committed.is_set():
+            if not self.epochs.final_committed.is_set():
                 say(self.env, "SIGTERM from Slurm (preemption, requeue or time limit): capturing the job")
                 self.trigger("sigterm", True)
         elif sig == CHECKPOINT_SIGNAL:
             self.trigger("manual", False)
         elif sig == REQUEUE_SIGNAL:
             self.trigger("manual-requeue", True)
-        elif self.root_pid:
+        elif self.task.root_pid:
             try:
-                os.kill(self.root_pid, sig)
+                os.kill(self.task.root_pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -304,7 +246,7 @@ class Wrapper(TaskStart, EpochHandling):
         try:
             return [int(p) for p in open(self.tree_procs or "/nonexistent").read().split()]
         except OSError:
-            return [self.root_pid] if self.root_pid else []
+            return [self.task.root_pid] if self.task.root_pid else []
 
     def _signal_tree(self, sig: int, pids: list[int] | None = None) -> None:
         """Every process of the tree (its cgroup): when its root agent is gone, or a final capture failed."""
@@ -321,7 +263,8 @@ class Wrapper(TaskStart, EpochHandling):
         the init after. Slurm's SIGKILL after KillWait bounds it all."""
         self.passed_sigterm_on = True
         pids = self._tree_pids()
-        top = {self.root_pid, *proctree.children_map().get(self.root_pid, [])} if self.root_pid else set()
+        root = self.task.root_pid
+        top = {root, *proctree.children_map().get(root, [])} if root else set()
         rest = [p for p in pids if p not in top]
         self._signal_tree(signal.SIGTERM, rest)
         deadline = time.monotonic() + grace_s
@@ -341,7 +284,7 @@ class Wrapper(TaskStart, EpochHandling):
         # just leaves the job, a capture without it cannot commit, and the previous commit stays the one
         # restored.
         self.member.close(status, completed=not (self.passed_sigterm_on or killed_for))
-        for t in self.relays:
+        for t in self.task.relays:
             t.join(5)
         return status
 
