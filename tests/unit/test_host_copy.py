@@ -57,11 +57,11 @@ def _digest(p: subprocess.Popen[str]) -> str:
     return p.stdout.readline().strip()
 
 
-@pytest.mark.parametrize("threads", [1, 4])
-def test_a_stopped_process_s_ranges_go_out_and_come_back_into_another_process(tmp_path: Path, threads: int) -> None:
+@pytest.mark.parametrize("parts", [1, 4])
+def test_a_stopped_process_s_ranges_go_out_and_come_back_into_another_process(tmp_path: Path, parts: int) -> None:
     """Ranges of a stopped process (two of them, one not a multiple of the chunk) are written end to end
-    into one file; written into a second process's empty mapping at the same offsets, its memory then
-    holds exactly what the first one's held."""
+    into `parts` files, each by a thread of its own; written into a second process's empty mapping at the
+    same offsets, its memory then holds exactly what the first one's held."""
     n = 40 * MiB + 3 * PAGE
     src, address, digest = _child(n, fill=True)
     dst, address2, empty = _child(n, fill=False)
@@ -70,17 +70,61 @@ def test_a_stopped_process_s_ranges_go_out_and_come_back_into_another_process(tm
         os.kill(src.pid, signal.SIGSTOP)
         half = (n // 2) // PAGE * PAGE
         layout = process_memory.spans([(address, address + half), (address + half, address + n)])
-        fd = os.open(tmp_path / "copy.img", os.O_RDWR | os.O_CREAT, 0o600)
+        part = process_memory.part_size(n, parts, PAGE)
+        fds = [os.open(tmp_path / f"copy.{k}.img", os.O_RDWR | os.O_CREAT, 0o600) for k in range(parts)]
         try:
-            process_memory.copy_out(src.pid, layout, fd, threads)
-            assert os.fstat(fd).st_size == n
+            process_memory.copy_out(src.pid, layout, fds, part)
+            assert [os.fstat(fd).st_size for fd in fds] == [min(part, n - k * part) for k in range(parts)]
             moved = process_memory.spans([(address2, address2 + half), (address2 + half, address2 + n)])
-            process_memory.copy_in(dst.pid, moved, fd, threads)
+            process_memory.copy_in(dst.pid, moved, fds, part)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         assert _digest(dst) == digest
     finally:
         for p in (src, dst):
+            p.kill()
+            p.wait()
+
+
+def test_parts_are_whole_pages_and_no_chunk_crosses_a_part() -> None:
+    layout = process_memory.spans([(0x10000, 0x10000 + 5 * MiB + PAGE), (0x9000000, 0x9000000 + 3 * MiB)])
+    part = process_memory.part_size(8 * MiB + PAGE, 3, PAGE)
+    assert part % PAGE == 0 and 3 * part >= 8 * MiB + PAGE
+    chunks = process_memory._chunks(layout, part)
+    assert len(chunks) == 3
+    assert sum(n for work in chunks for _, _, n in work) == 8 * MiB + PAGE
+    assert all(offset + n <= part for work in chunks for _, offset, n in work)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_rank_s_entries_bring_the_copy_back_and_a_one_file_capture_still_restores(tmp_path: Path,
+                                                                                       threads: int) -> None:
+    """host_copy's entries name the part files; an entry of a capture made before the parts (one file
+    `host-copy-N.img`, no `parts`) is read as one part."""
+    n = 40 * MiB + 5 * PAGE
+    src, address, digest = _child(n, fill=True)
+    dst, address2, _ = _child(n, fill=False)
+    old_dst, address3, _ = _child(n, fill=False)
+    try:
+        os.kill(src.pid, signal.SIGSTOP)
+        entries, skip, _ = host_copy.copy_out({src.pid: [(address, address + n)]}, tmp_path, threads)
+        assert skip == [(src.pid, address, address + n)]
+        (entry,) = entries
+        assert len(entry["parts"]) == threads and entry["file"] == entry["parts"][0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(entry["parts"])
+        moved = dict(entry, nspid=host_copy._nspid(dst.pid), ranges=[[address2, address2 + n]])
+        host_copy.copy_in([moved], tmp_path, [dst.pid], threads)
+        assert _digest(dst) == digest
+        # a capture from before the parts: the same bytes in one file, its entry without parts
+        whole = b"".join((tmp_path / name).read_bytes() for name in entry["parts"])
+        (tmp_path / "host-copy-0.img").write_bytes(whole)
+        one_file = {"nspid": host_copy._nspid(old_dst.pid), "file": "host-copy-0.img",
+                    "ranges": [[address3, address3 + n]]}
+        host_copy.copy_in([one_file], tmp_path, [old_dst.pid], threads)
+        assert _digest(old_dst) == digest
+    finally:
+        for p in (src, dst, old_dst):
             p.kill()
             p.wait()
 
@@ -91,7 +135,7 @@ def test_a_range_the_process_does_not_have_fails_the_copy_naming_pid_and_address
         fd = os.open(tmp_path / "copy.img", os.O_RDWR | os.O_CREAT, 0o600)
         bogus = process_memory.spans([(PAGE, PAGE * 3)])
         with pytest.raises(OSError, match=f"pid {src.pid} at {PAGE:#x}"):
-            process_memory.copy_out(src.pid, bogus, fd, 2)
+            process_memory.copy_out(src.pid, bogus, [fd], PAGE * 2)
         os.close(fd)
     finally:
         src.kill()

@@ -3,8 +3,10 @@
 A GPU checkpoint (cuCheckpointProcessCheckpoint) copies the process's device memory into new anonymous
 memory of the process, and the job stays stopped until that copy is in the images and the GPU restore has
 taken it back. criu copies it through its parasite's pipes, one page batch and one process at a time, at
-2.2-2.6 GB/s (docs/gpu.md); here each of `threads` threads moves its own 16 MiB chunks between the process
-and the image file, so the copy runs at the speed of memory and of the file system's page cache. The
+2.2-2.6 GB/s (docs/gpu.md); here each of `threads` threads moves 16 MiB chunks between the process and a
+file of its own (a part: a buffered write holds its file's inode lock, so threads writing one file take turns
+and the copy ran at one thread's 3.4-3.7 GB/s on the H200), so the copy runs at the speed of memory and of
+the file system's page cache. The
 process is stopped or frozen throughout (the capture's freeze; the restore's stopped tree): nothing changes
 under the copy. Root only: the caller is the rank's agent, acting on its own tree.
 """
@@ -52,8 +54,27 @@ def spans(ranges: Sequence[tuple[int, int]]) -> list[Span]:
     return out
 
 
-def _chunks(layout: list[Span]) -> list[tuple[int, int, int]]:
-    return [(s.start + o, s.offset + o, min(CHUNK, s.size - o)) for s in layout for o in range(0, s.size, CHUNK)]
+def part_size(total: int, parts: int, page: int = 4096) -> int:
+    """The bytes of each part when `total` bytes are cut into `parts` files (the last may be shorter):
+    whole pages, so that every chunk of a part stays page aligned."""
+    per = -(-total // max(1, parts))
+    return max(page, -(-per // page) * page)
+
+
+def _chunks(layout: list[Span], part: int) -> list[list[tuple[int, int, int]]]:
+    """Per part of `part` bytes: its chunks (address, offset in the part, bytes), none crossing a part's end."""
+    out: list[list[tuple[int, int, int]]] = []
+    for s in layout:
+        o = 0
+        while o < s.size:
+            at = s.offset + o
+            k, within = divmod(at, part)
+            n = min(CHUNK, s.size - o, part - within)
+            while len(out) <= k:
+                out.append([])
+            out[k].append((s.start + o, within, n))
+            o += n
+    return out
 
 
 def _vm(call: Callable[..., int], pid: int, address: int, buf: ctypes.Array[ctypes.c_char], n: int,
@@ -67,25 +88,23 @@ def _vm(call: Callable[..., int], pid: int, address: int, buf: ctypes.Array[ctyp
                       + (f" ({os.strerror(err)})" if err else ""))
 
 
-def _run(work: list[tuple[int, int, int]], threads: int, one: Callable[[ctypes.Array[ctypes.c_char], int, int, int], None]) -> None:
-    """`one(buffer, address, offset, n)` for every chunk, spread over `threads` threads; the first error
-    is raised once every thread stopped."""
+def _run(parts: list[list[tuple[int, int, int]]], fds: Sequence[int],
+         one: Callable[[ctypes.Array[ctypes.c_char], int, int, int, int], None]) -> None:
+    """`one(buffer, fd, address, offset, n)` for every chunk, one thread per part (its own file); the first
+    error is raised once every thread stopped."""
     errors: list[BaseException] = []
-    lock = threading.Lock()
-    todo = iter(work)
 
-    def worker() -> None:
+    def worker(fd: int, work: list[tuple[int, int, int]]) -> None:
         buf = ctypes.create_string_buffer(CHUNK)
-        while not errors:
-            with lock:
-                item = next(todo, None)
-            if item is None:
+        for item in work:
+            if errors:
                 return
             try:
-                one(buf, *item)
+                one(buf, fd, *item)
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 errors.append(e)
-    pool = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, threads))]
+                return
+    pool = [threading.Thread(target=worker, args=(fds[k], work), daemon=True) for k, work in enumerate(parts)]
     for t in pool:
         t.start()
     for t in pool:
@@ -94,24 +113,33 @@ def _run(work: list[tuple[int, int, int]], threads: int, one: Callable[[ctypes.A
         raise errors[0]
 
 
-def copy_out(pid: int, layout: list[Span], fd: int, threads: int) -> float:
-    """The spans of `pid`'s memory into the file `fd` (written at each span's offset). Seconds taken."""
+def _check_parts(layout: list[Span], fds: Sequence[int], part: int) -> list[list[tuple[int, int, int]]]:
+    parts = _chunks(layout, part)
+    if len(parts) > len(fds):
+        raise ValueError(f"{len(parts)} parts of {part} bytes need as many files, {len(fds)} given")
+    return parts
+
+
+def copy_out(pid: int, layout: list[Span], fds: Sequence[int], part: int) -> float:
+    """The spans of `pid`'s memory into the files `fds` (byte `offset` of the layout at `offset % part` of
+    file `offset // part`), one thread per file. Seconds taken."""
     t0 = time.monotonic()
 
-    def one(buf: ctypes.Array[ctypes.c_char], address: int, offset: int, n: int) -> None:
+    def one(buf: ctypes.Array[ctypes.c_char], fd: int, address: int, offset: int, n: int) -> None:
         _vm(_libc.process_vm_readv, pid, address, buf, n, "reading the memory")
         view = memoryview(buf)[:n]
         while view:
             view = view[os.pwrite(fd, view, offset + n - len(view)):]
-    _run(_chunks(layout), threads, one)
+    _run(_check_parts(layout, fds, part), fds, one)
     return time.monotonic() - t0
 
 
-def copy_in(pid: int, layout: list[Span], fd: int, threads: int) -> float:
-    """The file `fd`'s spans back into `pid`'s memory at the same addresses. Seconds taken."""
+def copy_in(pid: int, layout: list[Span], fds: Sequence[int], part: int) -> float:
+    """The files' spans back into `pid`'s memory at the same addresses (the layout of copy_out). Seconds
+    taken."""
     t0 = time.monotonic()
 
-    def one(buf: ctypes.Array[ctypes.c_char], address: int, offset: int, n: int) -> None:
+    def one(buf: ctypes.Array[ctypes.c_char], fd: int, address: int, offset: int, n: int) -> None:
         got = 0
         view = memoryview(buf)
         while got < n:
@@ -120,5 +148,5 @@ def copy_in(pid: int, layout: list[Span], fd: int, threads: int) -> float:
                 raise OSError(5, f"the page file ended at {offset + got} of {offset + n}")
             got += k
         _vm(_libc.process_vm_writev, pid, address, buf, n, "writing the memory")
-    _run(_chunks(layout), threads, one)
+    _run(_check_parts(layout, fds, part), fds, one)
     return time.monotonic() - t0

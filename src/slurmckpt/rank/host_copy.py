@@ -7,14 +7,15 @@ process. At 8-32 GiB per GPU that copy is nearly all of the image, and criu dump
 
 - PREPARE's gpu-checkpoint notes each process's private anonymous writable ranges before and after the
   driver's copy (`ranges_before`, `grown`): what appeared is the host copy;
-- CAPTURE, on the frozen tree before criu dumps: each process's new ranges go into `host-copy-N.img` in the
-  rank's images, `threads` threads at a time (node/process_memory.py), and criu dumps them as untouched
-  pages (`--skip-pages`, our criu patch 0008): its image holds their mappings, not their bytes;
+- CAPTURE, on the frozen tree before criu dumps: each process's new ranges go into the rank's images, cut
+  into `threads` parts `host-copy-N.K.img` each written by a thread of its own (node/process_memory.py;
+  one file would make the threads take turns at its inode lock), and criu dumps them as untouched pages
+  (`--skip-pages`, our criu patch 0008): its image holds their mappings, not their bytes;
 - RESTORE, once criu has brought the tree back stopped: the files are written back into the restored
   processes (found by their pid inside the tree's PID namespace, which the restore keeps) before the GPU
   restore reads them.
 
-The file is one more file of the rank's images: persisted, checksummed and unpacked like criu's own.
+Each part is one more file of the rank's images: persisted, checksummed and unpacked like criu's own.
 `threads` 0 leaves the copy to criu, as before.
 """
 from __future__ import annotations
@@ -76,29 +77,43 @@ def _subtract(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> li
 
 def copy_out(copies: dict[int, list[tuple[int, int]]], images: Path, threads: int,
              **context: object) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]], float]:
-    """Each process's host copy into images/host-copy-N.img. Returns the rank record's entries, criu's
-    --skip-pages list (pid, start, end) and the seconds the copy took."""
+    """Each process's host copy into images/host-copy-N.K.img, K < `threads`. Returns the rank record's
+    entries, criu's --skip-pages list (pid, start, end) and the seconds the copy took."""
     entries, skip, seconds = [], [], 0.0
     for i, (pid, ranges) in enumerate(sorted(copies.items())):
-        name = f"host-copy-{i}.img"
         layout = process_memory.spans(ranges)
-        fd = os.open(images / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        total = sum(s.size for s in layout)
+        count = max(1, min(threads, -(-total // process_memory.CHUNK)))
+        part = process_memory.part_size(total, count, PAGE)
+        names = [f"host-copy-{i}.{k}.img" for k in range(-(-total // part) if total else 1)]
+        fds: list[int] = []
         try:
-            os.ftruncate(fd, sum(s.size for s in layout))
-            seconds += process_memory.copy_out(pid, layout, fd, threads)
+            for k, name in enumerate(names):
+                fds.append(os.open(images / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+                os.ftruncate(fds[-1], min(part, total - k * part))
+            seconds += process_memory.copy_out(pid, layout, fds, part)
         except OSError as e:
             raise CaptureError(f"copying the GPU host copy of pid {pid}: {e}", **context) from e
         finally:
-            os.close(fd)
-        entries.append({"nspid": _nspid(pid), "file": name, "ranges": [list(r) for r in ranges]})
+            for fd in fds:
+                os.close(fd)
+        entries.append({"nspid": _nspid(pid), "file": names[0], "parts": names, "part_size": part,
+                        "ranges": [list(r) for r in ranges]})
         skip += [(pid, s, e) for s, e in ranges]
     return entries, skip, seconds
+
+
+def _parts(entry: dict[str, Any]) -> tuple[list[str], int]:
+    """The entry's files and the bytes of each: a capture from before the parts wrote one file."""
+    if "parts" not in entry:
+        return [entry["file"]], max(1, sum(int(t) - int(s) for s, t in entry["ranges"]))
+    return [str(n) for n in entry["parts"]], int(entry["part_size"])
 
 
 def copy_in(entries: list[dict[str, Any]], images: Path, pids: list[int], threads: int,
             **context: object) -> float:
     """The saved host copies back into the restored processes `pids` (matched by their pid inside the
-    tree's PID namespace). Seconds taken."""
+    tree's PID namespace), a thread per part file. Seconds taken."""
     by_nspid: dict[int, int] = {}
     for pid in pids:
         try:
@@ -111,14 +126,18 @@ def copy_in(entries: list[dict[str, Any]], images: Path, pids: list[int], thread
         if target is None:
             raise RestoreError(f"no restored process has pid {e['nspid']} in the tree's namespace for "
                                f"{e['file']}", **context)
-        fd = os.open(images / e["file"], os.O_RDONLY | os.O_CLOEXEC)
+        names, part = _parts(e)
+        fds: list[int] = []
         try:
+            for name in names:
+                fds.append(os.open(images / name, os.O_RDONLY | os.O_CLOEXEC))
             seconds += process_memory.copy_in(target, process_memory.spans([(int(s), int(t)) for s, t in e["ranges"]]),
-                                              fd, threads)
-        except OSError as err:
+                                              fds, part)
+        except (OSError, ValueError) as err:
             raise RestoreError(f"writing the GPU host copy back into pid {target}: {err}", **context) from err
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
     return seconds
 
 
