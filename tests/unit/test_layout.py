@@ -12,7 +12,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "slurmckpt"
 LEAVES = {"slurmckpt", "slurmckpt.errors", "slurmckpt.validate", "slurmckpt.duration", "slurmckpt.sizes",
-          "slurmckpt.identity"}
+          "slurmckpt.identity", "slurmckpt.rates"}
 # What the user side may load: its own packages, the coordinator it hosts, Slurm's client side, reading
 # /proc, the frameworks' GPU defaults it sets, and the leaves. Anything else (agent/, rank/, store/, criu/,
 # the node's privileged drivers, the CUDA checkpoint driver) is root's.

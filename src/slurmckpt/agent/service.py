@@ -28,7 +28,7 @@ from slurmckpt.store import durable
 from slurmckpt.node import host_memory, packet_filter, watchdog
 from slurmckpt.coordinator import budget
 from slurmckpt.identity import TaskIdentity
-from slurmckpt import validate
+from slurmckpt import rates, validate
 from slurmckpt.agent import window
 from slurmckpt.agent.interruptions import PartitionHistory
 from slurmckpt.node.launch import Credentials, init_home, spawn_tree
@@ -307,7 +307,7 @@ class Agent(TaskPlan):
         trees = 1 + len({name for name in ipc.job_trees(self.cgroup.other_trees(), self.ident.job).values()})
         estimate = budget.Estimate.of([budget.RankSize(str(i), "this node", fp.host_bytes, fp.gpu_bytes,
                                                        len(fp.gpu.held)) for i in range(trees)])
-        capture_s = max(self.config.capture_timeout_s, budget.SAFETY * (estimate.dump + estimate.seal))
+        capture_s = max(self.config.capture_timeout_s, rates.SAFETY * (estimate.dump + estimate.seal))
         self.criu.timeout_s = capture_s
         watchdog.set_limit(self.watchdog_fd, capture_s + 120)
 

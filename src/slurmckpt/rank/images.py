@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import slurmckpt
+from slurmckpt import rates
 from slurmckpt.rank import fit, output_snapshot
 from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
@@ -34,7 +35,6 @@ from slurmckpt.node import detach
 from slurmckpt.node import proctree
 from slurmckpt.store import compression
 from slurmckpt.store.compression import PLAIN, Plain, Zstd
-from slurmckpt.coordinator import budget
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.store.persist import Priority, materialize, persist_kept
@@ -106,10 +106,10 @@ def reserve(ctx: RankContext, st: EpochState) -> None:
     space.reserve_store(ctx.store, epoch, ctx.step, ctx.rank, need, ctx.policy.quotas, ctx.creds.uid)
     try:
         space.reserve_staging(ctx.policy.staging, area(ctx, epoch), need)
-        # the capture of a large epoch outlasts the limits its lease was allocated with: the budget's rates
+        # the capture of a large epoch outlasts the limits its lease was allocated with: the measured rates
         images = need.raw + (st.footprint.gpu_bytes if st.footprint else 0)
         lease.extend(ctx.store, epoch, str(ctx.name), lease.clock() + ctx.policy.lease_s
-                     + budget.SAFETY * (images / budget.CRIU_DUMP_BPS + images / budget.SEAL_BPS))
+                     + rates.SAFETY * (images / rates.CRIU_DUMP_BPS + images / rates.SEAL_BPS))
     except BaseException:
         space.release_store(ctx.store, epoch, ctx.step, ctx.rank)
         ctx.policy.staging.remove(area(ctx, epoch))
