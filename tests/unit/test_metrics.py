@@ -196,7 +196,7 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     from slurmckpt.agent.service import PHASE_OPS
     from slurmckpt.rank.capture import CAPTURE_FINAL as CAPTURE, PREPARE, RESUME
     from slurmckpt.agent.metrics import STAGES
-    from slurmckpt.task.schedule import TRIGGERS
+    from slurmckpt.coordinator.protocol import TRIGGERS
     src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
     named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))
     assert named and {st.name for st in PREPARE + CAPTURE + RESUME[-1:]} | set(PHASE_OPS) | named <= set(STAGES)
