@@ -35,7 +35,7 @@ MAX_REASON = 400          # characters of one reason (one_line's default)
 MAX_COMMENT = 700         # characters of the AdminComment line (slurm/comment.py)
 MAX_ANNOTATIONS = 8       # AdminComment updates one agent makes at most (slurmctld is shared)
 
-Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (slurm/comment.py JobComment.note)
+Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (store/job_comment.py JobComment.note)
 
 
 class Pipeline(Protocol):
