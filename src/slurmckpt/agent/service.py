@@ -27,18 +27,18 @@ from slurmckpt.slurm import pmi
 from slurmckpt.store import durable
 from slurmckpt.node import host_memory, packet_filter, watchdog
 from slurmckpt.coordinator import budget
-from slurmckpt.identity import TaskIdentity
+from slurmckpt.identity import RankName, TaskIdentity
 from slurmckpt import rates, validate
 from slurmckpt.agent import window
 from slurmckpt.agent.interruptions import PartitionHistory
 from slurmckpt.node.launch import Credentials, init_home, spawn_tree
 from slurmckpt.node.peer import Peer
-from slurmckpt.identity import RankName
 from slurmckpt.rank.context import Handovers, Limits, RankContext
 from slurmckpt.rank.runner import RankRunner
 from slurmckpt.policy import JobPolicy
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store import reclaim
+from slurmckpt.rank import leftovers
 from slurmckpt.slurm.control import other_node_addresses
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.store.jobstore import JobStore, rank_name
@@ -128,10 +128,10 @@ class Agent(TaskPlan):
 
     def _collect_garbage(self) -> None:
         """This job's dead epochs, this node's orphaned staging areas and this task's leftover cgroups
-        (reclaim.py): never fatal."""
+        (reclaim.py, leftovers.py): never fatal."""
         try:
             for r in (reclaim.collect_job(self.store) + reclaim.collect_staging(self.store_policy.staging) +
-                      reclaim.collect_task_cgroups(self.config.freezer_root, self.ident.tree)):
+                      leftovers.collect_task_cgroups(self.config.freezer_root, self.ident.tree)):
                 log.info("reclaimed %s (%d bytes): %s", r.path, r.bytes, r.why)
         except (OSError, SlurmckptError) as e:
             log.warning("garbage collection at start failed: %s", e)
