@@ -22,6 +22,7 @@ from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError
 from slurmckpt.store.fresh_start import FailureReporter
 from slurmckpt.policy import JobPolicy
 from slurmckpt.store.jobstore import JobStore
+from fake_runner import fake_runner
 
 from test_coordinator import Committer, Job, Raw, still_serves, wait_for  # noqa: E402  (tests/unit helpers)
 
@@ -37,8 +38,8 @@ def agent(tmp_path: Path) -> Agent:
     a.store.ensure()
     a.config = SimpleNamespace(keep_epochs=2)
     a.instance = a.slurm_job = a.store_note = None    # job-instance binding: not what these tests are about
-    a.runner = SimpleNamespace(capture=lambda epoch, final: {"final": final},
-                                 prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None, killed_for="")
+    a.runner = fake_runner(capture=lambda epoch, final: {"final": final},
+                           prepare=lambda epoch: {}, resume=lambda epoch: {}, abort=lambda epoch: None, killed_for="")
     a.step, a.step_token = a.ident.step, ""
     a.reporter = FailureReporter(a.store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                  background=False)

@@ -2,6 +2,9 @@
 handed to the caller's rollback with its stage named; undos run last first and every one of them runs."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from slurmckpt.rank.context import EpochState
@@ -58,3 +61,25 @@ def test_every_undo_runs_whatever_the_others_do_last_first() -> None:
     failures = settle(undo_steps(done), Ctx(), EpochState(1))
     assert log == ["undo c", "undo a"]
     assert [str(f) for f in failures] == ["d: thaw: cgroup.freeze: No such device"]
+
+
+def test_the_failed_stage_has_one_writer() -> None:
+    """`failed_stage` is set in one place, `EpochState.stage_failed`: the engine, the runner (SIZE, the final
+    window through it), RESUME's persist and the failure recorder's reset all call it."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    writers = []
+    for path in sorted((src / "slurmckpt").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        owner = {id(n): "<module>" for n in ast.walk(tree)}
+        for func in ast.walk(tree):          # outer functions first: an inner one claims its own nodes after
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                owner.update({id(n): func.name for n in ast.walk(func)})
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "failed_stage" for t in targets) or (
+                    isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and any(isinstance(a, ast.Constant) and a.value == "failed_stage" for a in node.args)):
+                writers.append((str(path.relative_to(src)), owner[id(node)], node.lineno))
+    assert sorted({(f, name) for f, name, _ in writers}) == [("slurmckpt/rank/context.py", "stage_failed")], writers
+

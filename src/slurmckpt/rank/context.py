@@ -86,7 +86,7 @@ class EpochState:
     done: list[Stage] = field(default_factory=list)      # the stages done, for the rollback
     record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
-    failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
+    failed_stage: str = ""                                # the stage that raised (set by stage_failed only)
     footprint: Footprint | None = None                    # SIZE's measure (fit.py)
     gpu_record: dict[str, Any] | None = None
     tcp_peers: list[Any] = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
@@ -104,6 +104,12 @@ class EpochState:
     @property
     def dumped(self) -> bool:
         return any(s.name == "dump" for s in self.done)
+
+    def stage_failed(self, stage: str) -> None:
+        """The one writer of `failed_stage`: the stage that raised last in this epoch (a table's stage: the
+        engine; SIZE and the final window: the runner; RESUME's persist: images.py), "" as a phase begins
+        (store/fresh_start.py). The agent's error reply and the recorded capture failure name it."""
+        self.failed_stage = stage
 
 
 @dataclass

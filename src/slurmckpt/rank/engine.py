@@ -41,14 +41,14 @@ class Failure:
 def run_table(table: tuple[Stage, ...], ctx: RankContext, st: EpochState,
               on_failure: Callable[[str, BaseException], None]) -> None:
     """Run `table` in order; each stage done is appended to `st.done` and timed in `st.timings`. The first
-    stage that raises is recorded in `st.failed_stage` and handed to `on_failure(stage, error)`: the rollback,
+    stage that raises is recorded in `st` (`stage_failed`) and handed to `on_failure(stage, error)`: the rollback,
     which raises what the caller gets (the error itself, or one that names it and what undoing it met)."""
     for stage in table:
         start = time.monotonic()
         try:
             stage.run(ctx, st)
         except Exception as e:  # an unexpected failure still rolls back
-            st.failed_stage = stage.name
+            st.stage_failed(stage.name)
             on_failure(stage.name, e)
             raise
         st.timings[stage.name] = round(time.monotonic() - start, 4)

@@ -139,10 +139,10 @@ def persist(ctx: RankContext, st: EpochState, background: bool) -> None:
         manifest = persist_kept(ctx.store, epoch, ctx.step, ctx.rank, where, meta, ctx.policy.codec,
                                 ctx.policy.priority if background else None, ctx.policy.lease_s)
     except SlurmckptError:
-        st.failed_stage = "persist"
+        st.stage_failed("persist")
         raise
     except Exception as e:
-        st.failed_stage = "persist"
+        st.stage_failed("persist")
         raise CaptureError(f"persist failed: {e}", epoch=epoch, step=ctx.step, rank=ctx.rank) from e
     finally:
         ctx.policy.staging.remove(where)
