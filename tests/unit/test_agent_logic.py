@@ -26,6 +26,7 @@ from slurmckpt.errors import LockContended, PermissionDenied, ProtocolError, Sto
 from slurmckpt.store.instance import JobInstance, claim
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.store.jobstore import JobStore
+from fake_runner import fake_runner
 
 
 class FakeChannel:
@@ -99,7 +100,7 @@ def make_agent(tmp_path: Path, channel: FakeChannel | None = None, peer: FakePee
     store.ensure()
     return assemble(TaskIdentity("c", 43, "0", rank, 1001, 1001, ME.restart_count), store, channel=channel,
                     peer=peer, cgroup=tree or FakeTree(tmp_path / "cg"),
-                    runner=SimpleNamespace(root_pid=None, failed_stage="", killed_for=""), instance=ME,
+                    runner=fake_runner(root_pid=None, killed_for=""), instance=ME,
                     slurm_job=JobRecord(43, 1001, 1001, ME.submit_time, 1, "RUNNING", {}),
                     store_note=claim(store, ME))
 
@@ -224,7 +225,7 @@ def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tu
     a = make_agent(tmp_path, chan)
     a.tree.cgroup.other_trees = lambda: {1000 + i: TreeName(43, "0", i + 1, 0) for i in range(others)}
     a.facts.config = Config(capture_timeout_s=60.0)
-    a.tree.runner = SimpleNamespace(root_pid=1, failed_stage="", size=size, footprint=None, killed_for="")
+    a.tree.runner = fake_runner(root_pid=1, size=size, footprint=None, killed_for="")
     a.tree.criu = SimpleNamespace(timeout_s=60.0)
     a.facts.reporter = FailureReporter(a.facts.store, 43, "0.0", "n1", annotate=lambda job, text: "AdminComment",
                                  background=False)
@@ -255,7 +256,7 @@ def test_a_size_refusal_is_replied_with_its_stage_and_recorded(tmp_path):
     from slurmckpt.store.fresh_start import failures
 
     def size(epoch):
-        a.tree.runner.failed_stage = "size"
+        a.tree.runner.stage_failed("size")
         raise CaptureError("capture refused before anything was locked: the GPU checkpoint copies 9.0 GiB ...")
     chan = FakeChannel(request("size", epoch=3, final=True, trigger="sigterm"))
     a, r = sizing_agent(tmp_path, chan, size)

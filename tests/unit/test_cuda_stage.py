@@ -201,7 +201,7 @@ def test_nccl_is_fine_when_configured_or_alone_on_the_node(proc):
 
 def test_nccls_handle_socket_is_evidence_that_it_runs(proc, monkeypatch):
     from slurmckpt.cuda import procscan
-    from slurmckpt.rank.sharing.ipc import UnixSocket
+    from slurmckpt.node.sock_diag import UnixSocket
     proc.add(45, maps=["/x/libnccl.so.2"], fds=["socket:[777]"], env={"CUDA_VISIBLE_DEVICES": "0,1"})
     monkeypatch.setattr(procscan, "unix_sockets", lambda: {777: UnixSocket(777, 1, "@/tmp/nccl-socket-0-5a5a")})
     [reason] = unsupported_reasons([45])

@@ -20,6 +20,7 @@ from slurmckpt.slurm import jobrecord, window
 from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.window import KillWindow
 from slurmckpt.store.jobstore import JobStore
+from fake_runner import fake_runner
 
 GIB = 2**30
 CONFIG = "ClusterName             = ckpt\nKillWait                = 30 sec\nPreemptType             = {type}\n"
@@ -162,7 +163,7 @@ def fw(kill_wait: int = 30, grace: int = 0, preempted: object = False, now: floa
 
 
 def runner(fp: Footprint | None) -> SimpleNamespace:
-    return SimpleNamespace(failed_stage="", footprint=fp)
+    return fake_runner(footprint=fp)
 
 
 def sigterm(**kw) -> dict:

@@ -23,6 +23,7 @@ from slurmckpt.store.fresh_start import (FAILURES_FILE, CaptureFailure, FailureR
 from slurmckpt.store.jobstore import JobStore
 
 from test_coordinator import Committer, Job  # noqa: E402  (tests/unit helpers)
+from fake_runner import fake_runner
 
 HOSTILE = "sock \x1b[2J\x1b]0;pwned\x07 /tmp/a\nb\r\tc \u202etxt.exe \x00end"
 
@@ -166,13 +167,13 @@ def test_the_agent_caps_what_it_sends_to_slurmctld(tmp_path: Path) -> None:
 def test_recorded_phase_names_the_failed_stage_keeps_the_error_and_knows_the_epoch_kind(tmp_path: Path) -> None:
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = SimpleNamespace(failed_stage="stale")
+    pipeline = fake_runner("stale")
     r.epoch_began(7, None, "sigterm")
     r.epoch_is_final(7, True)
     with pytest.raises(CaptureError, match="unix stream socket"):
         with r.recorded(7, "prepare", pipeline):
             assert pipeline.failed_stage == ""          # a stage of an earlier epoch is not this one's
-            pipeline.failed_stage = "check"
+            pipeline.stage_failed("check")
             raise CaptureError("unix stream socket /tmp/s is connected to ? in a process outside this task")
     f = failures(store)[0]
     assert (f.epoch, f.stage, f.final, f.trigger, f.rank, f.node) == (7, "check", True, "sigterm", "batch.0", "node1")
@@ -187,11 +188,11 @@ def test_a_lock_round_the_coordinator_retries_is_not_recorded_its_verdict_is(tmp
     from slurmckpt.errors import ExchangeInFlight
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = SimpleNamespace(failed_stage="")
+    pipeline = fake_runner()
     r.epoch_began(9, True, "sigterm")
     with pytest.raises(ExchangeInFlight):
         with r.recorded(9, "prepare", pipeline):
-            pipeline.failed_stage = "pmi-idle"
+            pipeline.stage_failed("pmi-idle")
             raise ExchangeInFlight("thread 5 of pid 5 waits in read() for slurmstepd's answer")
     assert failures(store) == [] and notes.sent == []
     r.capture_failed(9, "pmi-idle", "thread 5 of pid 5 waits in read()", True, "sigterm", seen_by="coordinator")
@@ -204,7 +205,7 @@ def test_a_periodic_capture_that_found_the_task_ended_is_not_recorded_a_final_on
     from slurmckpt.errors import TaskEnded
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = SimpleNamespace(failed_stage="")
+    pipeline = fake_runner()
     for epoch, final in ((3, False), (4, None)):
         r.epoch_began(epoch, final, "interval")
         with pytest.raises(TaskEnded):
@@ -256,11 +257,11 @@ def _agent(tmp_path: Path, restart_count: int, notes: Notes, fail: str | None = 
 
     def prepare(epoch: int) -> dict:
         if fail:
-            a.tree.runner.failed_stage = "check"
+            a.tree.runner.stage_failed("check")
             raise CaptureError(fail, step="batch", rank=0)
         return {}
     a = assemble(TaskIdentity("c", 43, "batch", 0, 1001, 1001, restart_count), store,
-                 runner=SimpleNamespace(prepare=prepare, failed_stage="", killed_for=""),
+                 runner=fake_runner(prepare=prepare, killed_for=""),
                  reporter=_reporter(store, notes))
     return a
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmckpt.node import sock_diag
 from slurmckpt.rank.sharing import ipc
 from slurmckpt.identity import TreeName
 from slurmckpt.node.launch import Credentials
@@ -47,16 +48,16 @@ def test_parse_unix_diag_reads_name_peer_and_done() -> None:
         raw = struct.pack("=HH", 4 + len(payload), atype) + payload
         return raw + b"\0" * (-len(raw) % 4)
     body = struct.pack("=BBBBIII", socket.AF_UNIX, socket.SOCK_DGRAM, 1, 0, 77, 0, 0) + \
-        attr(ipc.UNIX_DIAG_NAME, b"/run/x.sock") + attr(ipc.UNIX_DIAG_PEER, struct.pack("=I", 78))
+        attr(sock_diag.UNIX_DIAG_NAME, b"/run/x.sock") + attr(sock_diag.UNIX_DIAG_PEER, struct.pack("=I", 78))
     msg = struct.pack("=IHHII", 16 + len(body), 20, 2, 1, 0) + body
     abstract = struct.pack("=BBBBIII", socket.AF_UNIX, socket.SOCK_STREAM, 10, 0, 80, 0, 0) + \
-        attr(ipc.UNIX_DIAG_NAME, b"\0abs")
+        attr(sock_diag.UNIX_DIAG_NAME, b"\0abs")
     msg2 = struct.pack("=IHHII", 16 + len(abstract), 20, 2, 1, 0) + abstract
-    done, found = ipc.parse_unix_diag(msg + msg2)
+    done, found = sock_diag.parse_unix_diag(msg + msg2)
     assert not done
-    assert found[77] == ipc.UnixSocket(77, socket.SOCK_DGRAM, "/run/x.sock", 78)
-    assert found[80] == ipc.UnixSocket(80, socket.SOCK_STREAM, "@abs", 0)
-    done, found = ipc.parse_unix_diag(struct.pack("=IHHII", 20, ipc.NLMSG_DONE, 2, 1, 0) + b"\0" * 4)
+    assert found[77] == sock_diag.UnixSocket(77, socket.SOCK_DGRAM, "/run/x.sock", 78)
+    assert found[80] == sock_diag.UnixSocket(80, socket.SOCK_STREAM, "@abs", 0)
+    done, found = sock_diag.parse_unix_diag(struct.pack("=IHHII", 20, sock_diag.NLMSG_DONE, 2, 1, 0) + b"\0" * 4)
     assert done and found == {}
 
 
@@ -64,7 +65,7 @@ def test_unix_sockets_sees_a_socketpair_with_peers() -> None:
     a, b = socket.socketpair()
     try:
         ia, ib = os.fstat(a.fileno()).st_ino, os.fstat(b.fileno()).st_ino
-        found = ipc.unix_sockets()
+        found = sock_diag.unix_sockets()
         assert found[ia].peer == ib and found[ib].peer == ia and found[ia].type == socket.SOCK_STREAM
     finally:
         a.close(), b.close()

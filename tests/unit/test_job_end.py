@@ -15,12 +15,18 @@ from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError
 from slurmckpt.store.instance import JobInstance, claim
-from slurmckpt.store.job_end import JobEnd, end
+from slurmckpt.rank import leftovers
+from slurmckpt.store.job_end import JobEnd
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from store_harness import Tree, capture, images, pipeline
 
 UID = 60021
+
+
+def end(job: JobEnd, config: Config, slurm, *timing):
+    """The job end as `slurmckpt job-end` runs it: lifting the job's TCP holds on this node first."""
+    return job_end.end(job, config, slurm, leftovers.lift_tcp_holds, *timing)
 
 
 @pytest.fixture
@@ -206,15 +212,15 @@ def test_gc_lifts_the_tcp_holds_of_jobs_that_are_gone_only(tmp_path, monkeypatch
     sync = tmp_path / "sync"
     sync.mkdir()
     (sync / ".lock-74").touch()                                  # held here once, nothing left
-    jobs = reclaim.tcp_hold_jobs([ipt.filter()], sync)
+    jobs = leftovers.tcp_hold_jobs([ipt.filter()], sync)
     assert jobs == {70, 71, 72, 73, 74}
     states = {70: "COMPLETED", 71: "RUNNING", 72: "PENDING"}
-    dry = reclaim.collect_tcp_holds(jobs, states, [ipt.filter()], dry_run=True, lock_dir=sync)
+    dry = leftovers.collect_tcp_holds(jobs, states, [ipt.filter()], dry_run=True, lock_dir=sync)
     assert [(r.path, r.why) for r in dry] == [("job 70: iptables: 1 rule(s)", "job COMPLETED"),
                                               ("job 73: iptables: 1 rule(s)", "Slurm knows no such job"),
                                               ("job 74: no rule left", "Slurm knows no such job")]
     assert len(ipt.job_chains()) == 4
-    done = reclaim.collect_tcp_holds(jobs, states, [ipt.filter()], lock_dir=sync)
+    done = leftovers.collect_tcp_holds(jobs, states, [ipt.filter()], lock_dir=sync)
     assert [r.kind for r in done] == ["tcp-hold"] * 3
     assert ipt.job_chains() == ["SLURMCKPT-71", "SLURMCKPT-72"] and not list(sync.glob(".lock-7[034]"))
 

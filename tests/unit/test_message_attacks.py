@@ -22,6 +22,7 @@ from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError
 from slurmckpt.store.fresh_start import FailureReporter
 from slurmckpt.policy import JobPolicy
 from slurmckpt.store.jobstore import JobStore
+from fake_runner import fake_runner
 
 from test_coordinator import Committer, Job, Raw, still_serves, wait_for  # noqa: E402  (tests/unit helpers)
 
@@ -36,7 +37,7 @@ def agent(tmp_path: Path) -> Agent:
     store.ensure()
     # job-instance binding (no instance, no store note): not what these tests are about
     return assemble(TaskIdentity("c", 77, "batch", 0, 1000, 1000, 1), store, config=SimpleNamespace(keep_epochs=2),
-                    runner=SimpleNamespace(capture=lambda epoch, final: {"final": final}, prepare=lambda epoch: {},
+                    runner=fake_runner(capture=lambda epoch, final: {"final": final}, prepare=lambda epoch: {},
                                            resume=lambda epoch: {}, abort=lambda epoch: None, killed_for=""),
                     reporter=FailureReporter(store, 77, "batch.0", "node1", annotate=lambda job, text: "AdminComment",
                                              background=False))

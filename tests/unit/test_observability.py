@@ -1,6 +1,6 @@
 """What an agent tells the world (events.py): one key=value line per event into the plugin's log relay (a
 real pipe here; the relay itself: spank/tests/log_relay_test.c), the job's comment field through its one
-writer (slurm/comment.py), the user-readable summary (summary.py), and the agent's own log (agent/logs.py)."""
+writer (store/job_comment.py), the user-readable summary (summary.py), and the agent's own log (agent/logs.py)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,8 @@ from slurmckpt.config import Config
 from slurmckpt.agent.events import MAX_LINE, AgentEvents, SlurmdLog, Task
 from slurmckpt.store.fresh_start import FailureReporter
 from slurmckpt.agent.metrics import NodeMetrics
-from slurmckpt.slurm.comment import CHECKPOINT_EVERY_S, MAX_FIELD, Checkpoint, JobComment, compose, foreign_part
+from slurmckpt.slurm.comment import MAX_FIELD, Checkpoint, compose, foreign_part
+from slurmckpt.store.job_comment import CHECKPOINT_EVERY_S, JobComment
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.control import JobEnded
 from slurmckpt.store.jobstore import JobStore

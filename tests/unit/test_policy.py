@@ -4,7 +4,6 @@ job's partition and QOS (limits: the strictest; defaults and settings: the most 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -14,6 +13,7 @@ from slurmckpt.cli import cli
 from slurmckpt.config import Config
 from slurmckpt.errors import ConfigError
 from slurmckpt.policy import JobPolicy
+from fake_runner import fake_runner
 
 POLICY = {"default": {"min_interval": "1m"},
           "partitions": {"debug": {"allowed": False}, "low": {"default_interval": "30m", "min_interval": "10m",
@@ -193,7 +193,7 @@ def test_the_agent_plan_and_prepare_follow_the_policy(tmp_path: Path):
     a = make_agent(tmp_path)
     a.facts.reporter = FailureReporter(a.facts.store, 43, "0.0", "n", annotate=lambda j, t: "none", background=False)
     a.facts.policy, a.plan.interval_s = policy().for_job(["debug"], None), 0
-    a.tree.runner = SimpleNamespace(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, failed_stage="", killed_for="")
+    a.tree.runner = fake_runner(root_pid=None, prepare=lambda epoch: {"prepared": epoch}, killed_for="")
     plan = a.plan.plan({}, [])
     assert plan["disabled"] == "checkpoints are not allowed in partition debug (site policy)"
     with pytest.raises(PermissionDenied, match="not allowed in partition debug"):

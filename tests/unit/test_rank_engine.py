@@ -3,6 +3,9 @@ set as it starts and once it is done; the first failure is named and raised, and
 the stages done, last first, every one of them; a settled table runs every stage whatever the others do."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from slurmckpt.rank.capture import FINAL_CAPTURE, PERIODIC_CAPTURE, PERSIST, PREPARE, RESUME
@@ -92,3 +95,25 @@ def test_the_named_tables_hold_their_stages_in_order_and_name_their_phases() -> 
     assert RestoreState(1).phase is Phase.RESTORING and (RESTORE.running, RESTORE.reached) == (
         Phase.RESTORING, Phase.RESTORED)
     assert not any(t.settled for t in (PREPARE, PERIODIC_CAPTURE, FINAL_CAPTURE, PERSIST, RESTORE))
+
+
+def test_the_failed_stage_has_one_writer() -> None:
+    """`failed_stage` is set in one place, `EpochState.stage_failed`: the engine, the runner (SIZE, the final
+    window through it), RESUME's persist and the failure recorder's reset all call it."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    writers = []
+    for path in sorted((src / "slurmckpt").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        owner = {id(n): "<module>" for n in ast.walk(tree)}
+        for func in ast.walk(tree):          # outer functions first: an inner one claims its own nodes after
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                owner.update({id(n): func.name for n in ast.walk(func)})
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "failed_stage" for t in targets) or (
+                    isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and any(isinstance(a, ast.Constant) and a.value == "failed_stage" for a in node.args)):
+                writers.append((str(path.relative_to(src)), owner[id(node)], node.lineno))
+    assert sorted({(f, name) for f, name, _ in writers}) == [("slurmckpt/rank/context.py", "stage_failed")], writers
+

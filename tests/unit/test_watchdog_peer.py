@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmckpt.store import reclaim
+from slurmckpt.rank import leftovers
 from slurmckpt.node import watchdog
 from slurmckpt.errors import PermissionDenied
 from slurmckpt.identity import TreeName
@@ -105,7 +105,7 @@ def test_an_agent_start_removes_only_its_own_tasks_empty_cgroups_of_earlier_star
         _v1_cgroup(tmp_path / name, state)
         (tmp_path / name / "cgroup.procs").write_text(procs)
     (tmp_path / "7.0.1.1" / "cgroup.procs").write_text("99\n")
-    found = reclaim.collect_task_cgroups(str(tmp_path), TreeName(7, "0", 1, 2))
+    found = leftovers.collect_task_cgroups(str(tmp_path), TreeName(7, "0", 1, 2))
     assert cgroupfs_rmdir == ["7.0.1.0 THAWED"]
     assert {(Path(r.path).name, r.kind) for r in found} == {("7.0.1.0", "task-cgroup"), ("7.0.1.1", "kept")}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["17.0.1.0", "7.0.1.1", "7.0.1.2", "7.0.1.3", "7.0.1.x",

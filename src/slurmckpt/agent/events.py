@@ -5,7 +5,7 @@
   The agent writes it to the log relay the SPANK plugin holds open in slurmstepd (`--log-fd`; slurmstepd's
   own stderr is /dev/null), which logs it with slurm_info()/slurm_error() under the step's `[N.S]` prefix;
 - the node's Prometheus metrics (metrics.py);
-- the job's comment field (slurm/comment.py) and the user-readable summary (summary.py).
+- the job's comment field (store/job_comment.py) and the user-readable summary (summary.py).
 
 The job's stderr gets its lines from the wrapper (wrapper.py `say`). Nothing here may fail a capture or a
 restore: every outlet logs its own failure and goes on.
@@ -23,7 +23,8 @@ from typing import Any
 from slurmckpt.store import summary
 from slurmckpt.config import Config
 from slurmckpt.agent.metrics import NodeMetrics
-from slurmckpt.slurm.comment import JobComment, one_line
+from slurmckpt.slurm.comment import one_line
+from slurmckpt.store.job_comment import JobComment
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.identity import RankName
 from slurmckpt.store.fresh_start import CaptureFailure

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
-from slurmckpt.task.schedule import TRIGGERS
+from slurmckpt.coordinator.protocol import TRIGGERS
 
 log = logging.getLogger("slurmckpt.metrics")
 
@@ -38,7 +38,7 @@ MAX_LABEL_VALUES = 32       # values of a label the site names (past it: "other"
 MAX_GAUGE_ENTRIES = 65536   # agents of a node that a gauge keeps (they are live processes)
 MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger state file is not ours
 # The pipeline's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
-# them in step), and the triggers of captures (triggers.TRIGGERS)
+# them in step), and the triggers of captures (coordinator/protocol.py)
 STAGES = ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
           "drain-output", "record", "host-copy", "dump", "snapshot-output", "handover", "persist", "window", "size",
           "prepare", "capture", "resume", "allocate", "membership", "commit")

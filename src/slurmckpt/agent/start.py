@@ -23,7 +23,7 @@ from slurmckpt.agent.events import AgentEvents, SlurmdLog, Task
 from slurmckpt.agent.metrics import NodeMetrics, node_name
 from slurmckpt.node.peer import Peer
 from slurmckpt.policy import JobPolicy
-from slurmckpt.slurm.comment import JobComment
+from slurmckpt.store.job_comment import JobComment
 from slurmckpt.slurm.control import CliSlurm, job_record
 from slurmckpt.slurm.jobrecord import JobRecord
 from slurmckpt.slurm.window import KillWindow

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurmckpt import validate
+from slurmckpt import rates, validate
 from slurmckpt.agent.facts import TaskFacts
 from slurmckpt.agent.job import message_epoch as _epoch
 from slurmckpt.agent.plan import TaskPlan
@@ -24,6 +24,7 @@ from slurmckpt.node import host_memory, packet_filter, procfs, watchdog
 from slurmckpt.node.launch import Credentials, init_home, spawn_tree
 from slurmckpt.node.peer import Peer
 from slurmckpt.node.task_cgroup import TaskCgroup
+from slurmckpt.rank import leftovers
 from slurmckpt.rank.context import Handovers, Limits, RankContext
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.rank.runner import RankRunner
@@ -210,7 +211,7 @@ class TaskTree:
         trees = 1 + len({name for name in ipc.job_trees(self.cgroup.other_trees(), self.facts.ident.job).values()})
         estimate = budget.Estimate.of([budget.RankSize(str(i), "this node", fp.host_bytes, fp.gpu_bytes,
                                                        len(fp.gpu.held)) for i in range(trees)])
-        capture_s = max(self.facts.config.capture_timeout_s, budget.SAFETY * (estimate.dump + estimate.seal))
+        capture_s = max(self.facts.config.capture_timeout_s, rates.SAFETY * (estimate.dump + estimate.seal))
         self.criu.timeout_s = capture_s
         watchdog.set_limit(self.watchdog_fd, capture_s + 120)
 
@@ -248,10 +249,10 @@ class TaskTree:
 
 def collect_garbage(facts: TaskFacts, store_policy: StorePolicy) -> None:
     """This job's dead epochs, this node's orphaned staging areas and this task's leftover cgroups
-    (reclaim.py): never fatal."""
+    (reclaim.py, leftovers.py): never fatal."""
     try:
         for r in (reclaim.collect_job(facts.store) + reclaim.collect_staging(store_policy.staging) +
-                  reclaim.collect_task_cgroups(facts.config.freezer_root, facts.ident.tree)):
+                  leftovers.collect_task_cgroups(facts.config.freezer_root, facts.ident.tree)):
             log.info("reclaimed %s (%d bytes): %s", r.path, r.bytes, r.why)
     except (OSError, SlurmckptError) as e:
         log.warning("garbage collection at start failed: %s", e)

@@ -129,7 +129,7 @@ class FinalWindow:
 
 
 class Runner(Protocol):
-    failed_stage: str
+    def stage_failed(self, stage: str) -> None: ...
 
     @property
     def footprint(self) -> Footprint | None: ...
@@ -164,7 +164,7 @@ def check_final(window: FinalWindow | None, store: JobStore, step: str, rank: in
         window.require(store, step, rank, runner.footprint, trigger_age(message) + max(0.0, here_s),
                        int(message.get("epoch", 0)))
     except WindowTooShort:
-        runner.failed_stage = "window"
+        runner.stage_failed("window")
         raise
 
 

@@ -30,6 +30,7 @@ def gc(dry_run: bool, fmt: Format) -> None:
     job epilog removes a finished job's images and its TCP holds at its end; this is the safety net, run
     hourly on every node by the package's timer or cron entry (docs/storage.md)."""
     from slurmckpt.node import packet_filter
+    from slurmckpt.rank import leftovers
     from slurmckpt.store import reclaim
     from slurmckpt.slurm.control import CliSlurm
     from slurmckpt.store.staging import Staging
@@ -43,9 +44,9 @@ def gc(dry_run: bool, fmt: Format) -> None:
         cluster = slurm.cluster_name() or "cluster"
     except SlurmError as e:
         raise CliError(f"cannot learn the cluster's name from Slurm ({e}); nothing was removed") from e
-    cgroup_jobs = reclaim.task_cgroup_jobs(cfg.freezer_root)
+    cgroup_jobs = leftovers.task_cgroup_jobs(cfg.freezer_root)
     filters = packet_filter.installed()
-    held = reclaim.tcp_hold_jobs(filters)
+    held = leftovers.tcp_hold_jobs(filters)
     jobs = sorted({job for c, job in list_jobs(root) if c == cluster} | set(cgroup_jobs) | held)
     try:
         states = slurm.job_states(jobs) if jobs else {}
@@ -56,8 +57,8 @@ def gc(dry_run: bool, fmt: Format) -> None:
                        "removed") from e
     removals = reclaim.collect_all(root, cluster, states, Staging(Path(cfg.staging_dir), cfg.staging_max),
                                    cfg.keep_finished, dry_run, cfg.summary_dir)
-    removals += reclaim.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)
-    removals += reclaim.collect_tcp_holds(held, states, filters, dry_run)
+    removals += leftovers.collect_finished_task_cgroups(cfg.freezer_root, states, dry_run)
+    removals += leftovers.collect_tcp_holds(held, states, filters, dry_run)
     rows = [{**r.as_dict(), "gib": f"{r.bytes / 2**30:.2f}",
              "action": "kept" if r.kind == "kept" else ("would remove" if dry_run else "removed")}
             for r in removals]
@@ -79,8 +80,9 @@ def job_end(job: int, uid: int, node: str, nodes: str) -> None:
         raise CliError("job-end runs as root, started by the SPANK plugin's job epilog")
     from slurmckpt.agent import logs as agentlog
     from slurmckpt.config import load_root_config
+    from slurmckpt.rank.leftovers import lift_tcp_holds
     from slurmckpt.store.job_end import JobEnd, end
     from slurmckpt.slurm.control import CliSlurm
     cfg = load_root_config()
     agentlog.setup(cfg, job, "end", 0)
-    end(JobEnd(job, uid, node, nodes), cfg, CliSlurm(timeout_s=20))
+    end(JobEnd(job, uid, node, nodes), cfg, CliSlurm(timeout_s=20), lift_tcp_holds)

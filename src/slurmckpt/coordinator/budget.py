@@ -1,10 +1,10 @@
 """An epoch's budget, from what every rank measured in the SIZE phase (rank/fit.py): whether the GPU copies
 of ranks that share a node or a memory cgroup fit together, and how long each phase may take.
 
-Timeouts follow the bytes at the rates measured on the H200 (driver 580; docs/gpu.md, "Rates"), times
-SAFETY, with the configured values as floors. Ranks of one node run each phase at once and share the node's
-copy engines and disk, so each phase takes the longest of: the slowest rank alone, and the node's total at
-the node's rate. A rank checkpoints its own CUDA processes one after the other (one process per driver call).
+Timeouts follow the bytes at the rates measured on the H200 (rates.py; docs/gpu.md, "Rates"), times SAFETY,
+with the configured values as floors. Ranks of one node run each phase at once and share the node's copy
+engines and disk, so each phase takes the longest of: the slowest rank alone, and the node's total at the
+node's rate. A rank checkpoints its own CUDA processes one after the other (one process per driver call).
 """
 from __future__ import annotations
 
@@ -14,18 +14,11 @@ from typing import Any, Callable, Iterable
 
 from slurmckpt import validate
 from slurmckpt.errors import ProtocolError
+from slurmckpt.rates import (CRIU_DUMP_BPS, GPU_CALL_S, GPU_CHECKPOINT_BPS, GPU_CHECKPOINT_NODE_BPS, GPU_RESTORE_BPS,
+                             GPU_RESTORE_NODE_BPS, NODE_WRITE_BPS, SAFETY, SEAL_BPS)
 from slurmckpt.sizes import size_text
 
-GPU_CHECKPOINT_BPS = 2.0e9          # device -> host, one process (32 GiB: 15-18 s)
-GPU_CHECKPOINT_NODE_BPS = 6.0e9     # all processes of a node at once (4 processes on one GPU)
-GPU_RESTORE_BPS = 5.5e9             # host -> device, one process
-GPU_RESTORE_NODE_BPS = 12.5e9
-GPU_CALL_S = 0.5                    # fixed cost of one checkpoint or restore call
-CRIU_DUMP_BPS = 1.0e9               # one tree's memory into its images
-NODE_WRITE_BPS = 1.6e9              # a node's local disk, direct writes, all ranks at once
-SEAL_BPS = 1.6e9                    # images read back and checksummed (xxh3 outruns the disk)
 FREEZE_S = 10.0                     # the cgroup freeze's own limit (task_cgroup.TaskCgroup.freeze)
-SAFETY = 2.0
 ABORT_FLOOR_S = 30.0
 MAX_BYTES = 2**62
 

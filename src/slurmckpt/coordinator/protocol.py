@@ -19,6 +19,10 @@ MAX_LINE = 64 * 1024
 # Message types. Coordinator -> rank: commands; rank -> coordinator: replies and events.
 COMMANDS = {"size", "prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
 EVENTS = {"hello", "sized", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
+# What starts an epoch (a `trigger` event's reason, carried on to the ranks' agents and their commit's
+# reason): the interval (coordinator/host.py), the wall-time (task/schedule.py), Slurm's SIGTERM,
+# `slurmckpt checkpoint` and `slurmckpt requeue` (task/wrapper.py); agent/metrics.py counts by it.
+TRIGGERS = ("interval", "walltime", "sigterm", "manual", "manual-requeue")
 
 # What a `failed` reply says of its error, as a kind and never as text: "retryable" (errors.LockContended, a
 # GPU lock that timed out on work in flight, or errors.ExchangeInFlight, a rank frozen inside a PMI exchange:

@@ -14,11 +14,11 @@ import re
 from typing import Sequence
 
 from slurmckpt.node import procfs
+from slurmckpt.node.sock_diag import unix_sockets
 from slurmckpt.cuda import ipc_peers
 from slurmckpt.cuda.driver import GpuDriver, GpuDriverError, ProcessState
 from slurmckpt.cuda.release import ipc_jobs
 from slurmckpt.cuda.nccl import CHECKPOINT_ENV as NCCL_CHECKPOINT_ENV, DOC as NCCL_DOC, NVLINK_ENV as NCCL_NVLINK_ENV
-from slurmckpt.rank.sharing.ipc import unix_sockets
 
 log = logging.getLogger("slurmckpt.cuda")
 

@@ -110,7 +110,7 @@ def _remove_once_empty(cgroup: TaskCgroup, poll_s: float) -> None:
     (the tree may run on for long when only the agent died). Slurm's final SIGKILL may end this watchdog
     with the agent and the wrapper: slurmstepd then kills what is left of the tree and removes its cgroup
     as it reaps the wrapper (spank/tree_end.c), and the next start of the task removes any cgroup still
-    left (reclaim.collect_task_cgroups)."""
+    left (rank/leftovers.py collect_task_cgroups)."""
     while cgroup.path.is_dir():
         if not cgroup.pids():
             cgroup.remove()

@@ -113,7 +113,13 @@ class EpochState:
     phase: Phase = Phase.SIZED
     done: list[Stage[Self]] = field(default_factory=list)      # the stages done, for the rollback
     timings: dict[str, float] = field(default_factory=dict)
-    failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
+    failed_stage: str = ""                                # the stage that raised (set by stage_failed only)
+
+    def stage_failed(self, stage: str) -> None:
+        """The one writer of `failed_stage`: the stage that raised last in this epoch (a table's stage: the
+        engine; SIZE and the final window: the runner; PERSIST: images.py), "" as a phase begins
+        (store/fresh_start.py). The agent's error reply and the recorded capture failure name it."""
+        self.failed_stage = stage
 
 
 @dataclass

@@ -69,7 +69,7 @@ class Unsettled(Exception):
 
 def run_table(table: Table[S], ctx: RankContext, st: S) -> None:
     """Run `table` over `st`. Each stage done is appended to `st.done` and timed in `st.timings`; the first
-    that raises is recorded in `st.failed_stage` and its error raised, the stages done kept for `rollback`.
+    that raises is recorded in `st` (`stage_failed`) and its error raised, the stages done kept for `rollback`.
     A settled table: every stage, then Unsettled if any failed."""
     st.phase = table.running
     if table.settled:
@@ -83,7 +83,7 @@ def run_table(table: Table[S], ctx: RankContext, st: S) -> None:
         try:
             stage.run(ctx, st)
         except Exception:  # named here; the caller rolls back
-            st.failed_stage = stage.name
+            st.stage_failed(stage.name)
             raise
         st.timings[stage.name] = round(time.monotonic() - start, 4)
         st.done.append(stage)

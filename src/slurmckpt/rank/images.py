@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import slurmckpt
+from slurmckpt import rates
 from slurmckpt.rank import fit, output_snapshot
 from slurmckpt.rank.sharing import shm_files
 from slurmckpt.store import space
@@ -34,7 +35,6 @@ from slurmckpt.node import detach
 from slurmckpt.node import proctree
 from slurmckpt.store import compression
 from slurmckpt.store.compression import PLAIN, Plain, Zstd
-from slurmckpt.coordinator import budget
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, RestoreError, SlurmckptError
 from slurmckpt.store.persist import Priority, materialize, persist_kept
@@ -106,10 +106,10 @@ def reserve(ctx: RankContext, st: CaptureState) -> None:
     space.reserve_store(ctx.store, epoch, ctx.step, ctx.rank, need, ctx.policy.quotas, ctx.creds.uid)
     try:
         space.reserve_staging(ctx.policy.staging, area(ctx, epoch), need)
-        # the capture of a large epoch outlasts the limits its lease was allocated with: the budget's rates
+        # the capture of a large epoch outlasts the limits its lease was allocated with: the measured rates
         images = need.raw + (st.footprint.gpu_bytes if st.footprint else 0)
         lease.extend(ctx.store, epoch, str(ctx.name), lease.clock() + ctx.policy.lease_s
-                     + budget.SAFETY * (images / budget.CRIU_DUMP_BPS + images / budget.SEAL_BPS))
+                     + rates.SAFETY * (images / rates.CRIU_DUMP_BPS + images / rates.SEAL_BPS))
     except BaseException:
         space.release_store(ctx.store, epoch, ctx.step, ctx.rank)
         ctx.policy.staging.remove(area(ctx, epoch))
@@ -139,10 +139,10 @@ def persist(ctx: RankContext, st: CaptureState, background: bool) -> None:
         manifest = persist_kept(ctx.store, epoch, ctx.step, ctx.rank, where, meta, ctx.policy.codec,
                                 ctx.policy.priority if background else None, ctx.policy.lease_s)
     except SlurmckptError:
-        st.failed_stage = "persist"
+        st.stage_failed("persist")
         raise
     except Exception as e:
-        st.failed_stage = "persist"
+        st.stage_failed("persist")
         raise CaptureError(f"persist failed: {e}", epoch=epoch, step=ctx.step, rank=ctx.rank) from e
     finally:
         ctx.policy.staging.remove(where)

@@ -24,18 +24,16 @@ class RankRunner:
         self.ctx: RankContext | None = None      # the running tree's; None until the agent built one
         self.state: CaptureState | None = None   # the current (or last) capture epoch's
         self.killed_for = ""                     # why this agent killed the tree (kill_tree)
-        self._failed_stage = ""
 
     @property
     def failed_stage(self) -> str:
         """The stage that raised last (store/fresh_start.py records it; the coordinator's abort names it)."""
-        return self._failed_stage or (self.state.failed_stage if self.state else "")
+        return self.state.failed_stage if self.state else ""
 
-    @failed_stage.setter
-    def failed_stage(self, stage: str) -> None:
-        self._failed_stage = stage
+    def stage_failed(self, stage: str) -> None:
+        """The current epoch's `EpochState.stage_failed`; before the first epoch there is none to name."""
         if self.state is not None:
-            self.state.failed_stage = stage
+            self.state.stage_failed(stage)
 
     @property
     def root_pid(self) -> int | None:
@@ -59,7 +57,7 @@ class RankRunner:
                 raise CaptureError("capture refused before anything was locked: " + "; ".join(why),
                                    step=ctx.step, rank=ctx.rank)
         except SlurmckptError:
-            self.failed_stage = "size"
+            self.stage_failed("size")
             raise
         self.state.footprint = measured
         return {**measured.reply(), "notes": list(measured.gpu.notes) + measured.notes()}
@@ -182,7 +180,7 @@ class RankRunner:
         try:
             run_table(table, ctx, st)
         except Exception as error:  # an unexpected failure still rolls back
-            stage = self.failed_stage = st.failed_stage
+            stage = st.failed_stage      # named by the engine (EpochState.stage_failed)
             if isinstance(error, CriuInterrupted):
                 # Stopped at its timeout or killed: a process may still hold criu's parasite code (or half of
                 # a cure), which the rollback's thaw would run. Killed first, while frozen (criu/driver.py).

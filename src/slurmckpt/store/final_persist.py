@@ -12,16 +12,16 @@ derived from those here. What it reads in the staging area (`.handover`: the ran
 priority) the agent wrote there; the directory is root's, mode 0700.
 
     slurmckpt persist-final --cluster C --job J --epoch E --step S --rank R      (root; the agent only)
+
+The process around it (its logs, its leaving the job's cgroups) is cli/persist.py's.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from slurmckpt import validate
 from slurmckpt.errors import SlurmckptError
 from slurmckpt.store import handover, lease
 from slurmckpt.store.compression import from_settings
@@ -68,17 +68,3 @@ def _order(where: Path) -> dict[str, Any]:
             "codec": from_settings(str(codec["name"]), int(codec["level"]), int(codec["threads"])),
             "priority": None if priority is None else Priority(int(priority["nice"]), str(priority["io_class"]))}
 
-
-def main(cluster: str, job: int, epoch: int, step: str, rank: int) -> int:
-    """The process's life (cli/persist.py): logs, out of the job's cgroups, the persist. Exit 0: in the store."""
-    from slurmckpt.agent import logs as agentlog
-    from slurmckpt.config import load_root_config
-    from slurmckpt.node import detach
-    config = load_root_config()
-    validate.label(cluster, "cluster")
-    agentlog.setup(config, job, f"{validate.step(step)}-persist", validate.rank_index(rank))
-    detach.leave_job_cgroups(os.getpid())        # the agent moved it already; a no-op then
-    store = JobStore(Path(config.storage_root), cluster, job)
-    ok = persist_handed(store, Staging(Path(config.staging_dir), config.staging_max), validate.epoch(epoch),
-                        step, rank)
-    return 0 if ok else 1

@@ -35,11 +35,14 @@ MAX_REASON = 400          # characters of one reason (one_line's default)
 MAX_COMMENT = 700         # characters of the AdminComment line (slurm/comment.py)
 MAX_ANNOTATIONS = 8       # AdminComment updates one agent makes at most (slurmctld is shared)
 
-Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (slurm/comment.py JobComment.note)
+Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (store/job_comment.py JobComment.note)
 
 
 class Pipeline(Protocol):
-    failed_stage: str          # the stage that raised last (rank/runner.py RankRunner)
+    @property
+    def failed_stage(self) -> str: ...          # the stage that raised last (rank/runner.py RankRunner)
+
+    def stage_failed(self, stage: str) -> None: ...
 
 
 def reason_of(error: BaseException) -> str:
@@ -153,7 +156,7 @@ class FailureReporter:
     def recorded(self, epoch: int, phase: str, pipeline: Pipeline) -> Iterator[None]:
         """A capture phase run here that fails is recorded before the coordinator hears of it; a retryable
         one (a lock round the coordinator tries again) is not: its final verdict is recorded if it stands."""
-        pipeline.failed_stage = ""
+        pipeline.stage_failed("")            # a stage of an earlier phase is not this one's
         try:
             yield
         except Exception as e:

@@ -4,7 +4,7 @@ The SPANK plugin's job epilog (spank/job_end.c: slurmd runs it as root on every 
 job leaves its nodes, whether it ended, was requeued or preempted) starts `slurmckpt job-end` detached, with
 the job id and uid from Slurm, the node's name and the job's node list from slurmd, a fixed environment,
 and returns at once. On every node it first lifts the TCP holds the job still has there (a restore killed
-before both ends of a connection were back leaves them: netlock.lift_job): the job has left the node, and
+before both ends of a connection were back leaves them: rank/leftovers.py): the job has left the node, and
 its next start cannot come back to it before every node's epilog has returned and the requeue delay has
 passed. Then only the first node of the job's list goes on (the others exit): one process per job asks
 slurmctld, whatever the job's size.
@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from slurmckpt.node import packet_filter
-from slurmckpt.rank.sharing import netlock, rendezvous
 from slurmckpt.store import reclaim
 from slurmckpt.config import Config
 from slurmckpt.errors import SlurmError, StorageError
@@ -66,11 +64,11 @@ class JobEnd:
         return self.node not in names or names[0] == self.node
 
 
-def end(job: JobEnd, config: Config, slurm: Slurm, clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep) -> str:
-    """Lift the job's TCP holds on this node; then wait for Slurm's final word on the job and act on it; what
-    was done, in one line (also logged)."""
-    lift_tcp_holds(job.job)
+def end(job: JobEnd, config: Config, slurm: Slurm, lift_holds: Callable[[int], object],
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
+    """Lift the job's TCP holds on this node (`lift_holds`: rank/leftovers.py lift_tcp_holds); then wait for
+    Slurm's final word on the job and act on it; what was done, in one line (also logged)."""
+    lift_holds(job.job)
     if not job.acts_here():
         return f"left to the job's first node ({job.nodes})"
     try:
@@ -104,18 +102,6 @@ def end(job: JobEnd, config: Config, slurm: Slurm, clock: Callable[[], float] = 
         if clock() >= deadline:
             return _said(logging.WARNING, f"left to gc: no final word from Slurm within {WAIT_S:.0f}s ({detail})")
         sleep(next(pauses, PAUSES[-1]))
-
-
-def lift_tcp_holds(job: int) -> list[str]:
-    """Every rule the job still has in this node's packet filters, and its markers (netlock.lift_job); only
-    where the job ever held TCP on the node (it takes its lock there before any hold)."""
-    if not rendezvous.job_lock_path(rendezvous.LOCK_DIR, job).exists():
-        return []
-    lifted = netlock.lift_job(job, packet_filter.installed())
-    if lifted:
-        log.log(logging.WARNING if any("FAILED" in line for line in lifted) else logging.INFO,
-                "job end: TCP holds left on this node lifted: %s", "; ".join(lifted))
-    return lifted
 
 
 def _said(level: int, text: str) -> str:

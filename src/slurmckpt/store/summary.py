@@ -122,7 +122,7 @@ def recorded_stalls(store: JobStore) -> list[float]:
 def build(store: JobStore) -> dict[str, Any]:
     """The summary of a job's store as it is now."""
     from slurmckpt.store.fresh_start import failures
-    from slurmckpt.slurm.comment import STATE_FILE
+    from slurmckpt.store.job_comment import STATE_FILE
     manifest = store.read_manifest()
     epochs = []
     for e in sorted(manifest.get("epochs", []), key=lambda e: e["epoch"], reverse=True):

@@ -19,9 +19,7 @@ log = logging.getLogger("slurmckpt.triggers")
 # whose default action ends a process, so the CLI sends them only to a job whose batch step is wrapped.
 CHECKPOINT_SIGNAL = signal.SIGRTMIN + 4     # capture, keep running
 REQUEUE_SIGNAL = signal.SIGRTMIN + 5        # capture, then requeue
-# What starts an epoch (its trigger, its commit's reason): the interval (coordinator/host.py), the wall-time
-# (Schedule), Slurm's SIGTERM, `slurmckpt checkpoint` and `slurmckpt requeue` (wrapper.py)
-TRIGGERS = ("interval", "walltime", "sigterm", "manual", "manual-requeue")
+# What starts an epoch, this wall-time capture among them: coordinator/protocol.py, TRIGGERS
 
 
 @dataclass

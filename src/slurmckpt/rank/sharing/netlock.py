@@ -15,7 +15,7 @@ them when both are back. Who is first and last is decided under the job's lock (
 other job waits for it), with one file of counters per restore, keyed by job, restart, epoch and network
 namespace. Only connections both ranks' records hold are held (`confirmed`), so the last end comes (or
 fails, which lifts the hold as well) unless the job ends first: then its epilog lifts everything the job
-holds on the node (`lift_job`, from store/job_end.py), and gc does once Slurm says the job is gone. The
+holds on the node (`lift_job`, from store/job_end.py through rank/leftovers.py), and gc does once Slurm says the job is gone. The
 rules go through packet_filter.py (iptables or nftables, as criu's own lock): one batch per rank's restore
 whatever the number of connections, and at most `tcp_hold_max` connections per job and node, which the
 capture's check already refuses to exceed (`held_on_node`).
