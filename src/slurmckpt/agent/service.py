@@ -392,7 +392,7 @@ class Agent(TaskPlan):
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
         if self.events:
             self.events.restored(_epoch(m), time.monotonic() - start)
-        return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
+        return {"pid": pid, "kind": manifest.capture.tree.kind, "seconds": time.monotonic() - start}
 
 
 def _no_note(job: int, text: str) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Callable, TYPE_CHECKING
 
 from slurmckpt.identity import RankName
 from slurmckpt.store.space import CopyBudget
+from slurmckpt.store.record import Draft, RankRecord
 
 if TYPE_CHECKING:
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
@@ -84,7 +85,7 @@ class EpochState:
     final: bool = False
     replay: bool = False       # batch step with srun running: replayed on restore, so never frozen or imaged
     done: list[Stage] = field(default_factory=list)      # the stages done, for the rollback
-    record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    record: Draft = field(default_factory=Draft)          # what this epoch captured, by section (-> rank.json)
     timings: dict[str, float] = field(default_factory=dict)
     failed_stage: str = ""                                # the stage that raised (store/fresh_start.py)
     footprint: Footprint | None = None                    # SIZE's measure (fit.py)
@@ -111,7 +112,7 @@ class RestoreState(EpochState):
     """One restore of a committed epoch (restore.py): what each stage found for the next."""
     stdio: list[int] = field(default_factory=list)       # the new start's stdio fds (and batch script's)
     images: Path | None = None                            # the unpacked images
-    manifest: dict[str, Any] = field(default_factory=dict)          # the rank's rank.json, as verified
+    manifest: RankRecord | None = None                    # the rank's rank.json, as verified
     key: RestoreKey | None = None                         # this restore of the job on this node
     inherit: list[InheritedFd] = field(default_factory=list)
     owned_fds: list[int] = field(default_factory=list)          # fds a stage opened for criu (closed after)

@@ -14,6 +14,7 @@ from slurmckpt.rank import capture, images, restore
 from slurmckpt.rank.context import EpochState, RankContext, RestoreState
 from slurmckpt.rank.engine import Failure, Stage, run_table, settle, undo_steps
 from slurmckpt.rank.fit import Footprint, measure as measure_footprint
+from slurmckpt.store.record import RankRecord
 
 log = logging.getLogger("slurmckpt.pipeline")
 
@@ -80,7 +81,8 @@ class RankRunner:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
         st.final = final
         self._run(capture.CAPTURE_FINAL if final else capture.CAPTURE_PERIODIC, self.ctx, st)
-        return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings,
+        kind = st.record.tree.kind if st.record.tree else "image"
+        return {"kind": kind, "bytes": st.record.bytes, "timings": st.timings,
                 **({"persisting": True} if st.persister is not None else {})}
 
     def resume(self, epoch: int) -> dict[str, Any]:
@@ -96,7 +98,7 @@ class RankRunner:
             self._settled(settle([(s.name, s.run) for s in capture.RESUME_TREE], ctx, st), ctx, epoch)
         if dumped and not persisted:
             capture.RESUME[-1].run(ctx, st)
-        return {"bytes": st.record.get("bytes", 0), "raw_bytes": st.record.get("raw_bytes", 0)}
+        return {"bytes": st.record.bytes, "raw_bytes": st.record.raw_bytes}
 
     def abort(self, epoch: int) -> None:
         """Undo this epoch; after the thaw (its persist done, the epoch failed elsewhere) its images go."""
@@ -124,7 +126,7 @@ class RankRunner:
         """The agent launched the tree whose context this is."""
         self.ctx, self.state = ctx, None
 
-    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, dict[str, Any]]:
+    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, RankRecord]:
         """Restore this rank from `epoch` with the new task's stdio fds (RESTORE's table): (root pid, or None
         for a replayed batch step; the rank manifest). On success the runner holds the restored tree."""
         self.ctx, st = ctx, RestoreState(epoch, stdio=stdio)
@@ -138,6 +140,7 @@ class RankRunner:
                 ctx.policy.staging.remove(st.images)
         if st.pid is not None:
             self.ctx = restore.restored(ctx, st.pid)
+        assert st.manifest is not None         # the table ran whole: `unpack` read it
         return st.pid, st.manifest
 
     def kill_tree(self, why: str, consequence: str) -> str:
