@@ -10,13 +10,19 @@ import pytest
 
 from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore
-from slurmckpt.store.record import (FORMAT, Capture, Draft, Files, OutputSnapshot, RankRecord, ScriptFd, Sockets,
-                                    StdioFd, Tree)
+from slurmckpt.rank.sharing import netlock
+from slurmckpt.store.record import (FORMAT, Capture, Draft, Files, HandedSocket, OutputSnapshot, RankRecord, ScriptFd,
+                                    Sockets, StdioFd, Tree)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # rank.json of a real final capture (tests/integration/test_kill_window.py on the 26.05 cluster): the batch
 # step of job 10, epoch 4, its script open at offset 66, stdout and stderr on one regular file
 FINAL = FIXTURES / "rank-v1-final-batch.json"
+# an MPICH ring of 2 ranks started by srun --mpi=pmi2 on one node (tests/integration/test_mpi.py, 22.05): its
+# first periodic capture, the step's two ranks (PMI socket, TCP between them) and the replayed batch step
+MPI_RANK0, MPI_RANK1 = FIXTURES / "rank-v1-mpich-0.0.json", FIXTURES / "rank-v1-mpich-0.1.json"
+MPI_BATCH = FIXTURES / "rank-v1-mpich-batch-replay.json"
+ALL = (FINAL, MPI_RANK0, MPI_RANK1, MPI_BATCH)
 
 
 def _on_disk(path: Path) -> dict:
@@ -48,10 +54,41 @@ def test_a_real_format_1_record_reads_with_its_values() -> None:
     assert seal.raw_bytes() == sum(e.get("raw_size", e["size"]) for e in _on_disk(FINAL)["files"].values())
 
 
-def test_format_1_is_written_back_key_for_key_as_it_was_read() -> None:
-    """The layout on disk is today's: what a real capture wrote comes back identical, so images committed by
-    an earlier release and this one's are the same format."""
-    raw = _on_disk(FINAL)
+def test_a_real_mpi_rank_reads_with_its_pmi_socket_and_tcp_to_the_other_rank() -> None:
+    rec = RankRecord.from_json(_on_disk(MPI_RANK0))
+    assert (rec.seal.job, rec.seal.step, rec.seal.rank, rec.seal.epoch) == (259, "0", 0, 1)
+    assert rec.capture.tree.kind == "image" and rec.capture.tree.processes == 2 and rec.capture.staged_bytes is None
+    s = rec.capture.sockets
+    assert s.pmi == (HandedSocket("socket:[2858843]", 2858843),) and s.srun_standins == ()
+    assert s.tcp_ranks == (("127.0.0.1:45518", "127.0.0.1:58201", "0", 1),
+                           ("10.77.0.1:52751", "10.77.0.1:52402", "0", 1))
+    assert s.tcp_nodes == () and s.tcp_close == ()
+    assert s.tcp_ports["listeners"] == [["10.77.0.1", 52751], ["127.0.0.1", 42985]]
+    assert rec.capture.files.stdio[1] == StdioFd(1, "pipe:[2858850]", "pipe:[2858850]", False, 0)
+    assert rec.capture.outputs == ()
+
+
+def test_both_ends_recorded_by_the_two_ranks_are_the_connections_a_restore_holds() -> None:
+    """What the restore's tcp-hold stage does with the records (rank/sharing/netlock.py confirmed)."""
+    records = {(r.seal.step, r.seal.rank): r for r in map(RankRecord.from_json, map(_on_disk, (MPI_RANK0, MPI_RANK1)))}
+    mine = records[("0", 0)].capture.sockets.tcp_ranks
+    held = netlock.confirmed(mine, "0", 0, lambda step, rank: records[(step, rank)].capture.sockets.tcp_ranks)
+    assert held == [["127.0.0.1:45518", "127.0.0.1:58201"], ["10.77.0.1:52751", "10.77.0.1:52402"]]
+
+
+def test_a_real_replayed_batch_step_reads_as_a_replay_with_its_output_snapshot() -> None:
+    rec = RankRecord.from_json(_on_disk(MPI_BATCH))
+    assert rec.capture.tree.kind == "replay" and not rec.capture.tree.imaged
+    assert rec.capture.sockets == Sockets()
+    assert [(o.fd, o.size, o.ranges) for o in rec.capture.outputs] == [(1, 2712, ((0, 2712),)), (2, 2712, ((0, 2712),))]
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
+def test_format_1_is_written_back_key_for_key_as_it_was_read(path: Path) -> None:
+    """The layout on disk is today's: what real captures of the release before the typed record wrote
+    comes back identical (a replay without tcp_nodes/tcp_close, a periodic capture without bytes), so
+    images committed by an earlier release and this one's are one format."""
+    raw = _on_disk(path)
     assert RankRecord.from_json(raw).to_json() == raw
 
 
@@ -114,7 +151,8 @@ def test_sections_are_frozen_and_take_no_field_they_do_not_declare() -> None:
         Tree(kindd="image")            # type: ignore[call-arg]
     for section in (Tree, Files, Sockets, Capture, RankRecord, StdioFd, OutputSnapshot, ScriptFd):
         assert section.__dataclass_params__.frozen, section       # type: ignore[attr-defined]
-    assert set(RankRecord.from_json(_on_disk(FINAL)).to_json()) == set(_on_disk(FINAL))
+    for path in ALL:
+        assert set(RankRecord.from_json(_on_disk(path)).to_json()) == set(_on_disk(path))
 
 
 def test_a_draft_builds_the_record_only_once_its_record_stage_ran() -> None:
