@@ -122,7 +122,7 @@ def test_failed_capture_keeps_job_running_and_previous_checkpoint() -> None:
     epochs = store.committed()
     assert epochs, "the checkpoint committed before the failure is gone"
     manifest = store.verify_rank(epochs[0]["epoch"], "batch", 0)
-    assert manifest["kind"] == "image"
+    assert manifest.capture.tree.kind == "image"
     listed = json.loads(run("/opt/slurmckpt/venv/bin/slurmckpt", "list", "--json").stdout)
     assert any(r["job"] == job.id for r in listed)
     assert job.state() == "RUNNING"

@@ -84,7 +84,7 @@ def test_a_2gib_final_capture_is_persisted_after_the_sigkill_and_one_that_cannot
         job.wait_output(r"committed \(interval\)", timeout=240)          # measured: 2 GiB into staging
         store = store_of(job)
         periodic = store.committed()[0]["epoch"]
-        timings = store.read_rank_manifest(periodic, "batch", 0)["timings"]
+        timings = store.read_rank_manifest(periodic, "batch", 0).capture.timings
 
         # 1. the final capture dumps into staging inside the window; its persister, outside the job's cgroups,
         # outlives the job's processes and commits the epoch after they are gone
@@ -101,7 +101,7 @@ def test_a_2gib_final_capture_is_persisted_after_the_sigkill_and_one_that_cannot
         outlived = Path(f"/proc/{persister}").exists()
         job.wait_for(lambda: final in [e["epoch"] for e in store.committed()], f"epoch {final} committed", 180)
         assert store.committed()[0]["epoch"] == final, job.agent_log_tails()
-        sealed = store.read_rank_manifest(final, "batch", 0)["written_at"]
+        sealed = store.read_rank_manifest(final, "batch", 0).seal.written_at
         assert outlived or sealed > agent_gone, f"epoch {final} was in the store before the job's agent ended"
         job.wait_for(lambda: job.state() == "PENDING", "the job requeued and held", 120)
         log = (AGENT_LOGS / f"agent-{job.id}.batch-persist.0.log").read_text()

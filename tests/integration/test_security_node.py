@@ -189,9 +189,9 @@ def test_captures_copy_no_more_than_the_quota_and_the_reservation_count(quota_jo
         store = store_of(job.id)
         (epoch,) = [e["epoch"] for e in store.committed()]
         rank = store.read_rank_manifest(epoch, "batch", 0)
-        assert rank["outputs"][0]["fd"] == 1 and rank["outputs"][0]["size"] > 1 << 40
-        assert rank["files"]["output-1.snap"]["raw_size"] < 1 << 20, rank["files"]["output-1.snap"]
-        stored = sum(f["size"] for f in rank["files"].values())
+        assert rank.capture.outputs[0].fd == 1 and rank.capture.outputs[0].size > 1 << 40
+        assert rank.seal.files["output-1.snap"]["raw_size"] < 1 << 20, rank.seal.files["output-1.snap"]
+        stored = rank.seal.stored_bytes()
         assert stored < 64 << 20, f"the epoch stores {stored} bytes"
         time.sleep(1)
         assert job.state() == "RUNNING" and len(re.findall(r"(?m)^step \d+$", job.text())) > steps

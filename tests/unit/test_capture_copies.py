@@ -100,15 +100,15 @@ def test_a_sparse_output_file_is_snapshotted_by_its_data_and_restored_with_its_h
         p = pipeline(store, staging, tree, images(1))
         capture(p, 1)
         rank = store.read_rank_manifest(1, "batch", 0)
-        assert [(o["fd"], o["size"]) for o in rank["outputs"]] == [(1, TIB)]
-        assert rank["files"]["output-1.snap"]["raw_size"] < 1 << 20
+        assert [(o.fd, o.size) for o in rank.capture.outputs] == [(1, TIB)]
+        assert rank.seal.files["output-1.snap"]["raw_size"] < 1 << 20
         back = read_back(store, 1, tmp_path / "back")
         assert settled(staging) == []
         new = os.open(tmp_path / "restored.out", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             (tmp_path / "unpacked").mkdir()
             (tmp_path / "unpacked" / "output-1.snap").write_bytes(back["output-1.snap"])
-            output_snapshot.rewrite(rank, tmp_path / "unpacked", [-1, new, -1])
+            output_snapshot.rewrite(rank.capture.outputs, tmp_path / "unpacked", [-1, new, -1])
             st = os.fstat(new)
             assert (st.st_size, os.pread(new, 7, 0)) == (TIB, b"line 1\n")
             assert st.st_blocks * 512 < 1 << 20

@@ -14,6 +14,7 @@ from slurmckpt.cli import cli, jobs, lookup
 from slurmckpt.cli.output import shown
 from slurmckpt.config import Config
 from slurmckpt.slurm.jobref import BadJobSpec, JobRef, parse_job_spec
+from slurmckpt.store.record import Capture, Files, OutputSnapshot, Tree, WrittenFile
 
 ARRAY_TASK = squeue_line(1240, array=(1234, 5))
 OTHER_TASK = squeue_line(1239, array=(1234, 4))
@@ -182,10 +183,10 @@ def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
     store.ensure()
     rdir = store.rank_dir(1, "batch", 0)
     rdir.mkdir(parents=True)
-    store.write_rank_manifest(1, "batch", 0, {
-        "kind": "image", "node": "n1", "processes": 1, "uid": 1001, "argv": ["python", "\x1b[2Jx.py"],
-        "outputs": [{"fd": 1, "link": "/home/u/\x1b]0;pwned\x07out", "size": 3}],
-        "truncate": [{"path": "/tmp/a\nfake line", "size": 1}]})
+    store.write_rank_manifest(1, "batch", 0, Capture(
+        Tree(node="n1\x1b[2Jx.py", processes=1, uid=1001),
+        Files(truncate=(WrittenFile("/tmp/a\nfake line", 1),)),
+        outputs=(OutputSnapshot(1, "/home/u/\x1b]0;pwned\x07out", 3, "output-1.snap", None),)))
     store.commit(1, {"batch.0": {"kind": "image", "node": "n1"}}, "interval", 2)
     monkeypatch.setattr(lk, "load_user_config", lambda: Config.from_mapping({"storage_root": str(root)}))
     r = CliRunner().invoke(cli, ["inspect", "77"])
@@ -193,7 +194,7 @@ def test_inspect_prints_user_strings_escaped(monkeypatch, tmp_path: Path):
     assert "\x1b" not in r.output and "\x07" not in r.output and "fake line\n" not in r.output
     assert "\\x1b[2Jx.py" in r.output and "\\x1b]0;pwned\\x07out" in r.output
     r = CliRunner().invoke(cli, ["inspect", "--json", "77"])
-    assert json.loads(r.output)["ranks"]["batch.0"]["argv"] == ["python", "\x1b[2Jx.py"]   # JSON escapes itself
+    assert json.loads(r.output)["ranks"]["batch.0"]["node"] == "n1\x1b[2Jx.py"   # JSON escapes itself
 
 
 def test_inspect_shows_timings_and_sizes_as_people_read_them_and_json_keeps_the_numbers(monkeypatch, tmp_path: Path):
@@ -208,7 +209,7 @@ def test_inspect_shows_timings_and_sizes_as_people_read_them_and_json_keeps_the_
     timings = {"criu_dump": 0.06415949600000204, "dump": 125.5, "expected_mib": 1536.0, "freeze_wait": 0.0031,
                "persist": 12.345}
     store.seal_rank(1, "batch", 0, {"pages-1.img": {"size": 3 << 20, "raw_size": 5 << 30}},
-                    {"kind": "image", "node": "n1", "processes": 2, "uid": 1001, "timings": timings})
+                    Capture(Tree(node="n1", processes=2, uid=1001), timings=timings))
     store.commit(1, {"batch.0": {"kind": "image", "node": "n1"}}, "interval", 2)
     monkeypatch.setattr(lk, "load_user_config", lambda: Config.from_mapping({"storage_root": str(root)}))
     r = CliRunner().invoke(cli, ["inspect", "78"])

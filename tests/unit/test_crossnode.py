@@ -94,4 +94,4 @@ def test_connections_are_closed_or_held_as_the_check_sorted_them_never_by_what_i
     same_node_rank = TcpConnection("10.77.0.1:40002", "10.77.0.1:5001", "10.77.0.1", 23, False)  # peer just died
     monkeypatch.setattr(proctree, "outside_tcp", lambda pids, inside=frozenset(): [client, other_node, same_node_rank])
     p = SimpleNamespace(tcp_outside={21: False, 22: True, 99: False})     # 99: closed since the check
-    assert capture_checks.tcp_leaving_the_node(p, [1]) == {"tcp_nodes": [[A, B]], "tcp_close": [21]}
+    assert capture_checks.tcp_leaving_the_node(p, [1]) == (((A, B),), (21,))

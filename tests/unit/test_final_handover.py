@@ -15,6 +15,7 @@ from slurmckpt.node import detach, procfs
 from slurmckpt.store import fresh_start, handover, lease
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.store.staging import Staging
+from slurmckpt.store.record import Capture
 from store_harness import InProcess, Tree, images, pipeline, read_back, settled
 
 RANKS = {"batch.0": {"kind": "image", "node": "n1"}}
@@ -295,7 +296,7 @@ def test_a_wrapper_that_calls_any_commit_final_gets_nothing_committed_its_ranks_
     rdir = a.facts.store.rank_dir(first, "0", 0)
     rdir.mkdir(parents=True)
     (rdir / "pages-1.img").write_bytes(b"x")
-    a.facts.store.write_rank_manifest(first, "0", 0, {"kind": "image"})
+    a.facts.store.write_rank_manifest(first, "0", 0, Capture())
     a.job.commit({"epoch": first, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval"}, [])
     lie = a.facts.store.allocate_epoch(1, 600, "t", run=a.facts.ident.restart_count)
     assert a.job.commit({"epoch": lie, "ranks": {"0.0": {"kind": "image", "node": "n1"}}, "reason": "interval",

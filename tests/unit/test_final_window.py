@@ -21,6 +21,7 @@ from slurmckpt.slurm.control import CliSlurm
 from slurmckpt.slurm.window import KillWindow
 from slurmckpt.store.jobstore import JobStore
 from fake_runner import fake_runner
+from slurmckpt.store.record import Capture, Tree
 
 GIB = 2**30
 CONFIG = "ClusterName             = ckpt\nKillWait                = 30 sec\nPreemptType             = {type}\n"
@@ -133,8 +134,7 @@ def committed_store(tmp_path: Path, timings: dict | None, raw: int, at: float = 
     rdir = store.rank_dir(2, "batch", 0)
     rdir.mkdir(parents=True)
     (rdir / "pages-1.img").write_bytes(b"x")
-    store.write_rank_manifest(2, "batch", 0, {"kind": "image", "captured_at": at,
-                                              **({"timings": timings} if timings is not None else {})})
+    store.write_rank_manifest(2, "batch", 0, Capture(Tree(captured_at=at), timings=timings or {}))
     manifest = json.loads((rdir / "rank.json").read_text())
     manifest["files"]["pages-1.img"]["raw_size"] = raw
     (rdir / "rank.json").write_text(json.dumps(manifest))

@@ -18,6 +18,7 @@ from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.jobrecord import expand_hostlist, gpu_indices, parse_record
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.node.task_cgroup import TaskCgroup
+from slurmckpt.store.record import Capture
 
 # `squeue --json` on this cluster (Slurm 22.05.8, openapi/v0.0.38), trimmed to the fields read and the ones a
 # user writes: a two-node GPU job named and run from a directory that spell out other Slurm fields (`scontrol
@@ -186,7 +187,7 @@ def test_a_store_copied_in_during_a_run_keeps_the_epoch_being_committed(tmp_path
     claim(store, _me(uid=1002))                # the old job's store, copied over the new job's
     _foreign_epoch(store, 1)
     store.rank_dir(2, "batch", 0).mkdir(parents=True)     # the new job's own images of epoch 2
-    store.write_rank_manifest(2, "batch", 0, {"kind": "image"})
+    store.write_rank_manifest(2, "batch", 0, Capture())
     note = claim(store, _me(restarts=0), keep_epoch=2)
     assert note and "uid 1002" in note
     assert (store.rank_dir(2, "batch", 0) / "rank.json").exists() and not store.epoch_dir(1).exists()

@@ -189,14 +189,14 @@ def test_internal_connections_finds_loopback_tcp_to_another_tree_only() -> None:
 
 
 def test_only_connections_both_ranks_recorded_are_held() -> None:
-    records = {("0", 1): {"tcp_ranks": [[B, A, "0", 0]]}, ("1", 0): {"tcp_ranks": []}}
+    records = {("0", 1): ((B, A, "0", 0),), ("1", 0): ()}
 
-    def read(step: str, rank: int) -> dict:
+    def read(step: str, rank: int) -> tuple:
         return records[(step, rank)]          # KeyError: that rank has no record in this epoch
 
-    entries = [[A, B, "0", 1],                            # mirrored in rank 1's record: held
-               ["127.0.0.1:1", "127.0.0.1:2", "1", 0],    # the peer no longer had it at its capture
-               ["127.0.0.1:3", "127.0.0.1:4", "2", 5]]    # no record for that rank at all
+    entries = [(A, B, "0", 1),                            # mirrored in rank 1's record: held
+               ("127.0.0.1:1", "127.0.0.1:2", "1", 0),    # the peer no longer had it at its capture
+               ("127.0.0.1:3", "127.0.0.1:4", "2", 5)]    # no record for that rank at all
     assert netlock.confirmed(entries, "0", 0, read) == [[A, B]]
     assert netlock.confirmed(entries, "0", 7, read) == []     # the mirrored entry names another rank
 

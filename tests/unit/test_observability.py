@@ -24,6 +24,7 @@ from slurmckpt.store.job_comment import CHECKPOINT_EVERY_S, JobComment
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.control import JobEnded
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.store.record import Capture, Tree
 
 
 class Slurm:
@@ -51,7 +52,7 @@ def _commit_epoch(store: JobStore, epoch: int, size: int, node: str = "n1") -> d
     rdir = store.rank_dir(epoch, "batch", 0)
     rdir.mkdir(parents=True)
     (rdir / "pages-1.img").write_bytes(b"x" * size)
-    store.write_rank_manifest(epoch, "batch", 0, {"kind": "image", "node": node})
+    store.write_rank_manifest(epoch, "batch", 0, Capture(Tree(node=node)))
     ranks = {"batch.0": {"kind": "image", "node": node}}
     store.commit(epoch, ranks, "interval", 2)
     return ranks

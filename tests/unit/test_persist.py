@@ -18,6 +18,7 @@ from slurmckpt.store.persist import Priority, bounded, materialize, persist_rank
 from dataclasses import replace
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.store.record import Capture
 from store_harness import Tree, capture, images, pipeline, read_back, settled
 
 
@@ -38,8 +39,8 @@ def staged(tmp_path: Path, files: dict[str, bytes]) -> Path:
 
 def test_compressible_files_are_compressed_and_random_ones_stored_raw(store, tmp_path):
     files = images(3, kib=512)
-    m = persist_rank(store, 1, "0", 0, staged(tmp_path, files), {"kind": "image"}, Zstd(1, 2))
-    entries = m["files"]
+    m = persist_rank(store, 1, "0", 0, staged(tmp_path, files), Capture(), Zstd(1, 2))
+    entries = m.seal.files
     assert entries["pages-2.img"]["codec"] == "zstd" and entries["pages-2.img"]["stored"] == "pages-2.img.zst"
     assert entries["pages-2.img"]["size"] * 5 < entries["pages-2.img"]["raw_size"] == len(files["pages-2.img"])
     assert entries["pages-1.img"]["codec"] == "none" and entries["pages-1.img"]["size"] == 512 << 10
@@ -51,14 +52,14 @@ def test_compressible_files_are_compressed_and_random_ones_stored_raw(store, tmp
 
 def test_off_stores_every_file_raw(store, tmp_path):
     files = images(4)
-    m = persist_rank(store, 1, "0", 0, staged(tmp_path, files), {}, compression.from_settings("off", 1, 1))
-    assert {e["codec"] for e in m["files"].values()} == {"none"}
+    m = persist_rank(store, 1, "0", 0, staged(tmp_path, files), Capture(), compression.from_settings("off", 1, 1))
+    assert {e["codec"] for e in m.seal.files.values()} == {"none"}
     assert read_back(store, 1, tmp_path / "back", step="0") == files
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "append"])
 def test_a_damaged_compressed_file_is_refused_while_unpacking(store, tmp_path, damage):
-    persist_rank(store, 1, "0", 0, staged(tmp_path, images(5)), {}, Zstd(1, 1))
+    persist_rank(store, 1, "0", 0, staged(tmp_path, images(5)), Capture(), Zstd(1, 1))
     path = store.rank_dir(1, "0", 0) / "pages-2.img.zst"
     data = bytearray(path.read_bytes())
     if damage == "flip":
@@ -74,7 +75,7 @@ def test_a_damaged_compressed_file_is_refused_while_unpacking(store, tmp_path, d
 
 
 def test_unpacking_refuses_bad_names_and_codecs_from_rank_json(store, tmp_path):
-    persist_rank(store, 1, "0", 0, staged(tmp_path, {"a.img": b"a" * 100}), {}, Zstd(1, 1))
+    persist_rank(store, 1, "0", 0, staged(tmp_path, {"a.img": b"a" * 100}), Capture(), Zstd(1, 1))
     rank_json = store.rank_dir(1, "0", 0) / "rank.json"
     m = json.loads(rank_json.read_text())
     for files, message in [({"../x": m["files"]["a.img"]}, "bad file"),
@@ -99,7 +100,7 @@ def test_a_failed_persist_leaves_no_rank_directory(store, tmp_path, monkeypatch)
         return real(self, data)
     monkeypatch.setattr(persist.Sink, "write", failing)
     with pytest.raises(StorageError, match=r"persisting \S+ to the store failed: Input/output error"):
-        persist_rank(store, 1, "0", 0, staged(tmp_path, images(6)), {}, Zstd(1, 1))
+        persist_rank(store, 1, "0", 0, staged(tmp_path, images(6)), Capture(), Zstd(1, 1))
     store.empty_trash()
     assert not store.rank_dir(1, "0", 0).exists()
 
@@ -205,7 +206,7 @@ def committed(tmp_path):
 def test_restore_unpacks_into_staging_and_removes_it_after_criu(committed):
     store, staging, p = committed
     pid, manifest = p.restore(replace(p.ctx, root_pid=None), 1, [0, 1, 2])
-    assert pid == os.getpid() and manifest["kind"] == "image"
+    assert pid == os.getpid() and manifest.capture.tree.kind == "image"
     assert p.ctx.criu.restored == images(2)
     assert p.ctx.criu.restored_from.parent == staging.root / "c.5"
     assert settled(staging) == []
@@ -289,7 +290,7 @@ def test_raw_files_are_linked_after_an_in_place_check_and_a_damaged_one_is_refus
     """On another node (or after the file changed) a raw file is hashed where it is, then linked, not
     copied; a corrupt one is refused before anything is linked."""
     files = {"pages-1.img": os.urandom(1 << 20)}
-    persist_rank(store, 1, "0", 0, staged(tmp_path, files), {}, Zstd(1, 1))
+    persist_rank(store, 1, "0", 0, staged(tmp_path, files), Capture(), Zstd(1, 1))
     monkeypatch.setattr(persist.socket, "gethostname", lambda: "another-node")
     back = tmp_path / "back"
     back.mkdir()

@@ -27,6 +27,7 @@ from slurmckpt.store.persist import Priority
 from slurmckpt.rank.images import StorePolicy
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.store.record import Capture, Gpu
 from store_harness import InProcess
 
 
@@ -168,9 +169,9 @@ def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) ->
     assert p.capture(1, final=False)["kind"] == "image"
     out = p.resume(1)
     assert 0 < out["bytes"] < 100        # 100 bytes of "x", compressed
-    assert store.read_rank_manifest(1, "batch", 0)["files"]["pages-1.img"]["raw_size"] == 100
+    assert store.read_rank_manifest(1, "batch", 0).seal.files["pages-1.img"]["raw_size"] == 100
     assert j.events == ["gpu-lock", "gpu-checkpoint", "freeze", "dump", "thaw", "gpu-resume", "gpu-unlock"]
-    assert store.verify_rank(1, "batch", 0)["kind"] == "image"
+    assert store.verify_rank(1, "batch", 0).capture.tree.kind == "image"
 
 
 def test_criu_failure_rolls_back_everything_and_discards_images(tmp_path: Path) -> None:
@@ -419,7 +420,7 @@ def test_capture_sizes_criu_ghost_limit_from_what_the_tree_holds(tmp_path: Path)
         p.capture(1, final=False)
     p.resume(1)
     assert p.ctx.criu.ghost_limit >= (4 << 20) + 4096
-    ghosts = store.read_rank_manifest(1, "batch", 0)["ghost_files"]
+    ghosts = [g.to_json() for g in store.read_rank_manifest(1, "batch", 0).capture.files.ghosts]
     assert any(g["path"].endswith("pmix-seg") and g["size"] == (4 << 20) + 4096 for g in ghosts)
 
 
@@ -441,8 +442,7 @@ def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path
     p, j, store = make(tmp_path, gpu_fail="gpu-restore")
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
-    store.write_rank_manifest(3, "batch", 0, {"kind": "image", "stdio": [], "truncate": [], "outputs": [],
-                                             "gpu": {"processes": [{"pid": 1, "ns_pid": 1}]}})
+    store.write_rank_manifest(3, "batch", 0, Capture(gpu=Gpu({"processes": [{"pid": 1, "ns_pid": 1}]})))
     store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
     restored: list[subprocess.Popen] = []
 
@@ -466,7 +466,7 @@ def test_an_interrupted_criu_restore_leaves_no_process_behind(tmp_path: Path) ->
     p, j, store = make(tmp_path)
     store.rank_dir(3, "batch", 0).mkdir(parents=True)
     (store.rank_dir(3, "batch", 0) / "pages-1.img").write_bytes(b"x")
-    store.write_rank_manifest(3, "batch", 0, {"kind": "image", "stdio": [], "truncate": [], "outputs": []})
+    store.write_rank_manifest(3, "batch", 0, Capture())
     store.commit(3, {"batch.0": {"kind": "image"}}, "test", 2)
     restored: list[subprocess.Popen] = []
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from slurmckpt.rank.restore import files_to_check
+from slurmckpt.store.record import Capture, WrittenFile
 
 
 def test_dev_shm_files_written_back_are_not_checked_as_shared_or_written_files() -> None:
@@ -15,12 +16,13 @@ def test_dev_shm_files_written_back_are_not_checked_as_shared_or_written_files()
                          {"path": "/scratch/u/table.bin", "size": 10, "xxh3": "y"}],
         "truncate": [{"path": segment, "size": 4144, "ino": 7}, {"path": "/home/u/out.log", "size": 3, "ino": 8}],
     }
-    shared, truncate = files_to_check(manifest)
+    shared, truncate = files_to_check(Capture.from_json(manifest).files)
     assert [e["path"] for e in shared] == ["/scratch/u/table.bin"]
-    assert [e["path"] for e in truncate] == ["/home/u/out.log"]
+    assert [e.path for e in truncate] == ["/home/u/out.log"]
 
 
 def test_without_saved_dev_shm_files_every_file_is_checked() -> None:
     manifest = {"truncate": [{"path": "/dev/shm/kept", "size": 1, "ino": 1}],
                 "shared_files": [{"path": "/dev/shm/kept", "size": 1, "xxh3": "z"}]}
-    assert files_to_check(manifest) == (manifest["shared_files"], manifest["truncate"])
+    assert files_to_check(Capture.from_json(manifest).files) == (manifest["shared_files"],
+                                                                [WrittenFile("/dev/shm/kept", 1, 1)])

@@ -20,6 +20,7 @@ from slurmckpt.rank import restore
 from slurmckpt.rank.context import RestoreState
 from slurmckpt.rank.sharing import ipc, rendezvous
 from slurmckpt.store.jobstore import file_checksum
+from slurmckpt.store.record import RankRecord
 
 CUT, LATER = b"slot 41 at the cut".ljust(64, b"."), b"slot 97 after the cut".ljust(64, b".")
 
@@ -54,13 +55,14 @@ def test_a_shared_dev_shm_segment_changed_after_the_cut_is_written_back_not_refu
         with pytest.raises(RestoreError, match="changed since the checkpoint"):
             ipc.check_shared_files(fingerprints[:1], rendezvous.restore_key(7, 0, 3), nobody, True, locks)
 
-        st = RestoreState(3, manifest=manifest, images=images)
+        st = RestoreState(3, manifest=RankRecord.from_json({**manifest, "files": {}}), images=images)
         restore._shared_files(ctx, st)                        # not compared: it is written back next
         restore._shm(ctx, st)
         assert seg.read_bytes() == CUT
 
         disk.write_bytes(LATER)                               # a shared file the write-back does not cover
-        st = RestoreState(4, manifest={**manifest, "shared_files": fingerprints}, images=images)
+        st = RestoreState(4, manifest=RankRecord.from_json({**manifest, "shared_files": fingerprints, "files": {}}),
+                          images=images)
         with pytest.raises(RestoreError, match=f"{disk} .*changed since the checkpoint"):
             restore._shared_files(ctx, st)
     finally:

@@ -19,6 +19,7 @@ from slurmckpt.rank import fit
 from slurmckpt import cli
 from slurmckpt.store import space
 from slurmckpt.store import reclaim
+from slurmckpt.store.record import RankRecord
 from slurmckpt.config import Config
 from slurmckpt.errors import CaptureError
 from slurmckpt.store.instance import JobInstance, claim
@@ -99,7 +100,7 @@ def test_staging_cap_refuses_with_the_key_named(tmp_path, tree):
 
 
 def test_expected_size_uses_the_larger_of_memory_and_the_last_image_and_its_ratio():
-    previous = {"files": {"a": {"size": 100, "raw_size": 400}, "b": {"size": 50}}}
+    previous = RankRecord.from_json({"files": {"a": {"size": 100, "raw_size": 400}, "b": {"size": 50}}})
     assert space.expected(1000, None) == space.Need(1000, 1000)
     need = space.expected(200, previous)
     assert need.raw == 450 and need.stored == 150

@@ -13,6 +13,7 @@ from slurmckpt.store import reclaim
 from slurmckpt.store import jobstore as storage
 from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import JOB_MANIFEST, RANK_MANIFEST, JobStore, list_jobs
+from slurmckpt.store.record import Capture
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def capture(store: JobStore, epoch: int, step: str = "0", rank: int = 0, files: 
     for name, data in (files or {"pages-1.img": os.urandom(5000), "core-1.img": b"core"}).items():
         (d / name).write_bytes(data)
     (d / "dump.log").write_text("log, not part of the image")
-    return store.write_rank_manifest(epoch, step, rank, {"kind": "image"})
+    return store.write_rank_manifest(epoch, step, rank, Capture())
 
 
 def test_ensure_makes_private_dirs(store):
@@ -39,7 +40,7 @@ def test_ensure_makes_private_dirs(store):
 
 
 def test_rank_manifest_lists_files_with_checksums(store):
-    m = capture(store, 1, files={"a.img": b"x" * 100, "b.img": b""})
+    m = capture(store, 1, files={"a.img": b"x" * 100, "b.img": b""}).to_json()
     assert set(m["files"]) == {"a.img", "b.img"}             # logs and rank.json itself excluded
     assert m["files"]["a.img"]["size"] == 100
     assert m["files"]["a.img"]["xxh3"] == storage.file_checksum(store.rank_dir(1, "0", 0) / "a.img")
@@ -143,7 +144,7 @@ def test_recommit_same_epoch_replaces_entry(store):
 def test_verify_accepts_intact_images(store):
     capture(store, 1)
     m = store.verify_rank(1, "0", 0)
-    assert m["kind"] == "image"
+    assert m.capture.tree.kind == "image"
 
 
 def test_verify_detects_same_size_corruption(store):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from slurmckpt.node import tcp_ports
+from slurmckpt.store.record import Capture
 
 
 def _listener(addr: str = "127.0.0.1", port: int = 0) -> tuple[socket.socket, int]:
@@ -61,7 +62,7 @@ def test_only_the_trees_own_time_wait_is_destroyed_and_another_users_on_the_same
     srv, port = _listener()
     client = socket.create_connection(("127.0.0.1", port))
     conn, _ = srv.accept()
-    manifest = {"tcp_ports": tcp_ports.record([os.getpid()])}          # the capture
+    recorded = tcp_ports.record([os.getpid()])          # the capture
     mine = ("127.0.0.1", port, *client.getsockname())
     conn.close()                 # the tree ends: its accepted end closes first, TIME_WAIT on 127.0.0.1:port
     client.recv(1)
@@ -75,7 +76,7 @@ def test_only_the_trees_own_time_wait_is_destroyed_and_another_users_on_the_same
     with pytest.raises(OSError):
         again.bind(("127.0.0.1", port))
     t0 = time.monotonic()
-    tcp_ports.free_for(manifest, wait_s=5)
+    tcp_ports.free_for(recorded, wait_s=5)
     assert time.monotonic() - t0 < 4          # the other's entry does not keep 127.0.0.1:port: not waited for
     assert mine not in tcp_ports.time_wait() and theirs in tcp_ports.time_wait()
     again.bind(("127.0.0.1", port))
@@ -89,7 +90,8 @@ def test_a_time_wait_that_is_not_the_trees_is_waited_out_never_destroyed() -> No
     theirs = _time_wait_at(srv, "127.0.0.1", port)
     srv.close()
     t0 = time.monotonic()
-    tcp_ports.free_for({"tcp_listen": [port, 80, "22"]}, wait_s=1.0)   # privileged or malformed: ignored
+    old = Capture.from_json({"tcp_listen": [port, 80, "22"]})     # privileged or malformed: ignored
+    tcp_ports.free_for(old.sockets.tcp_ports, wait_s=1.0)
     assert 0.9 < time.monotonic() - t0 < 4
     assert theirs in tcp_ports.time_wait()
 

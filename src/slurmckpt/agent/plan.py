@@ -106,7 +106,7 @@ class TaskPlan:
                 if step == "batch" or rank != self.facts.ident.rank:
                     continue
                 try:
-                    found = self.facts.store.read_rank_manifest(e["epoch"], step, rank).get("step_token") == token
+                    found = self.facts.store.read_rank_manifest(e["epoch"], step, rank).capture.tree.step_token == token
                 except StorageError:
                     continue
                 if found:
@@ -159,7 +159,7 @@ class TaskPlan:
     def standins(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """How many srun stand-in sockets the restore of `epoch` needs handed in."""
         manifest = self.facts.store.read_rank_manifest(_epoch(m), self.step, self.facts.ident.rank)
-        return {"count": len(manifest.get("srun_standins", []))}
+        return {"count": len(manifest.capture.sockets.srun_standins)}
 
     def fresh_start(self, m: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """The batch step of a requeued job that restored nothing: the line its wrapper prints first, also

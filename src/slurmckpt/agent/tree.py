@@ -198,7 +198,7 @@ class TaskTree:
         log.info("restored epoch %d as pid %s in %.3fs", _epoch(m), pid, time.monotonic() - start)
         if events:
             events.restored(_epoch(m), time.monotonic() - start)
-        return {"pid": pid, "kind": manifest["kind"], "seconds": time.monotonic() - start}
+        return {"pid": pid, "kind": manifest.capture.tree.kind, "seconds": time.monotonic() - start}
 
     # ---- what the phases and the agent's end ask of the tree ----------------------------------------------
     def follow_size(self) -> None:

@@ -30,6 +30,7 @@ from slurmckpt.rank.fit import Footprint
 from slurmckpt.slurm.window import KillWindow
 from slurmckpt.store import space
 from slurmckpt.store.jobstore import JobStore, list_jobs
+from slurmckpt.store.record import RankRecord
 
 log = logging.getLogger("slurmckpt.window")
 
@@ -40,15 +41,12 @@ def measured(store: JobStore, step: str, rank: int) -> MeasuredCapture | None:
     return None if manifest is None else _from_manifest(manifest)
 
 
-def _from_manifest(manifest: dict[str, Any]) -> MeasuredCapture | None:
-    if not isinstance(manifest.get("timings"), dict) or not isinstance(manifest.get("files"), dict):
+def _from_manifest(manifest: RankRecord) -> MeasuredCapture | None:
+    """None for a record without stage timings (written before they were kept)."""
+    timings = manifest.capture.timings
+    if not timings:
         return None
-    nbytes = sum(_count(f.get("raw_size", f.get("size"))) for f in manifest["files"].values() if isinstance(f, dict))
-    return MeasuredCapture.from_timings(int(manifest.get("epoch", 0)), nbytes, manifest["timings"])
-
-
-def _count(value: object) -> int:
-    return value if type(value) is int and value >= 0 else 0
+    return MeasuredCapture.from_timings(manifest.seal.epoch, manifest.seal.raw_bytes(), dict(timings))
 
 
 def measured_here(store_root: Path, cluster: str, jobs: int = 50) -> tuple[MeasuredCapture | None, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import click
 
@@ -14,6 +14,7 @@ from slurmckpt.cli.output import CliError, Column, Format, emit, output_options,
 from slurmckpt.config import Config
 from slurmckpt.slurm.jobref import JobRef
 from slurmckpt.store.jobstore import JobStore, list_jobs
+from slurmckpt.store.record import RankRecord
 from slurmckpt.sizes import size_text
 from slurmckpt import validate
 
@@ -63,12 +64,13 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
     chosen = next((e for e in store.committed() if epoch in (None, e["epoch"])), None)
     if chosen is None:
         raise CliError(f"job {job_id} has no committed epoch {epoch}")
-    ranks = {}
-    for name, record in sorted(chosen["ranks"].items()):
-        if record["kind"] != "completed":
+    ranks, records = {}, {}       # the job manifest's entry (with rank.json's fields for --json); rank.json
+    for name, entry in sorted(chosen["ranks"].items()):
+        if entry["kind"] != "completed":
             step, rank = validate.rank_name(name)
-            record = {**record, **store.read_rank_manifest(chosen["epoch"], step, rank)}
-        ranks[name] = record
+            records[name] = store.read_rank_manifest(chosen["epoch"], step, rank)
+            entry = {**entry, **records[name].to_json()}
+        ranks[name] = entry
     if fmt.kind == "json":
         emit(fmt, [], [], {"job": job_id, "cluster": clusters[0], "epoch": chosen["epoch"],
                            "reason": chosen["reason"], "committed_at": chosen["committed_at"], "ranks": ranks})
@@ -76,32 +78,36 @@ def inspect(job: JobRef, epoch: int | None, fmt: Format) -> None:
     if fmt.kind != "text":
         emit(fmt, [Column("rank", "RANK"), Column("kind", "KIND"), Column("node", "NODE"),
                    Column("processes", "PROCESSES"), Column("bytes", "BYTES"), Column("files", "FILES")],
-             [{"rank": n, "kind": r.get("kind"), "node": r.get("node"), "processes": r.get("processes"),
-               "bytes": sum(f["size"] for f in r.get("files", {}).values()), "files": len(r.get("files", {}))}
-              for n, r in ranks.items()])
+             [_row(n, r, records.get(n)) for n, r in ranks.items()])
         return
     click.echo(f"job {job_id} epoch {chosen['epoch']} ({shown(chosen['reason'])}), {len(ranks)} rank(s)")
     for name, m in ranks.items():
-        if m["kind"] == "completed":
+        rec = records.get(name)
+        if rec is None:
             click.echo(f"  {shown(name)}: completed before the capture, exit code {shown(m['exit_code'])}")
             continue
-        total = sum(f["size"] for f in m["files"].values())
-        raw = sum(f.get("raw_size", f["size"]) for f in m["files"].values())
-        click.echo(f"  {shown(name)}: {shown(m['kind'])} on {shown(m.get('node'))}, {shown(m.get('processes'))} "
-                   f"process(es), {size_text(total)} stored ({size_text(raw)} raw) in "
-                   f"{len(m['files'])} file(s), uid {shown(m.get('uid'))}")
-        if m.get("argv"):
-            click.echo(f"    argv: {' '.join(shown(a) for a in m['argv'])}")
-        for o in m.get("outputs", []):
-            click.echo(f"    output fd {shown(o['fd'])}: {shown(o['link'])} ({shown(o['size'])} B snapshot)")
-        for t in m.get("truncate", []):
-            click.echo(f"    written file: {shown(t['path'])} at {shown(t['size'])} B")
-        if m.get("gpu"):
-            click.echo(f"    gpu: {json.dumps(m['gpu'])}")
-        click.echo(f"    timings: {timings(m.get('timings') or {})}")
+        c = rec.capture
+        click.echo(f"  {shown(name)}: {shown(c.tree.kind)} on {shown(c.tree.node)}, {shown(c.tree.processes)} "
+                   f"process(es), {size_text(rec.seal.stored_bytes())} stored ({size_text(rec.seal.raw_bytes())} "
+                   f"raw) in {len(rec.seal.files)} file(s), uid {shown(c.tree.uid)}")
+        for o in c.outputs:
+            click.echo(f"    output fd {shown(o.fd)}: {shown(o.link)} ({shown(o.size)} B snapshot)")
+        for t in c.files.truncate:
+            click.echo(f"    written file: {shown(t.path)} at {shown(t.size)} B")
+        if c.gpu.state:
+            click.echo(f"    gpu: {json.dumps(c.gpu.state)}")
+        click.echo(f"    timings: {timings(c.timings)}")
 
 
-def timings(recorded: dict[str, Any]) -> str:
+def _row(name: str, entry: dict[str, Any], rec: RankRecord | None) -> dict[str, Any]:
+    if rec is None:        # a task completed before the capture: the job manifest's entry alone
+        return {"rank": name, "kind": entry.get("kind"), "node": entry.get("node"),
+                "processes": entry.get("processes"), "bytes": 0, "files": 0}
+    return {"rank": name, "kind": rec.capture.tree.kind, "node": rec.capture.tree.node,
+            "processes": rec.capture.tree.processes, "bytes": rec.seal.stored_bytes(), "files": len(rec.seal.files)}
+
+
+def timings(recorded: Mapping[str, Any]) -> str:
     """A rank's stage timings as people read them, `criu_dump 0.06 s, ...`, then the `*_mib` entries (sizes
     the stages measured) through the one size formatter. `--json` keeps the numbers."""
     times, sizes = [], []

@@ -76,19 +76,13 @@ def time_wait(pid: int | str = "self") -> set[Connection]:
     return found
 
 
-def free_for(manifest: dict[str, Any], wait_s: float = TIME_WAIT_S + 5) -> None:
-    """Before a restore: destroy the tree's own TIME_WAIT entries on its listeners, wait out any other that
-    would fail a listener's bind (at most `wait_s`). Images of an older release name only ports (wildcard
-    listeners, nothing of their own: waited out)."""
-    rec = manifest.get("tcp_ports")
-    if isinstance(rec, dict):
-        listeners = {(a, p) for a, p in _checked(rec.get("listeners"), 2)}
-        own = set(_checked(rec.get("own"), 4))
-    else:
-        ports = manifest.get("tcp_listen")
-        listeners = {("0.0.0.0", p) for p in (ports if isinstance(ports, list) else []) if _port(p)}
-        own = set()
-    free(listeners, own, wait_s)
+def free_for(recorded: dict[str, Any], wait_s: float = TIME_WAIT_S + 5) -> None:
+    """Before a restore: destroy the tree's own TIME_WAIT entries on its listeners (`recorded`: what `record`
+    returned at the capture), wait out any other that would fail a listener's bind (at most `wait_s`).
+    Images of an older release name only ports (store/record.py reads them as wildcard listeners, nothing
+    of their own: waited out)."""
+    listeners = {(a, p) for a, p in _checked(recorded.get("listeners"), 2)}
+    free(listeners, set(_checked(recorded.get("own"), 4)), wait_s)
 
 
 def free(listeners: set[End], own: set[Connection], wait_s: float = TIME_WAIT_S + 5) -> None:

@@ -27,7 +27,6 @@ import logging
 import re
 import socket
 import time
-from typing import Any
 
 from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.criu import images as criu_images
@@ -39,6 +38,7 @@ from slurmckpt.rank.context import CaptureState, Phase, RankContext
 from slurmckpt.rank.engine import Stage, Table
 from slurmckpt.rank.sharing import ipc, netlock, shm_files
 from slurmckpt.slurm import pmi
+from slurmckpt.store.record import Files, GhostFile, HandedSocket, ScriptFd, Sockets, StdioFd, Tree, WrittenFile
 
 log = logging.getLogger("slurmckpt.pipeline")
 
@@ -117,42 +117,37 @@ def _record(ctx: RankContext, st: CaptureState) -> None:
     replay = st.replay
     view = proctree.MountView() if replay else proctree.mount_view(root)
     script = [] if replay or ctx.step != "batch" else _batch_script_fds(pids, ctx.store.job, view)
-    st.record = {
-        "kind": "replay" if replay else "image",
-        "captured_at": time.time(),          # frozen since PREPARE: the moment this image holds (handover.py)
-        "stdio": [{"fd": t.fd, "link": t.link, "key": view.key(t), "regular": t.regular, "size": t.size}
-                  for t in stdio],
-        # a GPU tree's own mount namespace: what it holds through the node's mounts is handed in again
-        "mntns": view.inside is not None,
-        "external_files": sorted({k for k in [view.key(t) for t in stdio] + [e["key"] for e in script]
-                                  if k.startswith("file[")}),
-        "truncate": [] if replay else [{"path": k, "size": t.size, "ino": t.ino}
-                                       for k, t in proctree.written_files(pids, outputs).items()],
+    # frozen since PREPARE: the moment this image holds (handover.py); a GPU tree's own mount namespace:
+    # what it holds through the node's mounts is handed in again
+    tree = Tree("replay" if replay else "image", time.time(), len(pids), socket.gethostname(), ctx.creds.uid,
+                view.inside is not None, ctx.step_token)
+    files = Files(
+        tuple(StdioFd(t.fd, t.link, view.key(t), t.regular, t.size) for t in stdio),
+        tuple(sorted({k for k in [view.key(t) for t in stdio] + [e.key for e in script] if k.startswith("file[")})),
+        () if replay else tuple(WrittenFile(k, t.size, t.ino)
+                                for k, t in proctree.written_files(pids, outputs).items()),
         # The batch shell reads its script from the node's spool (<SlurmdSpoolDir>/jobNNNNN/slurm_script),
         # which is elsewhere on another node: restored from the new start's script fd (same content).
-        "batch_script": script,
-        "processes": len(pids), "node": socket.gethostname(), "uid": ctx.creds.uid,
-        "gpu": st.gpu_record,
-        # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
-        "tcp_ranks": [] if replay else netlock.still_established(pids, st.tcp_peers),
+        tuple(script),
+        tuple(GhostFile(f.path, f.size, f.how) for f in ghosts),
         # a /dev/shm file saved below is written back at the restore: not fingerprinted (restore.py)
-        "shared_files": [] if replay else ipc.fingerprint_files(pids, [f for f in st.shared_files
-                                                                       if f not in {s.name for s in shm}]),
-        "ghost_files": [{"path": f.path, "size": f.size, "how": f.how} for f in ghosts],
-        "shm_files": shm_files.save(ctx.creds, shm, images.staged(ctx, st.epoch), st.copy_budget.charge),
-        "pmi": [] if replay else _pmi_socket(ctx, pids),
-        "srun_standins": [] if replay else _standin_sockets(ctx, pids),
-        "tcp_ports": {} if replay else tcp_ports.record(pids),     # their own TIME_WAIT gone before a restore
-        **({"step_token": ctx.step_token} if ctx.step_token else {}),
-        **({} if replay else checks.tcp_leaving_the_node(st, pids)),
-    }
+        () if replay else tuple(ipc.fingerprint_files(pids, [f for f in st.shared_files
+                                                             if f not in {s.name for s in shm}])),
+        tuple(shm_files.save(ctx.creds, shm, images.staged(ctx, st.epoch), st.copy_budget.charge)))
+    sockets = Sockets() if replay else Sockets(
+        tuple(_pmi_socket(ctx, pids)), tuple(_standin_sockets(ctx, pids)),
+        # loopback TCP to other ranks of the job: held (netlock) while only one end is restored
+        tuple((lo, re, step, int(rank)) for lo, re, step, rank in netlock.still_established(pids, st.tcp_peers)),
+        *checks.tcp_leaving_the_node(st, pids),
+        tcp_ports.record(pids))     # their own TIME_WAIT gone before a restore
+    st.record.tree, st.record.files, st.record.sockets, st.record.gpu = tree, files, sockets, st.gpu_record
     images.staged(ctx, st.epoch)
 
 
 SCRIPT_RE = re.compile(r"/job(\d+)/slurm_script$")
 
 
-def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[dict[str, Any]]:
+def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> list[ScriptFd]:
     """The tree's fds on this job's spooled batch script: criu key and file position (bash reads its
     script through such an fd as it goes; the restored one must continue where it was)."""
     found: dict[str, int] = {}
@@ -161,35 +156,35 @@ def _batch_script_fds(pids: list[int], job: int, view: proctree.MountView) -> li
             m = SCRIPT_RE.search(t.link)
             if m and int(m.group(1)) == job and view.key(t) not in found:
                 found[view.key(t)] = proctree.fd_position(pid, t.fd)
-    return [{"key": k, "pos": pos} for k, pos in sorted(found.items())]
+    return [ScriptFd(k, pos) for k, pos in sorted(found.items())]
 
 
-def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
+def _pmi_socket(ctx: RankContext, pids: list[int]) -> list[HandedSocket]:
     """The task's PMI socket to slurmstepd, if the tree holds it: criu key (idle: checked in PREPARE, and
     the tree has stayed frozen since)."""
     key = f"socket:[{ctx.handovers.pmi_ino}]"
     if ctx.handovers.pmi_fd < 0 or not any(t.link == key for pid in pids for t in proctree.open_files(pid)):
         return []
-    return [{"key": key, "ino": ctx.handovers.pmi_ino}]
+    return [HandedSocket(key, ctx.handovers.pmi_ino)]
 
 
-def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[dict[str, Any]]:
+def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[HandedSocket]:
     """The srun stand-ins' sockets to the wrapper that the tree still holds, in a fixed order (the restore
     hands in one new socket for each)."""
     held = {t.link for pid in pids for t in proctree.open_files(pid)}
-    return [{"key": f"socket:[{ino}]", "ino": ino} for ino in sorted(ctx.handovers.standin_inos)
+    return [HandedSocket(f"socket:[{ino}]", ino) for ino in sorted(ctx.handovers.standin_inos)
             if f"socket:[{ino}]" in held]
 
 
 def _host_copy(ctx: RankContext, st: CaptureState) -> None:
     """On the frozen tree, before criu: the GPU checkpoint's host copy into the images by several threads;
     criu then dumps those pages as untouched (host_copy.py)."""
-    if st.record["kind"] != "image" or not st.host_copies:
+    if not st.record.imaged or not st.host_copies:
         return
     entries, st.skip_pages, seconds = host_copy.copy_out(st.host_copies, images.area(ctx, st.epoch),
                                                          ctx.limits.host_copy_threads, step=ctx.step,
                                                          rank=ctx.rank, epoch=st.epoch)
-    st.record["host_copy"] = entries
+    st.record.host_copy = tuple(entries)
     st.timings["host_copy"] = seconds
 
 
@@ -197,10 +192,11 @@ def _dump(ctx: RankContext, st: CaptureState) -> None:
     """criu dump into the staging area. A final capture lets criu end the tree itself: it closes TCP sockets
     in repair mode, so no FIN and no TIME_WAIT holds the ports the restore must bind again (a plain kill
     after the dump would). An interrupted dump is the runner's to answer (runner.py: the tree dies)."""
-    if st.record["kind"] != "image":       # a replayed batch step is not dumped (see _record)
+    rec = st.record
+    if not rec.imaged or rec.files is None or rec.sockets is None:  # a replayed batch step is not dumped (_record)
         return
     rdir = images.area(ctx, st.epoch)
-    rec = st.record
+    files = rec.files
     # a tree with CUDA processes stays stopped after a periodic dump: its GPU restore runs with only the
     # driver's restore threads running (cuda/rank_stage.py; docs/gpu.md)
     leave_stopped = not st.final and ctx.gpu.stops_for_resume()
@@ -209,15 +205,15 @@ def _dump(ctx: RankContext, st: CaptureState) -> None:
     stopped_before = stopped.stopped(tree)
     st.timings["criu_dump"] = ctx.criu.dump(
         ctx.root_pid or 0, rdir, leave_running=not st.final, freezer=ctx.cgroup.path, ghost_limit=st.ghost_limit,
-        external=[f"unix[{e['ino']}]" for e in rec["pmi"] + rec["srun_standins"]] + rec["external_files"],
-        link_remap=any(e["removed"] for e in rec["shm_files"]), mntns=rec["mntns"],
+        external=[f"unix[{e.ino}]" for e in rec.sockets.pmi + rec.sockets.srun_standins] + list(files.external),
+        link_remap=any(e["removed"] for e in files.shm), mntns=rec.tree is not None and rec.tree.mntns,
         inherited_devices=inherited_device_majors(pids), leave_stopped=leave_stopped, skip_pages=st.skip_pages)
     if leave_stopped:     # (their state says so only after the thaw: criu's SIGSTOP waits behind the freeze)
         ctx.gpu.left_stopped(sorted(set(tree) - stopped_before))
     if st.final and ctx.packets.name == "nftables":       # criu left its lock's table: the job's end removes it
         netlock.note_criu_lock(ctx.store.job, criu_images.dump_run_id(rdir))
-    shm_files.note_remaps(rec["shm_files"], rdir)
-    shm_files.remove_links(ctx.creds, rec["shm_files"])     # put back by the restore, on any node
+    shm_files.note_remaps(list(files.shm), rdir)
+    shm_files.remove_links(ctx.creds, list(files.shm))     # put back by the restore, on any node
     if not st.final and ctx.cgroup.state() != "FROZEN":   # consistency depends on the tree staying frozen
         raise CaptureError("tree was thawed by the dump", epoch=st.epoch)
 
@@ -227,7 +223,7 @@ def _discard_images(ctx: RankContext, st: CaptureState) -> None:
 
 
 def _snapshot_output(ctx: RankContext, st: CaptureState) -> None:
-    st.record["outputs"] = output_snapshot.take(ctx, st, images.area(ctx, st.epoch))
+    st.record.outputs = output_snapshot.take(ctx, st, images.area(ctx, st.epoch))
 
 
 def _persist_resumed(ctx: RankContext, st: CaptureState) -> None:

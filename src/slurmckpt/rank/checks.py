@@ -5,7 +5,7 @@ come back consistently (ipc.py says which and why); TCP is sorted by where its o
 from __future__ import annotations
 
 import logging
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from slurmckpt.rank.sharing import crossnode
 from slurmckpt.rank import ghost
@@ -150,13 +150,14 @@ def _refuse_replayed_batch_talking_to_other_nodes(ctx: RankContext, pids: list[i
                            step=ctx.step, rank=ctx.rank)
 
 
-def tcp_leaving_the_node(st: CaptureState, pids: list[int]) -> dict[str, Any]:
+def tcp_leaving_the_node(st: CaptureState, pids: list[int]) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:
     """TCP whose other end is not on this node, as the check sorted it (st.tcp_outside) and still established
     now (the tree is frozen): to another node of the job (restored as dumped, held until both ends are
     back: crossnode.py), or to outside the job (its other end goes on without the job, so it is restored
     closed). A connection the check did not see (opened between the check and the freeze) is restored as
-    dumped: closing one of the job's own connections by mistake would lose its data."""
+    dumped: closing one of the job's own connections by mistake would lose its data. Returns the record's
+    (tcp_nodes, tcp_close)."""
     now = {c.inode: c for c in proctree.outside_tcp(pids)}
     to_nodes = [now[i] for i, job_node in st.tcp_outside.items() if job_node and i in now]
-    return {"tcp_nodes": crossnode.job_connections(to_nodes, {c.remote_ip for c in to_nodes}),
-            "tcp_close": sorted(i for i, job_node in st.tcp_outside.items() if not job_node and i in now)}
+    return (tuple((lo, re) for lo, re in crossnode.job_connections(to_nodes, {c.remote_ip for c in to_nodes})),
+            tuple(sorted(i for i, job_node in st.tcp_outside.items() if not job_node and i in now)))

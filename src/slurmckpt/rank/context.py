@@ -12,6 +12,7 @@ from typing import Any, Callable, Self, TYPE_CHECKING
 
 from slurmckpt.identity import RankName
 from slurmckpt.store.space import CopyBudget
+from slurmckpt.store.record import Draft, RankRecord
 
 if TYPE_CHECKING:
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
@@ -126,7 +127,7 @@ class EpochState:
 class CaptureState(EpochState):
     """One epoch of one rank, from SIZE (or PREPARE) to COMMIT or ABORT."""
     final: bool = False
-    record: dict[str, Any] = field(default_factory=dict)            # what this epoch captured (-> rank.json)
+    record: Draft = field(default_factory=Draft)          # what this epoch captured, by section (-> rank.json)
     footprint: Footprint | None = None                    # SIZE's measure (fit.py)
     gpu_record: dict[str, Any] | None = None
     tcp_peers: list[Any] = field(default_factory=list)        # (local, remote, peer step, peer rank), PREPARE
@@ -153,7 +154,7 @@ class RestoreState(EpochState):
     phase: Phase = Phase.RESTORING
     stdio: list[int] = field(default_factory=list)       # the new start's stdio fds (and batch script's)
     images: Path | None = None                            # the unpacked images
-    manifest: dict[str, Any] = field(default_factory=dict)          # the rank's rank.json, as verified
+    manifest: RankRecord | None = None                    # the rank's rank.json, as verified
     key: RestoreKey | None = None                         # this restore of the job on this node
     inherit: list[InheritedFd] = field(default_factory=list)
     owned_fds: list[int] = field(default_factory=list)          # fds a stage opened for criu (closed after)

@@ -134,7 +134,7 @@ def persist(ctx: RankContext, st: CaptureState, background: bool) -> None:
     staging area goes either way."""
     start, epoch = time.monotonic(), st.epoch
     where = area(ctx, epoch)
-    meta = {**st.record, "timings": dict(st.timings)}
+    meta = st.record.whole(st.timings)
     try:
         manifest = persist_kept(ctx.store, epoch, ctx.step, ctx.rank, where, meta, ctx.policy.codec,
                                 ctx.policy.priority if background else None, ctx.policy.lease_s)
@@ -146,8 +146,7 @@ def persist(ctx: RankContext, st: CaptureState, background: bool) -> None:
         raise CaptureError(f"persist failed: {e}", epoch=epoch, step=ctx.step, rank=ctx.rank) from e
     finally:
         ctx.policy.staging.remove(where)
-    st.record["bytes"] = sum(f["size"] for f in manifest["files"].values())
-    st.record["raw_bytes"] = sum(f.get("raw_size", f["size"]) for f in manifest["files"].values())
+    st.record.bytes, st.record.raw_bytes = manifest.seal.stored_bytes(), manifest.seal.raw_bytes()
     st.timings["persist"] = round(time.monotonic() - start, 4)
 
 
@@ -160,11 +159,11 @@ def hand_over(ctx: RankContext, st: CaptureState) -> None:
     lives)."""
     where = area(ctx, st.epoch)
     staged = tree_bytes(where)
-    st.record.update(bytes=staged, raw_bytes=staged)
+    st.record.bytes = st.record.raw_bytes = staged
     codec = ctx.policy.codec
     priority = ctx.policy.priority
     atomic_write_json(where / HANDOVER, {
-        "meta": {**st.record, "timings": dict(st.timings)}, "lease_s": ctx.policy.lease_s,
+        "meta": st.record.whole(st.timings, staged_bytes=staged).to_json(), "lease_s": ctx.policy.lease_s,
         "codec": {"name": codec.name, "level": getattr(codec, "level", 1), "threads": getattr(codec, "threads", 1)},
         "priority": None if priority is None else {"nice": priority.nice, "io_class": priority.io_class}})
     lease.extend(ctx.store, st.epoch, handover.heartbeat(str(ctx.name)), lease.clock() + handover.HEARTBEAT_S)
@@ -211,8 +210,7 @@ def unpack(ctx: RankContext, st: RestoreState) -> None:
     where = st.images = area(ctx, epoch, "restore")
     ctx.policy.staging.make(where)
     manifest = ctx.store.read_rank_manifest(epoch, ctx.step, ctx.rank)
-    need = sum(int(f.get("raw_size", f["size"])) for f in manifest["files"].values()
-               if f.get("codec", "none") != "none")
+    need = manifest.seal.raw_bytes(compressed_only=True)
     free = free_bytes(where)
     if need > free:
         raise RestoreError(f"the staging area ({ctx.policy.staging.root}) has {size_text(free)} free; unpacking "

@@ -17,13 +17,14 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, TYPE_CHECKING
+from typing import Sequence, TYPE_CHECKING
 
 from slurmckpt.node import procfs
 from slurmckpt.store import sparse
 from slurmckpt.node import asuser
 from slurmckpt.node import proctree
 from slurmckpt.errors import CaptureError, RestoreError
+from slurmckpt.store.record import OutputSnapshot
 
 if TYPE_CHECKING:
     from slurmckpt.rank.context import CaptureState, RankContext
@@ -46,12 +47,13 @@ def measure(wrapper_pid: int) -> list[tuple[str, int]]:
     return list(out.items())
 
 
-def take(ctx: RankContext, st: CaptureState, where: Path) -> list[dict[str, Any]]:
+def take(ctx: RankContext, st: CaptureState, where: Path) -> tuple[OutputSnapshot, ...]:
     """CAPTURE (every rank frozen): the output files' data up to their size at
     the freeze into `where`; the rank record's `outputs`."""
     if st.replay:
         _wait_settled(ctx.wrapper_pid)
-    outputs, seen = [], {}
+    outputs: list[OutputSnapshot] = []
+    seen: dict[str, tuple[str, list[list[int]]]] = {}
     for fd in FDS:
         t = proctree.fd_target(ctx.wrapper_pid, fd)
         if t is None or not t.regular:
@@ -62,10 +64,10 @@ def take(ctx: RankContext, st: CaptureState, where: Path) -> list[dict[str, Any]
         if t.link not in seen:
             seen[t.link] = (f"output-{fd}.snap", _copy(ctx, st, fd, t, where / f"output-{fd}.snap"))
         snapshot, ranges = seen[t.link]
-        outputs.append({"fd": fd, "link": t.link, "size": t.size, "snapshot": snapshot, "ranges": ranges})
+        outputs.append(OutputSnapshot(fd, t.link, t.size, snapshot, tuple((a, b) for a, b in ranges)))
     if ctx.peer_alive and not ctx.peer_alive():
         raise CaptureError("the task's wrapper exited during the capture", step=ctx.step, rank=ctx.rank)
-    return outputs
+    return tuple(outputs)
 
 
 def _copy(ctx: RankContext, st: CaptureState, fd: int, t: proctree.FdTarget, dst: Path) -> list[list[int]]:
@@ -100,17 +102,18 @@ def _wait_settled(wrapper_pid: int, quiet_s: float = 1.5, limit_s: float = 10.0)
             last, since = now, time.monotonic()
 
 
-def rewrite(manifest: dict[str, Any], images: Path, stdio: list[int]) -> None:
+def rewrite(outputs: Sequence[OutputSnapshot], images: Path, stdio: list[int]) -> None:
     """Restore: each output fd of the new task (Slurm's fresh file) made to hold the snapshot, holes where
     the file had holes (snapshots without `ranges`, from before they were kept, hold every byte)."""
     done = set()
-    for entry in manifest.get("outputs", []):
-        if entry["snapshot"] in done:
+    for entry in outputs:
+        if entry.snapshot in done:
             continue
-        fd = stdio[entry["fd"]]
+        fd = stdio[entry.fd]
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RestoreError(f"the task's fd {entry['fd']} is not a regular file now (it was "
-                               f"{entry['link']} at the capture): cannot restore its output")
-        with open(images / entry["snapshot"], "rb") as f:
-            sparse.write_back(fd, f.fileno(), entry.get("ranges"), entry["size"])
-        done.add(entry["snapshot"])
+            raise RestoreError(f"the task's fd {entry.fd} is not a regular file now (it was "
+                               f"{entry.link} at the capture): cannot restore its output")
+        ranges = None if entry.ranges is None else [list(r) for r in entry.ranges]
+        with open(images / entry.snapshot, "rb") as f:
+            sparse.write_back(fd, f.fileno(), ranges, entry.size)
+        done.add(entry.snapshot)

@@ -35,6 +35,7 @@ from slurmckpt.rank.context import Phase, RankContext, RestoreState
 from slurmckpt.rank.engine import Stage, Table, rollback, run_table
 from slurmckpt.rank.sharing import crossnode, ipc, netlock, rendezvous, shm_files
 from slurmckpt.slurm import pmi
+from slurmckpt.store.record import Capture, Files, WrittenFile
 
 log = logging.getLogger("slurmckpt.pipeline")
 
@@ -56,13 +57,19 @@ def restored(ctx: RankContext, pid: int) -> RankContext:
     return dataclasses.replace(ctx, root_pid=pid, standin_fds=())
 
 
+def _record(st: RestoreState) -> Capture:
+    """The capture's record the `unpack` stage read (rank.json, verified)."""
+    assert st.manifest is not None
+    return st.manifest.capture
+
+
 def _gpu_check(ctx: RankContext, st: RestoreState) -> None:
-    ctx.gpu.check_restore(ctx.store.read_rank_manifest(st.epoch, ctx.step, ctx.rank).get("gpu"))
+    ctx.gpu.check_restore(ctx.store.read_rank_manifest(st.epoch, ctx.step, ctx.rank).capture.gpu.state)
 
 
 def _unpack(ctx: RankContext, st: RestoreState) -> None:
     images.unpack(ctx, st)
-    st.replay = st.manifest["kind"] == "replay"
+    st.replay = _record(st).tree.kind == "replay"
 
 
 def _shared_files(ctx: RankContext, st: RestoreState) -> None:
@@ -70,18 +77,18 @@ def _shared_files(ctx: RankContext, st: RestoreState) -> None:
     /dev/shm file the capture saved is not compared: the `shm` stage writes its saved bytes back (one policy
     for /dev/shm, sharing/shm_files.py), so a crash or another node changes nothing there."""
     st.key = rendezvous.restore_key(ctx.store.job, ctx.cgroup.tree.restart, st.epoch)
-    ipc.check_shared_files(files_to_check(st.manifest)[0], st.key, ctx.creds,
-                           same_node=st.manifest.get("node") == socket.gethostname())
+    rec = _record(st)
+    ipc.check_shared_files(files_to_check(rec.files)[0], st.key, ctx.creds, same_node=rec.tree.node == socket.gethostname())
 
 
 def _output(ctx: RankContext, st: RestoreState) -> None:
     assert st.images is not None
-    output_snapshot.rewrite(st.manifest, st.images, st.stdio)
+    output_snapshot.rewrite(_record(st).outputs, st.images, st.stdio)
 
 
 def _truncate(ctx: RankContext, st: RestoreState) -> None:
     if not st.replay:
-        _truncate_written_files(files_to_check(st.manifest)[1], ctx.creds)
+        _truncate_written_files(files_to_check(_record(st).files)[1], ctx.creds)
 
 
 def _shm(ctx: RankContext, st: RestoreState) -> None:
@@ -89,8 +96,9 @@ def _shm(ctx: RankContext, st: RestoreState) -> None:
         return
     assert st.images is not None
     try:
-        handed = shm_files.put_back(ctx.creds, st.manifest.get("shm_files", []), st.images, st.key,
-                                    shared={e["path"] for e in st.manifest.get("shared_files", [])})
+        files = _record(st).files
+        handed = shm_files.put_back(ctx.creds, list(files.shm), st.images, st.key,
+                                    shared={e["path"] for e in files.shared})
     except PermissionDenied as err:
         raise RestoreError(f"cannot prepare /dev/shm for the restore: {err}") from err
     st.owned_fds += handed.fds            # closed once the restore is over (runner.py)
@@ -101,47 +109,47 @@ def _handovers(ctx: RankContext, st: RestoreState) -> None:
     """The new start's fds in the old ones' places (criu --inherit-fd)."""
     if st.replay:
         return
-    manifest, stdio, inherit, seen = st.manifest, st.stdio, st.inherit, set()
-    for entry in manifest["stdio"]:
-        if entry["key"] in seen or not (entry["regular"] or entry["link"].startswith(("pipe:", "socket:"))
-                                        or entry["key"].startswith("file[")):
+    rec, stdio, inherit, seen = _record(st), st.stdio, st.inherit, set()
+    for entry in rec.files.stdio:
+        if entry.key in seen or not (entry.regular or entry.link.startswith(("pipe:", "socket:"))
+                                     or entry.key.startswith("file[")):
             continue
-        seen.add(entry["key"])
-        inherit.append(InheritedFd(entry["key"], stdio[entry["fd"]]))
-    if manifest.get("batch_script"):
+        seen.add(entry.key)
+        inherit.append(InheritedFd(entry.key, stdio[entry.fd]))
+    if rec.files.batch_script:
         if len(stdio) < 4:
             raise RestoreError("the batch script is open in the checkpoint, but this start passed no script fd")
-        for entry in manifest["batch_script"]:   # one file, one key: every fd on it shares this position
-            os.lseek(stdio[3], entry["pos"], os.SEEK_SET)
-            inherit.append(InheritedFd(entry["key"], stdio[3]))
+        for script in rec.files.batch_script:   # one file, one key: every fd on it shares this position
+            os.lseek(stdio[3], script.pos, os.SEEK_SET)
+            inherit.append(InheritedFd(script.key, stdio[3]))
     pmi_fd = ctx.handovers.pmi_fd
-    for entry in manifest.get("pmi", []):
+    for sock in rec.sockets.pmi:
         if pmi_fd < 0:
             raise RestoreError("the checkpoint holds a PMI connection to slurmstepd (srun --mpi=pmi2), but "
                                "this start of the task has none (PMI_FD): it was not started by srun --mpi=pmi2")
-        inherit.append(InheritedFd(entry["key"], pmi_fd))     # the new step's, in the old one's place
-    standins = manifest.get("srun_standins", [])
+        inherit.append(InheritedFd(sock.key, pmi_fd))     # the new step's, in the old one's place
+    standins = rec.sockets.srun_standins
     if len(standins) != len(ctx.standin_fds):
         raise RestoreError(f"the checkpoint holds {len(standins)} srun stand-in socket(s), this start handed in "
                            f"{len(ctx.standin_fds)}", step=ctx.step, rank=ctx.rank)
-    inherit += [InheritedFd(e["key"], fd) for e, fd in zip(standins, ctx.standin_fds)]  # the new wrapper's
-    if manifest.get("pmi"):
+    inherit += [InheritedFd(e.key, fd) for e, fd in zip(standins, ctx.standin_fds)]  # the new wrapper's
+    if rec.sockets.pmi:
         pmi.reinit(pmi_fd)        # slurmstepd takes a task's first PMI line as its init
 
 
 def _tcp_hold(ctx: RankContext, st: RestoreState) -> None:
     if st.replay:
         return
-    manifest = st.manifest
-    st.held = netlock.confirmed(manifest.get("tcp_ranks", []), ctx.step, ctx.rank,
-                                lambda step, rank: ctx.store.read_rank_manifest(st.epoch, step, rank))
-    between_nodes = manifest.get("tcp_nodes", [])
+    rec = _record(st)
+    st.held = netlock.confirmed(rec.sockets.tcp_ranks, ctx.step, ctx.rank,
+                               lambda step, rank: ctx.store.read_rank_manifest(st.epoch, step, rank).capture.sockets.tcp_ranks)
+    between_nodes = [list(e) for e in rec.sockets.tcp_nodes]
     if between_nodes:
-        crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), manifest.get("node", "?"))
+        crossnode.require_local_addresses(between_nodes, proctree.local_addresses(), rec.tree.node or "?")
     hold = st.hold = crossnode.Hold(between_nodes, ctx.store.job_dir / ".tcp-sync",
-                                    f"{ctx.cgroup.tree.restart}.{st.epoch}", ctx.store.job, ctx.packets,
-                                    ctx.limits.tcp_hold_max)
-    tcp_ports.free_for(manifest)     # a TIME_WAIT on a listening port fails criu's bind
+                                   f"{ctx.cgroup.tree.restart}.{st.epoch}", ctx.store.job, ctx.packets,
+                                   ctx.limits.tcp_hold_max)
+    tcp_ports.free_for(rec.sockets.tcp_ports)     # a TIME_WAIT on a listening port fails criu's bind
     try:
         hold.before_restore()
     except BaseException:
@@ -159,13 +167,12 @@ def _criu(ctx: RankContext, st: RestoreState) -> None:
     if st.replay:
         return
     assert st.images is not None and st.key is not None
+    rec = _record(st)
     try:
         with netlock.hold_during_restore(st.held, st.key, ctx.packets, ctx.limits.tcp_hold_max):
-            st.pid = ctx.criu.restore(st.images, st.inherit, freezer=ctx.cgroup.path,
-                                      pidfile=st.images / "restore.pid",
-                                      join=ctx.cgroup.add, tcp_close=st.manifest.get("tcp_close", []),
-                                      mntns=st.manifest.get("mntns", False),
-                                      leave_stopped=holds_gpu_state(st.manifest.get("gpu")))
+            st.pid = ctx.criu.restore(st.images, st.inherit, freezer=ctx.cgroup.path, pidfile=st.images / "restore.pid",
+                                     join=ctx.cgroup.add, tcp_close=list(rec.sockets.tcp_close),
+                                     mntns=rec.tree.mntns, leave_stopped=holds_gpu_state(rec.gpu.state))
     except CriuInterrupted:    # criu did not take back what it had restored: none of it may run
         _end_restored_tree(ctx, st)
         raise
@@ -174,7 +181,7 @@ def _criu(ctx: RankContext, st: RestoreState) -> None:
 def _host_copy_back(ctx: RankContext, st: RestoreState) -> None:
     """The GPU host copy the capture saved itself, back into the restored (stopped) processes before the
     GPU restore reads it (host_copy.py)."""
-    entries = st.manifest.get("host_copy", [])
+    entries = list(_record(st).gpu.host_copy)
     if st.replay or not entries:
         return
     assert st.images is not None
@@ -196,7 +203,7 @@ def _gpu_restore(ctx: RankContext, st: RestoreState) -> None:
         return
     try:
         pid = st.pid
-        ctx.gpu.restore(st.manifest.get("gpu"), proctree.descendants(pid) if pid else ctx.cgroup.pids())
+        ctx.gpu.restore(_record(st).gpu.state, proctree.descendants(pid) if pid else ctx.cgroup.pids())
     except SlurmckptError:
         raise
     except Exception as e:
@@ -234,36 +241,36 @@ RESTORE = Table("restore", (
 ), running=Phase.RESTORING, reached=Phase.RESTORED)
 
 
-def files_to_check(manifest: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def files_to_check(files: Files) -> tuple[list[dict[str, Any]], list[WrittenFile]]:
     """The files mapped shared with another rank, and the files the tree writes, that the restore must find
     as they were at the capture: those /dev/shm files whose saved bytes it writes back are left out. Their
     content now does not matter, and on this node another rank's restore may be writing them back at this
     very moment (a size of 0 B mid-write is no change made outside the job)."""
-    rewritten = shm_files.saved_names(manifest)
-    return ([e for e in manifest.get("shared_files", []) if e["path"] not in rewritten],
-            [e for e in manifest["truncate"] if e["path"] not in rewritten])
+    rewritten = files.shm_names()
+    return ([e for e in files.shared if e["path"] not in rewritten],
+            [e for e in files.truncate if e.path not in rewritten])
 
 
-def _truncate_written_files(entries: list[dict[str, Any]], creds: Credentials) -> None:
+def _truncate_written_files(entries: list[WrittenFile], creds: Credentials) -> None:
     """Files the tree appends to are cut back to their size at the capture, through an fd opened as the
     job's user (never as root: the path is user-controlled) and only if it is still the inode the tree had
     open. A file that shrank cannot be restored consistently."""
     for e in entries:
         try:
-            fd = asuser.open_as_user(creds, e["path"], os.O_WRONLY)
+            fd = asuser.open_as_user(creds, e.path, os.O_WRONLY)
         except PermissionDenied as err:
             raise RestoreError(f"cannot prepare files for restore: {err}") from err
         try:
             st = os.fstat(fd)
-            if "ino" in e and st.st_ino != e["ino"]:
-                raise RestoreError(f"{e['path']} is not the file the job had open at the checkpoint (replaced "
+            if e.ino is not None and st.st_ino != e.ino:
+                raise RestoreError(f"{e.path} is not the file the job had open at the checkpoint (replaced "
                                    "or a link to another file)")
             if not stat.S_ISREG(st.st_mode):
-                raise RestoreError(f"{e['path']} is not a regular file any more")
-            if st.st_size < e["size"]:
-                raise RestoreError(f"{e['path']} is shorter ({st.st_size} B) than at the checkpoint "
-                                   f"({e['size']} B); it was modified outside the job")
-            if st.st_size > e["size"]:
-                os.ftruncate(fd, e["size"])
+                raise RestoreError(f"{e.path} is not a regular file any more")
+            if st.st_size < e.size:
+                raise RestoreError(f"{e.path} is shorter ({st.st_size} B) than at the checkpoint "
+                                   f"({e.size} B); it was modified outside the job")
+            if st.st_size > e.size:
+                os.ftruncate(fd, e.size)
         finally:
             os.close(fd)

@@ -15,6 +15,7 @@ from slurmckpt.rank import capture, images, restore
 from slurmckpt.rank.context import CaptureState, Phase, RankContext, RestoreState
 from slurmckpt.rank.engine import Failure, Table, Unsettled, rollback, run_table
 from slurmckpt.rank.fit import Footprint, measure as measure_footprint
+from slurmckpt.store.record import RankRecord
 
 log = logging.getLogger("slurmckpt.pipeline")
 
@@ -79,7 +80,8 @@ class RankRunner:
             raise CaptureError("CAPTURE before PREPARE completed", epoch=epoch)
         st.final = final
         self._run(capture.FINAL_CAPTURE if final else capture.PERIODIC_CAPTURE, self.ctx, st)
-        return {"kind": st.record["kind"], "bytes": st.record.get("bytes", 0), "timings": st.timings,
+        kind = st.record.tree.kind if st.record.tree else "image"
+        return {"kind": kind, "bytes": st.record.bytes, "timings": st.timings,
                 **({"persisting": True} if st.persister is not None else {})}
 
     def resume(self, epoch: int) -> dict[str, Any]:
@@ -98,7 +100,7 @@ class RankRunner:
                 self._settled(e.failures, ctx, epoch)
             if staged:
                 run_table(capture.PERSIST, ctx, st)
-        return {"bytes": st.record.get("bytes", 0), "raw_bytes": st.record.get("raw_bytes", 0)}
+        return {"bytes": st.record.bytes, "raw_bytes": st.record.raw_bytes}
 
     def abort(self, epoch: int) -> None:
         """Undo this epoch: while it holds the tree, the undos of its stages done; once it no longer does
@@ -129,7 +131,7 @@ class RankRunner:
         """The agent launched the tree whose context this is."""
         self.ctx, self.state = ctx, None
 
-    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, dict[str, Any]]:
+    def restore(self, ctx: RankContext, epoch: int, stdio: list[int]) -> tuple[int | None, RankRecord]:
         """Restore this rank from `epoch` with the new task's stdio fds (RESTORE's table): (root pid, or None
         for a replayed batch step; the rank manifest). On success the runner holds the restored tree."""
         self.ctx, self.state = ctx, None
@@ -143,6 +145,7 @@ class RankRunner:
                 ctx.policy.staging.remove(st.images)
         if st.pid is not None:
             self.ctx = restore.restored(ctx, st.pid)
+        assert st.manifest is not None         # the table ran whole: `unpack` read it
         return st.pid, st.manifest
 
     def kill_tree(self, why: str, consequence: str) -> str:

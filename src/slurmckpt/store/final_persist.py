@@ -27,6 +27,7 @@ from slurmckpt.store import handover, lease
 from slurmckpt.store.compression import from_settings
 from slurmckpt.store.jobstore import JobStore, rank_name
 from slurmckpt.store.persist import HANDOVER, Priority, persist_kept
+from slurmckpt.store.record import Capture
 from slurmckpt.store.staging import Staging
 
 log = logging.getLogger("slurmckpt.final_persist")
@@ -51,7 +52,7 @@ def persist_handed(store: JobStore, staging: Staging, epoch: int, step: str, ran
         return False
     finally:
         staging.remove(where, wait=True)
-    log.info("final epoch %d, rank %s: %d file(s) in the store", epoch, name, len(manifest["files"]))
+    log.info("final epoch %d, rank %s: %d file(s) in the store", epoch, name, len(manifest.seal.files))
     try:
         handover.complete(store, epoch)
     except (SlurmckptError, OSError) as e:       # the next run's agents complete it (handover.settle)
@@ -64,7 +65,7 @@ def _order(where: Path) -> dict[str, Any]:
     raw = json.loads((where / HANDOVER).read_text())
     codec = raw["codec"]
     priority = raw.get("priority")
-    return {"meta": dict(raw["meta"]), "lease_s": float(raw["lease_s"]),
+    return {"meta": Capture.from_json(dict(raw["meta"])), "lease_s": float(raw["lease_s"]),
             "codec": from_settings(str(codec["name"]), int(codec["level"]), int(codec["threads"])),
             "priority": None if priority is None else Priority(int(priority["nice"]), str(priority["io_class"]))}
 

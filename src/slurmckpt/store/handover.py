@@ -39,7 +39,7 @@ from slurmckpt.errors import StorageError
 from slurmckpt.slurm.comment import one_line
 from slurmckpt.store import fresh_start, lease
 from slurmckpt.store.durable import atomic_write_json
-from slurmckpt.store.jobstore import JobStore, fenced
+from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, fenced
 
 log = logging.getLogger("slurmckpt.handover")
 
@@ -65,7 +65,7 @@ def _image_ranks(entry: dict[str, Any]) -> list[str]:
 
 def _sealed(store: JobStore, epoch: int, name: str) -> bool:
     step, rank = validate.rank_name(name)
-    return (store.rank_dir(epoch, step, rank) / "rank.json").is_file()
+    return (store.rank_dir(epoch, step, rank) / RANK_MANIFEST).is_file()
 
 
 # ---- the final epoch's life --------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from slurmckpt.store import lease
 from slurmckpt.store.durable import atomic_write_bytes, atomic_write_json, fsync_dir, identity, posix_lock
 from slurmckpt.errors import StorageError
 from slurmckpt.identity import RankName
+from slurmckpt.store.record import Capture, RankRecord, Seal
 
 __all__ = ["JobStore", "atomic_write_json", "file_checksum", "list_jobs", "rank_name"]
 
@@ -224,17 +225,16 @@ class JobStore:
 
     # ---- rank manifests ----------------------------------------------------------------------------------
     def seal_rank(self, epoch: int, step: str, rank: int, files: dict[str, dict[str, Any]],
-                  meta: dict[str, Any]) -> dict[str, Any]:
+                  capture: Capture) -> RankRecord:
         """Write rank.json (last: its presence means the rank's images are complete and durable)."""
         rdir = self.rank_dir(epoch, step, rank)
-        manifest = {**meta, "version": FORMAT_VERSION, "job": self.job, "step": step, "rank": rank,
-                    "epoch": epoch, "files": files, "written_at": time.time(), "sealed_on": socket.gethostname()}
+        record = RankRecord(capture, Seal(self.job, step, rank, epoch, files, time.time(), socket.gethostname()))
         fsync_dir(rdir)
-        atomic_write_json(rdir / RANK_MANIFEST, manifest)
+        atomic_write_json(rdir / RANK_MANIFEST, record.to_json())
         fsync_dir(rdir.parent)
-        return manifest
+        return record
 
-    def write_rank_manifest(self, epoch: int, step: str, rank: int, meta: dict[str, Any]) -> dict[str, Any]:
+    def write_rank_manifest(self, epoch: int, step: str, rank: int, capture: Capture) -> RankRecord:
         """Seal files already in the rank's directory as stored raw (no staging: tools and tests)."""
         rdir = self.rank_dir(epoch, step, rank)
         files = {}
@@ -243,19 +243,20 @@ class JobStore:
                 st = p.stat()
                 files[p.name] = {"size": st.st_size, "raw_size": st.st_size, "codec": "none",
                                  "xxh3": file_checksum(p), "identity": identity(st)}
-        return self.seal_rank(epoch, step, rank, files, meta)
+        return self.seal_rank(epoch, step, rank, files, capture)
 
-    def read_rank_manifest(self, epoch: int, step: str, rank: int) -> dict[str, Any]:
+    def read_rank_manifest(self, epoch: int, step: str, rank: int) -> RankRecord:
+        """The rank's rank.json (store/record.py); StorageError when it is missing, unreadable or of a format
+        this release does not read."""
         path = self.rank_dir(epoch, step, rank) / RANK_MANIFEST
         try:
-            manifest = json.loads(path.read_text())
+            return RankRecord.from_json(json.loads(path.read_text()))
         except FileNotFoundError as e:
             raise StorageError("rank image incomplete (no rank.json)", epoch=epoch, rank=rank_name(step, rank)) from e
         except ValueError as e:
             raise StorageError(f"rank.json unreadable: {e}", epoch=epoch, rank=rank_name(step, rank)) from e
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise StorageError("rank.json unreadable: no list of files", epoch=epoch, rank=rank_name(step, rank))
-        return manifest
+        except StorageError as e:
+            raise StorageError(str(e), epoch=epoch, rank=rank_name(step, rank)) from e
 
     def stored_path(self, epoch: int, step: str, rank: int, name: str, entry: dict[str, Any]) -> Path:
         stored = entry.get("stored", name)
@@ -263,13 +264,13 @@ class JobStore:
             raise StorageError(f"rank.json names a bad file {stored!r}", epoch=epoch, rank=rank_name(step, rank))
         return self.rank_dir(epoch, step, rank) / str(stored)
 
-    def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> dict[str, Any]:
+    def verify_rank(self, epoch: int, step: str, rank: int, full: bool = False) -> RankRecord:
         """Sizes and checksums of every stored file; raises StorageError naming the first bad file. On the node
         that sealed it, a file whose inode, size, mtime and ctime are unchanged is not re-hashed (nothing wrote
         it since: only root can, and any write moves ctime); elsewhere (shared storage) every byte is hashed."""
         manifest = self.read_rank_manifest(epoch, step, rank)
-        same_node = manifest.get("sealed_on") == socket.gethostname() and not full
-        for name, want in manifest["files"].items():
+        same_node = manifest.seal.sealed_on == socket.gethostname() and not full
+        for name, want in manifest.seal.files.items():
             path = self.stored_path(epoch, step, rank, name, want)
             try:
                 st = path.stat()
@@ -285,7 +286,7 @@ class JobStore:
     def _require_complete(self, epoch: int, name: str) -> float | None:     # -> rank.json's captured_at
         step, rank = validate.rank_name(name)
         manifest = self.read_rank_manifest(epoch, step, rank)
-        for fname, want in manifest["files"].items():
+        for fname, want in manifest.seal.files.items():
             path = self.stored_path(epoch, step, rank, fname, want)
             try:
                 size = path.stat().st_size
@@ -294,8 +295,7 @@ class JobStore:
             if size != want["size"]:
                 raise StorageError(f"image file {fname} has {size} bytes, rank.json says {want['size']}",
                                    epoch=epoch, rank=name)
-        at = manifest.get("captured_at")
-        return float(at) if isinstance(at, (int, float)) else None
+        return manifest.capture.tree.captured_at or None
 
     # ---- commit --------------------------------------------------------------------------------------------
     def commit(self, epoch: int, ranks: dict[str, dict[str, Any]], reason: str, keep: int, run: int | None = None,

@@ -26,6 +26,7 @@ from slurmckpt.errors import RestoreError, StorageError
 from slurmckpt.store import lease
 from slurmckpt.store.durable import identity
 from slurmckpt.store.jobstore import RANK_MANIFEST, JobStore, file_checksum, rank_name
+from slurmckpt.store.record import Capture, RankRecord
 
 log = logging.getLogger("slurmckpt.persist")
 
@@ -74,16 +75,16 @@ def bounded(priority: Priority | None, fn: Callable[[], T]) -> T:
     return result
 
 
-def persist_kept(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict[str, Any],
-                 codec: Plain | Zstd, priority: Priority | None, lease_s: float) -> dict[str, Any]:
+def persist_kept(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: Capture,
+                 codec: Plain | Zstd, priority: Priority | None, lease_s: float) -> RankRecord:
     """`persist_rank` at `priority` (None: full speed), the epoch's lease renewed meanwhile (lease.py):
     however long it takes, the epoch stays leased exactly while this rank writes it."""
     with lease.kept(store, epoch, rank_name(step, rank), lease_s):
         return bounded(priority, lambda: persist_rank(store, epoch, step, rank, staged, meta, codec))
 
 
-def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: dict[str, Any],
-                 codec: Plain | Zstd) -> dict[str, Any]:
+def persist_rank(store: JobStore, epoch: int, step: str, rank: int, staged: Path, meta: Capture,
+                 codec: Plain | Zstd) -> RankRecord:
     """Every staged file into the store (compressed where that saves space), then rank.json. On failure the
     rank's store directory goes (the epoch stays uncommitted) and StorageError names the file."""
     rdir = store.rank_dir(epoch, step, rank)
@@ -142,15 +143,15 @@ def _drop_cache(fd: int) -> None:
         pass
 
 
-def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -> dict[str, Any]:
+def materialize(store: JobStore, epoch: int, step: str, rank: int, dest: Path) -> RankRecord:
     """The rank's images, verified, as plain files in `dest` (staging) for CRIU. Compressed files are
     unpacked while their stored bytes are hashed; raw files are hashed in place (not at all when unchanged
     since this node sealed them) and linked. Raises StorageError naming the first bad
     file, RestoreError when staging has no room."""
     manifest = store.read_rank_manifest(epoch, step, rank)
-    same_node = manifest.get("sealed_on") == socket.gethostname()
+    same_node = manifest.seal.sealed_on == socket.gethostname()
     who = {"epoch": epoch, "rank": rank_name(step, rank)}
-    for name, want in manifest["files"].items():
+    for name, want in manifest.seal.files.items():
         if "/" in name or name.startswith("."):
             raise StorageError(f"rank.json names a bad file {name!r}", **who)
         path = store.stored_path(epoch, step, rank, name, want)

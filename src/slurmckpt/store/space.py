@@ -17,12 +17,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from slurmckpt.store.durable import free_bytes
 from slurmckpt.errors import CaptureError, StorageError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import RANK_RESERVE, TRASH, JobStore, epoch_of, rank_name, tree_bytes
+from slurmckpt.store.record import RankRecord
 from slurmckpt.sizes import size_text
 
 
@@ -70,20 +70,19 @@ class Quotas:
 
 
 
-def expected(memory: int, previous: dict[str, Any] | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
+def expected(memory: int, previous: RankRecord | None, copies: tuple[tuple[str, int], ...] = ()) -> Need:
     """From the tree's memory now, the files the capture copies (name, bytes held) and the rank's previous
     rank.json (None before its first capture)."""
     now = memory + sum(b for _, b in copies)
     if not previous:
         return Need(now, now, copies)
-    raw = sum(int(f.get("raw_size", f["size"])) for f in previous["files"].values())
-    stored = sum(int(f["size"]) for f in previous["files"].values())
+    raw, stored = previous.seal.raw_bytes(), previous.seal.stored_bytes()
     ratio = stored / raw if raw else 1.0
     biggest = max(now, raw)
     return Need(biggest, int(biggest * ratio), copies)
 
 
-def previous_manifest(store: JobStore, step: str, rank: int) -> dict[str, Any] | None:
+def previous_manifest(store: JobStore, step: str, rank: int) -> RankRecord | None:
     """The rank.json of the newest committed epoch that holds this rank as an image."""
     try:
         for e in store.committed():

@@ -52,7 +52,7 @@ def epoch_bytes(store: JobStore, entry: dict[str, Any]) -> int:
         try:
             step, rank = validate.rank_name(name)
             total += sum(int(f.get("size", 0)) for f in store.read_rank_manifest(entry["epoch"], step,
-                                                                                 rank)["files"].values())
+                                                                                 rank).seal.files.values())
         except (StorageError, ProtocolError, ValueError, KeyError, TypeError):
             continue
     return total

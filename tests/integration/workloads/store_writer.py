@@ -16,6 +16,7 @@ from pathlib import Path
 from slurmckpt.store.compression import Zstd
 from slurmckpt.store.persist import materialize, persist_rank
 from slurmckpt.store.jobstore import JobStore
+from slurmckpt.store.record import Capture
 
 JOB = 77
 
@@ -32,7 +33,7 @@ def write(store: JobStore, step: str, rounds: int) -> None:
         with tempfile.TemporaryDirectory() as staged:
             for name, data in images(epoch).items():
                 (Path(staged) / name).write_bytes(data)
-            persist_rank(store, epoch, step, 0, Path(staged), {"kind": "image"}, Zstd(1, 2))
+            persist_rank(store, epoch, step, 0, Path(staged), Capture(), Zstd(1, 2))
         store.commit(epoch, {f"{step}.0": {"kind": "image"}}, "test", keep=2)
 
 

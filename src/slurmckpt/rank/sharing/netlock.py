@@ -29,7 +29,7 @@ import os
 import re as regex
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from slurmckpt.node import proctree
 from slurmckpt.errors import RestoreError
@@ -80,17 +80,17 @@ def still_established(pids: list[int], connections: list[tuple[str, str, str, in
     return [list(c) for c in connections if (c[0], c[1]) in now]
 
 
-def confirmed(entries: list[list[Any]], step: str, rank: int,
-              peer_record: Callable[[str, int], dict[str, Any]]) -> list[list[str]]:
+def confirmed(entries: Sequence[tuple[str, str, str, int]], step: str, rank: int,
+              peer_record: Callable[[str, int], Sequence[tuple[str, str, str, int]]]) -> list[list[str]]:
     """The connections of this rank's record that the peer rank's record (`peer_record(step, rank)` -> its
-    rank.json) holds too, mirrored: only those are held, since only then will both ends be restored and
-    the last one lift the hold."""
+    rank.json's tcp_ranks) holds too, mirrored: only those are held, since only then will both ends be
+    restored and the last one lift the hold."""
     out, cache = [], {}
     for local, remote, peer_step, peer_rank in entries:
         key = (str(peer_step), int(peer_rank))
         if key not in cache:
             try:
-                cache[key] = {tuple(e) for e in peer_record(*key).get("tcp_ranks", [])}
+                cache[key] = {tuple(e) for e in peer_record(*key)}
             except Exception:  # noqa: BLE001 - no record for that rank: not held
                 cache[key] = set()
         if (remote, local, str(step), int(rank)) in cache[key]:

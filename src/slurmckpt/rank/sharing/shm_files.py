@@ -111,11 +111,6 @@ def shm_dev(shm_dir: str = SHM_DIR) -> int:
     return os.stat(shm_dir).st_dev
 
 
-def saved_names(record: dict[str, Any]) -> set[str]:
-    """The /dev/shm names a rank record's capture saved (and its restore writes back)."""
-    return {e["name"] for e in record.get("shm_files", [])}
-
-
 def needs_link_remap(files: list[ShmFile]) -> bool:
     return any(f.removed for f in files)
 
