@@ -116,6 +116,19 @@ def test_the_measured_stall_of_the_16_gib_gpu_job_does_not_fit_killwait_30():
     assert judge_final(eight, 30, "30 s (KillWait)", 0.4).fits
 
 
+def test_the_final_path_counts_every_stage_of_prepare_and_capture_and_the_host_copy_follows_the_bytes():
+    """What a final capture must finish before Slurm's SIGKILL is PREPARE and PERIODIC_CAPTURE as the periodic
+    captures ran them (their timings are the measurement): a stage added to a table and left out here makes
+    the window judged too short for it (host-copy once was: a 17.5 GiB capture judged ~10 s took 19-20 s)."""
+    from slurmckpt.coordinator.budget import BYTE_STAGES, FINAL_STAGES
+    from slurmckpt.rank.capture import PERIODIC_CAPTURE, PREPARE
+    assert FINAL_STAGES == PREPARE.names + PERIODIC_CAPTURE.names
+    assert set(BYTE_STAGES) == {"gpu-checkpoint", "host-copy", "dump"} <= set(FINAL_STAGES)
+    timings = {"gpu-checkpoint": 4.0, "host-copy": 8.0, "dump": 0.5, "check": 0.2, "freeze": 0.1}
+    then = MeasuredCapture.from_timings(2, 17 * GIB, timings)
+    assert then is not None and (then.byte_s, then.fixed_s) == (12.5, pytest.approx(0.3))
+
+
 def test_time_already_gone_counts_against_the_window():
     cost = final_capture_cost(RankSize("batch.0", "n", GIB), MeasuredCapture(1, GIB, 1.0, 0.5))
     assert judge_final(cost, 5, "5 s (KillWait)", 0.0).fits

@@ -149,9 +149,13 @@ def _work(e: Estimate) -> dict[str, float]:
 # What must end before Slurm's SIGKILL: a rank's PREPARE and CAPTURE until its images are complete in the
 # node's staging (rank/capture.py), the persister handed the images (a root process outside the job's
 # cgroups), and the coordinator's hand-over record. Persist, seal and commit come after the SIGKILL.
-FINAL_STAGES = ("check", "pmi-precheck", "space", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
-                "drain-output", "record", "dump", "snapshot-output")
-BYTE_STAGES = ("gpu-checkpoint", "dump")        # the ones whose time follows the bytes
+# (every stage of PREPARE and PERIODIC_CAPTURE, rank/capture.py; tests/unit hold them equal)
+FINAL_STAGES = ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
+                "drain-output", "record", "host-copy", "dump", "snapshot-output")
+# the ones whose time follows the bytes: the driver's copy to the host, slurmckpt's copy of it into the
+# images, criu's dump of the rest (without host-copy a 17.5 GiB final capture was judged to need ~10 s and
+# took 19-20 s on the H200)
+BYTE_STAGES = ("gpu-checkpoint", "host-copy", "dump")
 # Too small a margin and a capture dies half-written at the SIGKILL (said at the restore, but lost); too large
 # and one that would have fit is skipped. The periodic captures it is measured on ran the same stages.
 FINAL_MARGIN = 1.15      # a final capture's path as measured (or rated), times this
