@@ -19,6 +19,8 @@
 #                          scripts/gc-schedule.sh) (setup.sh's install steps; no test cluster, no packages)
 #   make deb               build/slurmckpt_<version>_<arch>.deb with dpkg-deb (scripts/build-deb.sh)
 #   make man               build/man/slurmckpt.1 and slurmckpt.yaml.5, generated from the code
+#   make unit              the inner loop: pyflakes, mypy and the unit tests, no cluster, no root, nothing
+#                          installed but Python and the package's test extra (scripts/unit.sh; under 2 minutes)
 #   make lint              pyflakes over src/ and tests/ (Debian's pyflakes3), mypy strict over src/ (the venv's,
 #                          pinned; both installed by setup)
 #   make docker-slurm      no root needed with Docker: the container test cluster of docker-slurm/ built and started,
@@ -31,7 +33,7 @@ PYTHON := /opt/slurmckpt/venv/bin/python
 PYTEST_ARGS ?=
 PYFLAKES := pyflakes3
 
-.PHONY: setup demo test test-2411 test-2605 lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
+.PHONY: setup demo test unit test-2411 test-2605 lint shim-matrix docker-slurm docker-slurm-down status stop clean install deb man
 SHIM_SUITES ?= trixie sid
 # The integration tests are spread over three clusters that run side by side (docs/slurm-versions.md): the host's
 # Slurm 22.05 (3 nodes), a Debian 13 root's Slurm 24.11 and a Debian sid root's Slurm 26.05 (1 node each).
@@ -71,11 +73,12 @@ demo: setup
 
 test: NODES = 3
 test: setup
-	bash scripts/setup.sh torch
-	$(MAKE) lint
-	$(MAKE) -C spank test
-	$(MAKE) shim-matrix
+	bash scripts/timed.sh "torch venv" bash scripts/setup.sh torch
+	[ -n "$(SLURMCKPT_UNIT_DONE)" ] || bash scripts/timed.sh lint $(MAKE) lint
+	bash scripts/timed.sh "shim tests" $(MAKE) -C spank test
+	bash scripts/timed.sh "shim matrix" $(MAKE) shim-matrix
 	PYTHON=$(PYTHON) PYTEST_ARGS="$(PYTEST_ARGS)" TESTS_2411="$(TESTS_2411)" TESTS_2605="$(TESTS_2605)" \
+	  SLURMCKPT_UNIT_DONE="$(SLURMCKPT_UNIT_DONE)" \
 	  HOST_IGNORE="$(addprefix --ignore=,$(TESTS_2411_ONLY) $(TESTS_2605_ONLY)) $(addprefix --deselect=,$(TESTS_2411_ONLY_IDS))" \
 	  bash scripts/test-suites.sh
 
@@ -88,6 +91,9 @@ test-2605:
 lint:
 	$(PYFLAKES) src tests
 	$(PYTHON) -m mypy
+
+unit:
+	bash scripts/unit.sh
 
 SHARE := /usr/local/share
 

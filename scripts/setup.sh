@@ -194,11 +194,11 @@ step_python() {
     $py -m venv "$SLURMCKPT_VENV" || die "python3 -m venv failed (is python3-venv installed?)"
   fi
   local pip=("$SLURMCKPT_VENV/bin/python" -m pip --disable-pip-version-check --no-input)
-  # the test tools (pyproject.toml's [test] extra): pytest, prometheus-client's text-format parser, and mypy
-  # (make lint; pinned as in pyproject.toml)
-  "$SLURMCKPT_VENV/bin/python" -c 'import pytest, prometheus_client, importlib.metadata as m; assert m.version("mypy") == "2.4.0"' 2>/dev/null \
-    || "${pip[@]}" install -q pytest prometheus-client "mypy==2.4.0" 2> >(grep -v "is ignored" >&2) \
-    || die "pip install pytest prometheus-client mypy failed"
+  # the test tools (pyproject.toml's [test] extra): pytest, prometheus-client's text-format parser, mypy
+  # (make lint; pinned as in pyproject.toml) and pyflakes (make unit)
+  "$SLURMCKPT_VENV/bin/python" -c 'import pytest, prometheus_client, pyflakes, importlib.metadata as m; assert m.version("mypy") == "2.4.0"' 2>/dev/null \
+    || "${pip[@]}" install -q pytest prometheus-client "mypy==2.4.0" "pyflakes>=3" 2> >(grep -v "is ignored" >&2) \
+    || die "pip install pytest prometheus-client mypy pyflakes failed"
   if [ -f "$REPO/pyproject.toml" ]; then
     # Non-editable: the installed copy is what Slurm runs. pip re-installs a local directory on every run;
     # if the installed sources still differ from the tree, force it. [gpu]: pynvml (pure Python; loads

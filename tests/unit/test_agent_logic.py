@@ -304,6 +304,7 @@ def test_a_relayed_srun_step_takes_the_name_of_the_step_whose_record_holds_its_t
     assert a.plan.step == "1" and a.plan.step_token == "0123456789abcdef" and a.facts.reporter.rank == "1.0"
 
 
+@pytest.mark.system
 def test_an_unknown_token_restores_nothing_and_a_malformed_one_is_ignored(tmp_path):
     """A token no epoch holds: its step id names nothing, so nothing is restored by it (not the completed
     step 0 of the earlier run). A token that is not 16 hex digits is not used at all; the batch step never

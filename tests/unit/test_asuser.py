@@ -13,6 +13,7 @@ from slurmckpt.node.launch import Credentials
 ME = Credentials(os.getuid(), os.getgid(), tuple(os.getgroups()), ())
 
 
+@pytest.mark.system
 def test_an_action_as_the_user_that_blocks_is_killed_at_its_time_limit() -> None:
     """A path through a FUSE mount the user serves can block an open or a read for as long as the user
     likes: the child doing it as the user is killed at its time limit, the caller gets PermissionDenied."""
@@ -25,6 +26,7 @@ def test_an_action_as_the_user_that_blocks_is_killed_at_its_time_limit() -> None
         asuser.call_as_user(ME, lambda: (_ for _ in ()).throw(OSError(5, "boom")), "read")
 
 
+@pytest.mark.system
 def test_opening_a_fifo_as_the_user_never_waits_for_its_other_end(tmp_path) -> None:
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -83,6 +83,7 @@ def test_a_copy_over_its_charge_is_refused_before_it_writes(tmp_path: Path) -> N
     assert not (tmp_path / "copy").exists()
 
 
+@pytest.mark.system
 def test_a_sparse_output_file_is_snapshotted_by_its_data_and_restored_with_its_holes(tmp_path: Path) -> None:
     """`truncate -s 1T` on the job's output: the capture used to copy the terabyte of zeros into staging
     and the store (here a 32 MiB staging file system: ENOSPC). Now it copies the data, and the restore gives
@@ -119,6 +120,7 @@ def test_a_sparse_output_file_is_snapshotted_by_its_data_and_restored_with_its_h
         stack.close()
 
 
+@pytest.mark.system
 def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Path, shm_file: Path,
                                                                     monkeypatch) -> None:
     """A /dev/shm file the tree holds open but not mapped is no part of its memory (RssShmem counts mapped
@@ -140,6 +142,7 @@ def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Pat
         tree.close()
 
 
+@pytest.mark.system
 def test_what_grows_after_prepare_counted_it_is_refused_before_it_is_copied(tmp_path: Path, shm_file: Path,
                                                                             monkeypatch) -> None:
     monkeypatch.setattr(space, "COPY_MARGIN", 64 << 10)

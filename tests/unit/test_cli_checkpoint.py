@@ -51,6 +51,7 @@ def test_interval_in(submit_line, script, want):
     assert interval_in(submit_line, script) == want
 
 
+@pytest.mark.system
 def test_the_run_record_says_the_batch_step_is_wrapped_and_nothing_else_is_asked(site, monkeypatch):
     """A summary the user may read whose run record is of the job's current run (restart count): the batch
     wrapper handles the signal; accounting and the script are not asked."""

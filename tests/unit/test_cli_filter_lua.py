@@ -14,6 +14,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 LUA = "lua5.1"
+pytestmark = pytest.mark.system      # Lua 5.1 comes with the node's set-up (scripts/setup.sh packages)
 
 HARNESS = r"""
 slurm = { SUCCESS = 0, ERROR = -1 }

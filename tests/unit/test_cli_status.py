@@ -44,6 +44,7 @@ def site(tmp_path: Path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.system
 def test_status_lists_only_jobs_under_slurmckpt_with_restarts_and_newest_checkpoint(site):
     r = CliRunner().invoke(cli, ["status"])
     assert r.exit_code == 0, r.output
@@ -56,6 +57,7 @@ def test_status_lists_only_jobs_under_slurmckpt_with_restarts_and_newest_checkpo
     assert len(CliRunner().invoke(cli, ["status", "--all", "-n"]).output.splitlines()) == 3
 
 
+@pytest.mark.system
 def test_status_formats(site):
     r = CliRunner().invoke(cli, ["status", "-p"])
     assert r.output.splitlines()[0] == "JOBID|USER|STATE|RESTARTS|LAST_EPOCH|COMMITTED|SIZE|NODELIST|NOTE|"
@@ -68,6 +70,7 @@ def test_status_formats(site):
     assert CliRunner().invoke(cli, ["status", "--json", "-p"]).exit_code == 2
 
 
+@pytest.mark.system
 def test_status_of_one_job_shows_epochs_the_failed_capture_and_the_note(site):
     r = CliRunner().invoke(cli, ["status", "7"])
     assert r.exit_code == 0, r.output

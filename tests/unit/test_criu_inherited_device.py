@@ -53,6 +53,7 @@ def criu(*args: str, log: Path) -> subprocess.CompletedProcess:
     return subprocess.run([CRIU, *args, "-v4", "-o", str(log)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.system
 def test_an_fd_on_an_inherited_device_is_reopened_by_path_without_a_position(holder, tmp_path: Path) -> None:
     process, pids, fd = holder
     pid = process.pid

@@ -36,6 +36,7 @@ def ping(conn: socket.socket, byte: bytes) -> bytes:
     return conn.recv(1)
 
 
+@pytest.mark.system
 def test_a_tree_left_stopped_by_a_dump_has_working_tcp_once_continued(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.fail("needs root (criu dump); CI and `make test` run as root")

@@ -70,6 +70,7 @@ def ask(path: Path) -> bytes:
         return s.recv(64)
 
 
+@pytest.mark.system
 def test_a_socket_whose_directory_is_gone_is_bound_again_in_a_directory_the_user_owns(listener, tmp_path: Path):
     process, pids, path = listener
     assert ask(path).startswith(b"alive")

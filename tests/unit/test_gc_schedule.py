@@ -50,6 +50,7 @@ def check_cron(path: Path, bin_: str) -> None:
     marker.unlink(missing_ok=True)
 
 
+@pytest.mark.system      # systemd-analyze comes with the node's set-up
 def test_make_installs_layouts_a_timer_with_systemd_and_a_cron_entry_without(tmp_path):
     units = tmp_path / "systemd" / "usr/local/lib/systemd/system"
     assert schedule("systemd", tmp_path / "systemd") == [units / "slurmckpt-gc.service", units / "slurmckpt-gc.timer"]
@@ -77,6 +78,7 @@ def test_a_command_that_is_not_a_plain_absolute_path_is_refused(tmp_path, bad):
     assert p.returncode == 1 and "SLURMCKPT" in p.stderr and not (tmp_path / "etc").exists()
 
 
+@pytest.mark.system
 def test_the_debian_package_carries_both_and_enables_the_timer(tmp_path):
     deb = Path(subprocess.run(["bash", str(REPO / "scripts" / "build-deb.sh"), str(tmp_path)], capture_output=True,
                               text=True, check=True, timeout=300).stdout.strip())

@@ -205,6 +205,7 @@ def test_other_trees_reads_sibling_cgroups_and_their_names(tmp_path: Path) -> No
     assert TreeName(12, "0", 1, 0).label == "job 12 step 0 rank 1"
 
 
+@pytest.mark.system
 def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(procs, tmp_path: Path) -> None:
     from slurmckpt.errors import RestoreError
     from slurmckpt.store.jobstore import file_checksum

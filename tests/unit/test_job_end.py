@@ -91,6 +91,7 @@ def test_one_reading_of_slurms_word_for_gc_and_the_jobs_end(state, said):
     assert reclaim.verdict(state) == said
 
 
+@pytest.mark.system
 def test_a_completed_job_loses_its_images_once_the_epilogs_are_through_and_its_summary_says_so(tmp_path, tree):
     store = stored(tmp_path, tree)
     summary.publish(store, str(tmp_path / "summaries"), UID)
@@ -170,6 +171,7 @@ def test_a_store_bound_to_another_uid_and_a_job_without_images_are_left_alone(tm
     assert end(JobEnd(51, UID), config(tmp_path), slurm) == "no images in the store" and slurm.asked == 0
 
 
+@pytest.mark.system
 def test_gc_marks_the_summary_of_what_it_removes(tmp_path, tree):
     store = stored(tmp_path, tree)
     summary.publish(store, str(tmp_path / "summaries"), UID)

@@ -7,11 +7,14 @@ import subprocess
 from pathlib import Path
 
 import click
+import pytest
 
 from slurmckpt.cli import manpage
 from slurmckpt.cli import cli
 from slurmckpt.config import Config
 from slurmckpt.policy import RULE_DOCS
+
+pytestmark = pytest.mark.system      # groff comes with the node's set-up (scripts/setup.sh packages)
 
 
 def render(path: Path) -> str:

@@ -93,6 +93,7 @@ def test_defaults_start_gpu_tasks_in_a_cuda_checkpoint_job_only_from_driver_610_
     assert task_defaults.defaults(env, Config(nccl_checkpoint_transports=False), R580).transports is None
 
 
+@pytest.mark.system
 def test_status_shows_each_steps_trade(tmp_path: Path, monkeypatch):
     """The trade reaches `slurmckpt status JOB` through the run record (root's store -> the user's summary)."""
     from fake_slurm import FakeSlurm, squeue_answer, squeue_line

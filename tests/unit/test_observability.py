@@ -122,6 +122,7 @@ def test_the_field_is_one_printable_line_cut_in_the_note_never_in_the_checkpoint
 
 
 # ---- the summary ----------------------------------------------------------------------------------------------
+@pytest.mark.system
 def test_the_summary_is_roots_readable_by_the_jobs_user_and_rebuilt_from_the_store(tmp_path: Path):
     """Root's file, 0440 by an ACL naming the job's uid (tests/unit/test_summary.py tries it as the users)."""
     store = _store(tmp_path)
@@ -178,6 +179,7 @@ def _lines(r: int) -> list[str]:
         return []
 
 
+@pytest.mark.system
 def test_events_write_one_relay_line_each_and_feed_metrics_comment_and_summary(tmp_path: Path):
     r, w = os.pipe()
     slurm = Slurm()
@@ -228,6 +230,7 @@ def test_a_relay_that_is_full_or_gone_costs_lines_never_the_agent(tmp_path: Path
     assert not os.get_inheritable(w)
 
 
+@pytest.mark.system
 def test_the_fresh_start_note_goes_to_the_comment_the_summary_and_slurmds_log(tmp_path: Path):
     r, w = os.pipe()
     slurm = Slurm()

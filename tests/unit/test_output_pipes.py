@@ -1,6 +1,8 @@
 """The wait for a frozen tree's stdio pipes to be read empty, on real pipes of a real child process."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ def child_writing_to(stdout, stderr=subprocess.DEVNULL) -> subprocess.Popen:
                             stdout=stdout, stderr=stderr)
 
 
+@pytest.mark.system
 def test_unread_bytes_in_the_pipe_are_waited_for_until_the_reader_takes_them() -> None:
     r, w = os.pipe()
     child = child_writing_to(w)
@@ -50,6 +53,7 @@ def test_a_regular_output_file_and_a_gone_process_need_no_wait(tmp_path) -> None
         child.wait()
 
 
+@pytest.mark.system
 def test_the_pipe_is_opened_as_the_user_and_one_the_user_cannot_reach_is_not_waited_for() -> None:
     """Root's own process is out of another user's reach: nothing is opened for that user, no wait."""
     r, w = os.pipe()

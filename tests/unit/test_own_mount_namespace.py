@@ -2,6 +2,8 @@
 and the criu options that dump and restore such a tree."""
 from __future__ import annotations
 
+import pytest
+
 import os
 from pathlib import Path
 
@@ -60,6 +62,7 @@ def test_criu_dumps_and_restores_an_own_mount_namespace_on_the_nodes_mounts(tmp_
     assert "--ext-mount-map" not in args.read_text().split("\n")
 
 
+@pytest.mark.system
 def test_pid_1_of_the_new_namespaces_sees_its_own_proc_and_the_node_keeps_its_own(tmp_path: Path) -> None:
     require_root()
     out = tmp_path / "out"

@@ -163,6 +163,7 @@ def test_stage_order_is_gpu_before_freeze_and_dump_last() -> None:
     assert PERSIST.names == ("persist",)
 
 
+@pytest.mark.system
 def test_periodic_capture_then_resume_thaws_and_restores_gpus(tmp_path: Path) -> None:
     p, j, store = make(tmp_path)
     p.prepare(1)
@@ -216,6 +217,7 @@ def test_a_failure_whose_undo_fails_too_is_reported_with_both(tmp_path: Path) ->
     assert "injected gpu-resume failure" in str(e.value) and p.failed_stage == "dump"
 
 
+@pytest.mark.system
 def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_captured_again(
         tmp_path: Path) -> None:
     """The GPU restore after a periodic dump fails and its rollback leaves a process without GPU state: the
@@ -242,6 +244,7 @@ def test_a_process_left_without_its_gpu_state_gets_its_tree_killed_and_never_cap
     assert not isinstance(e.value, TaskEnded)       # a killed tree is news to the user, unlike an ended one
 
 
+@pytest.mark.system
 def test_a_tree_without_gpu_state_that_cannot_be_killed_is_named_so_and_never_captured_again(
         tmp_path: Path) -> None:
     """The kill of such a tree fails itself (the cgroup's kill file cannot be written): the rollback's error
@@ -294,6 +297,7 @@ def test_what_the_gpu_cannot_capture_is_refused_at_the_check_stage_before_anythi
     assert p.failed_stage == "check" and j.events == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("path", ["resume", "abort", "final"])
 def test_a_memory_limit_raised_for_the_capture_is_put_back_on_every_path(tmp_path: Path, monkeypatch, path: str):
     """The site lets root raise the job's limit (gpu_capture_memory_raise): raised after the space is
@@ -380,6 +384,7 @@ def test_capture_without_prepare_is_refused(tmp_path: Path) -> None:
         p.capture(1)
 
 
+@pytest.mark.system
 def test_abort_after_prepare_keeps_previous_commit(tmp_path: Path) -> None:
     p, j, store = make(tmp_path)
     p.prepare(1); p.capture(1, final=False)
@@ -410,6 +415,7 @@ def test_finish_kills_every_process_of_the_cgroup_not_only_the_root(tmp_path: Pa
     assert (cg / "freezer.state").read_text() == "THAWED"
 
 
+@pytest.mark.system
 def test_capture_sizes_criu_ghost_limit_from_what_the_tree_holds(tmp_path: Path) -> None:
     """A deleted 4 MiB shared-memory file (like OpenMPI's PMIx segment) held by the tree (this process): the
     dump gets --ghost-limit of at least its size and the rank's record lists it (docs/mpi.md)."""
@@ -498,6 +504,7 @@ def test_size_refuses_what_cannot_fit_before_any_gpu_or_freeze_work(tmp_path: Pa
     assert p.footprint is not None and p.footprint.store_free > 0
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("final", [False, True])
 def test_a_tree_with_gpu_state_is_left_stopped_by_a_periodic_dump_and_handed_to_the_gpu_stage(
         tmp_path: Path, final: bool) -> None:
@@ -529,6 +536,7 @@ def test_a_tree_with_gpu_state_is_left_stopped_by_a_periodic_dump_and_handed_to_
         root.wait()
 
 
+@pytest.mark.system
 def test_the_epoch_phase_follows_the_tables_the_runner_runs(tmp_path: Path) -> None:
     from slurmckpt.rank.context import Phase
     p, _, _ = make(tmp_path)
@@ -547,6 +555,7 @@ def test_the_epoch_phase_follows_the_tables_the_runner_runs(tmp_path: Path) -> N
     assert p.state.phase is Phase.FINISHED and p.state.done == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("fails", ["check", "gpu-checkpoint", "dump", "none"])
 def test_abort_drops_the_images_only_once_the_epoch_no_longer_holds_the_tree(tmp_path: Path, monkeypatch,
                                                                             fails: str) -> None:

@@ -25,6 +25,7 @@ from slurmckpt.store.record import RankRecord
 CUT, LATER = b"slot 41 at the cut".ljust(64, b"."), b"slot 97 after the cut".ljust(64, b".")
 
 
+@pytest.mark.system
 def test_a_shared_dev_shm_segment_changed_after_the_cut_is_written_back_not_refused(monkeypatch) -> None:
     if os.getuid() != 0:
         pytest.fail("this test drops to another user's credentials: run it as root (as CI does)")

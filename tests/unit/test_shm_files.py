@@ -98,6 +98,7 @@ def test_note_remaps_attaches_each_link_to_the_file_held_by_the_removed_name(tmp
     assert [e["links"] for e in entries] == [["/dev/shm/link_remap.4"], []]
 
 
+@pytest.mark.system
 def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     """Root puts files back for a user: a name the user points at a root file (symlink) is refused and the
     target is untouched; a missing name is created owned by the user with the saved content and, for the
@@ -142,6 +143,7 @@ def test_put_back_writes_as_the_user_and_never_through_a_symlink() -> None:
     shutil.rmtree(tmp_path)
 
 
+@pytest.mark.system
 def test_a_name_another_user_took_is_worked_around_with_a_file_of_the_users_without_a_name(monkeypatch) -> None:
     """While the job was away another user made a file at its semaphore's name: the restore leaves that file
     alone and hands criu a new file of the job's user, without a name, holding the saved bytes, for the name
@@ -182,6 +184,7 @@ def test_a_name_another_user_took_is_worked_around_with_a_file_of_the_users_with
         shutil.rmtree(tmp_path)
 
 
+@pytest.mark.system
 def test_a_segment_two_ranks_share_is_written_back_once_per_restore() -> None:
     """Two ranks of one node saved the same segment: the first rank's restore writes it back; the second,
     coming after the first rank runs again and wrote to it, leaves the content alone (a second write-back
@@ -235,6 +238,7 @@ def _node_lock_free_within(lock_dir: Path, seconds: float) -> bool:
                 time.sleep(0.05)
 
 
+@pytest.mark.system
 def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock() -> None:
     """The job's user puts a FIFO at its own /dev/shm name between the capture and the restore: the
     write-back used to open it for writing inside the node-wide restore lock and wait there for a reader,
@@ -280,6 +284,7 @@ def test_a_fifo_at_the_name_fails_the_write_back_at_once_and_holds_no_node_lock(
         shutil.rmtree(tmp_path)
 
 
+@pytest.mark.system
 def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_path) -> None:
     """A segment sized with ftruncate and barely touched (shm_open's way): its copy takes the bytes it
     holds, not its size, and charges them; the write-back gives the same size, content and holes."""
@@ -311,6 +316,7 @@ def test_a_held_segment_is_saved_by_its_data_and_put_back_with_its_holes(tmp_pat
         seg.unlink(missing_ok=True)
 
 
+@pytest.mark.system
 def test_a_file_system_mounted_below_dev_shm_is_not_ours_to_copy(tmp_path) -> None:
     """A user can mount a file system of its own (FUSE) on a directory in /dev/shm; a file there, held by
     the tree, could make root's copy block for as long as the user likes: only /dev/shm's own files are

@@ -107,6 +107,7 @@ def test_expected_size_uses_the_larger_of_memory_and_the_last_image_and_its_rati
     assert space.expected(900, previous) == space.Need(900, 300)
 
 
+@pytest.mark.system
 def test_staging_must_be_roots_and_private(tmp_path):
     Staging(tmp_path / "s").ensure()
     assert oct((tmp_path / "s").stat().st_mode & 0o777) == "0o700"
@@ -202,6 +203,7 @@ def test_an_area_being_made_is_not_taken_for_an_orphan_until_it_is_old(tmp_path)
     assert staging.areas() == []
 
 
+@pytest.mark.system
 def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, monkeypatch):
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
@@ -220,6 +222,7 @@ def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, m
     assert not JobStore(root, "c", 20).job_dir.exists() and JobStore(root, "c", 21).job_dir.exists()
 
 
+@pytest.mark.system
 def test_gc_removes_this_nodes_empty_task_cgroups_of_finished_jobs_only(tmp_path, monkeypatch):
     """Left when slurmstepd's final SIGKILL ended an agent with its watchdog: gc removes the empty cgroups
     of jobs Slurm says are finished, reports one that still holds a process and one of a job Slurm does
@@ -262,6 +265,7 @@ def test_job_states_ask_slurmctld_about_each_job_alone_and_accounting_only_of_jo
 @pytest.mark.parametrize("squeue", [Ran(1, "", "slurm_load_jobs error: Socket timed out on send/recv operation"),
                                     Ran(1, "", "slurm_load_jobs error: Unable to contact slurm controller"),
                                     "squeue: error: something else\n"])
+@pytest.mark.system
 def test_gc_skips_the_run_when_slurmctld_does_not_answer(tmp_path, tree, monkeypatch, squeue):
     """Accounting alone once made gc delete a requeued job's store (its last record said PREEMPTED): when
     squeue fails, or answers without the job, gc removes nothing at all, says so and exits 1."""

@@ -137,6 +137,7 @@ def test_requests_are_checked_and_their_fds_closed_when_refused(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.system
 def test_another_user_cannot_have_the_relay_run_anything(tmp_path):
     """A process of another uid that connects to the relay is closed on before a byte is read: nothing runs
     and nothing is registered with the agent."""
@@ -204,6 +205,7 @@ def errno_of(fn) -> str:
         return errno.errorcode.get(e.errno or 0, str(e))
 
 
+@pytest.mark.system
 def test_no_other_user_can_take_or_reach_a_jobs_relay_path(tmp_path):
     """The relay's path (`<run_dir>/srun-relay/<uid>/<job>`, the same after a requeue) is in a directory root makes
     for the job's user, 0700, inside root's 0755 `<run_dir>/srun-relay`: another user can create neither that

@@ -64,6 +64,7 @@ def program(tmp_path: Path):
         p.wait()
 
 
+@pytest.mark.system
 def test_one_thread_of_a_stopped_process_runs_alone_and_goes_back_into_the_stop(program):
     p, worker, counter = program
     os.kill(p.pid, signal.SIGSTOP)

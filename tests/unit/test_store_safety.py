@@ -38,6 +38,7 @@ def committed_epochs(store: JobStore) -> list[int]:
     return [e["epoch"] for e in store.committed()]
 
 
+@pytest.mark.system
 def test_enospc_at_every_write_of_a_capture_keeps_the_previous_commit(fs, tmp_path, monkeypatch):
     """Free space is raised one page at a time from nothing: every write of the second capture (the store's
     epoch's allocation, the reservation, each persisted image, rank.json, the previous manifest, the manifest) fails in turn with
@@ -93,6 +94,7 @@ def _what(message: str) -> str:
     return "reservation" if "stage space failed" in message else message
 
 
+@pytest.mark.system
 def test_enospc_in_staging_refuses_the_dump_and_keeps_the_previous_commit(fs, tmp_path, monkeypatch):
     store_fs, staging_fs, tree = fs
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
@@ -145,6 +147,7 @@ def _run_child(store: JobStore, staging: Staging, tree: Tree, epoch: int, kill_a
     return int(out) if os.WIFEXITED(status) and out else -1
 
 
+@pytest.mark.system
 def test_kill_9_at_every_step_of_a_capture_and_commit(fs, tmp_path):
     """The capturing process dies (SIGKILL) at each of its file-system calls in turn: reservation, staging,
     persist, rank.json, previous manifest, manifest, pruning. Afterwards the newest earlier commit verifies
@@ -254,6 +257,7 @@ def test_lock_is_exclusive_across_processes_and_nests_within_one(tmp_path):
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
+@pytest.mark.system
 def test_store_refused_free_space_is_named(fs, tmp_path):
     """A capture that cannot fit is refused in PREPARE, before anything is frozen, naming the store."""
     store_fs, staging_fs, tree = fs

@@ -66,6 +66,7 @@ def _errno(fn) -> str:
         return errno.errorcode.get(e.errno or 0, str(e))
 
 
+@pytest.mark.system
 def test_only_the_jobs_user_reads_the_summary_and_nobody_but_root_can_change_it():
     assert os.geteuid() == 0, "run as root: the users are forked children"
     root = _open_root()
@@ -107,6 +108,7 @@ GOOD = {"version": 1, "cluster": "c", "job": 7, "updated_at": 1.5, "note": "n",
     (b"[" * 200_000, 0, 0o440),                       # deep nesting: RecursionError in json
     (b'{"cluster": "c", "job": 7, "pad": "' + b"x" * (2 << 20) + b'"}', 0, 0o440),   # over MAX_BYTES
     (b"not json", 0, 0o440), (b"[1, 2]", 0, 0o440)])
+@pytest.mark.system
 def test_a_summary_root_did_not_write_as_it_is_read_as_none(tmp_path, content, uid, mode):
     _write(tmp_path / "c" / "7.json", content, uid, mode)
     assert summary.read(str(tmp_path), "c", 7) is None
@@ -114,6 +116,7 @@ def test_a_summary_root_did_not_write_as_it_is_read_as_none(tmp_path, content, u
     assert summary.read(str(tmp_path), "c", 7)["epochs"][0]["epoch"] == 3
 
 
+@pytest.mark.system
 def test_fields_of_the_wrong_type_are_left_out_so_no_reader_trips_on_them(tmp_path):
     _write(tmp_path / "c" / "7.json", {
         "cluster": "c", "job": 7, "note": ["x"], "updated_at": "soon",
@@ -131,6 +134,7 @@ def test_fields_of_the_wrong_type_are_left_out_so_no_reader_trips_on_them(tmp_pa
     assert data["run"] == {"interval_s": 60, "policy": {"settings": {}, "allowed": True}}
 
 
+@pytest.mark.system
 def test_status_survives_a_deep_or_misshapen_summary(tmp_path, monkeypatch):
     """`slurmckpt status JOB` crashed (RecursionError) on a deeply nested summary and on fields of another
     type; it now shows the job without what it cannot read."""

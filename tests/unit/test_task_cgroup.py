@@ -63,6 +63,7 @@ def xattrs(monkeypatch: pytest.MonkeyPatch) -> dict:
     return store
 
 
+@pytest.mark.system
 def test_slurm_task_cgroup_is_found_without_reading_names(tmp_path: Path) -> None:
     """The wrapper's task cgroup and slurmstepd's cgroup are found from /proc by shape, whatever the job
     cgroup is called (Slurm 26.05 names it by SLUID)."""
@@ -84,6 +85,7 @@ def test_cgroups_not_shaped_like_slurms_task_cgroup_are_refused(tmp_path: Path, 
     assert find_slurm_v2(100, mount) is None, why
 
 
+@pytest.mark.system
 def test_pure_v2_tree_goes_into_slurms_task_cgroup_and_helpers_into_slurmstepds(tmp_path: Path,
                                                                                xattrs: dict) -> None:
     """On pure v2 the freeze cgroup becomes Slurm's task cgroup itself (Slurm lists, signals, limits and

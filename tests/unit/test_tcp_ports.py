@@ -54,6 +54,7 @@ def test_the_listeners_and_the_trees_own_connections_on_them_are_recorded() -> N
         s.close()
 
 
+@pytest.mark.system
 def test_only_the_trees_own_time_wait_is_destroyed_and_another_users_on_the_same_port_survives() -> None:
     """The tree's connection, recorded at the capture, ends in TIME_WAIT on its listening port; another
     user's TIME_WAIT has the same port number at another address. Before the restore only the tree's is
