@@ -1,4 +1,4 @@
-"""CPU process, N GiB: the stall and the restore of slurmckpt's pipeline vs raw CRIU (run as root, no Slurm).
+"""CPU process, N GiB: the stall and the restore of slurmckpt's rank engine vs raw CRIU (run as root, no Slurm).
 
 Workload: a python process holding N GiB, run as the job user under slurmckpt-init in its own PID namespace.
 `--data random` (incompressible: the worst case for compression) or `mixed` (1/4 random, 1/4 zero pages

@@ -5,7 +5,7 @@ processes"), on the GPU machine, as root.
 N processes (tests/gpu/workload_hold.py) each hold --gib of device memory on GPU 0. For each N in --procs, one
 cycle = lock all -> checkpoint all (the stall's GPU part: the driver copies device memory into each process's
 host memory) -> restore all -> unlock all, through slurmckpt's own TreeGpuStage with the real driver, once with its
-calls one after another ("serial") and once at once ("concurrent", what the pipeline does), paired
+calls one after another ("serial") and once at once ("concurrent", what a capture does), paired
 A/B/A/B (--order). Floors beside each ratio: one process's checkpoint of the same size (the driver's own
 copy of one process's memory), and the bytes over the link's pinned device->host rate (measured at the
 start with torch, --no-link to skip). Prints one line per timing and a summary with min/median/max; --out
