@@ -207,7 +207,7 @@ def test_jax_default_preallocation_gets_a_note_naming_the_variable(node, tmp_pat
 def test_preallocation_notes_by_framework_and_setting(node, maps, env, share, expect):
     node.process(11, maps=maps, env=env)
     total = GPUS[0].total_memory
-    note = frameworks.preallocation_note(frameworks.Held(11, A, int(total * share), total),
+    note = frameworks.preallocation_note(frameworks.GpuHolding(11, A, int(total * share), total),
                                          frameworks.framework_of(11), procfs.environ(11))
     assert (note is None) if expect is None else (expect in note)
 

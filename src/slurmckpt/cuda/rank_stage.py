@@ -76,7 +76,7 @@ class CudaRankGpu:
             log.warning("NVML does not tell the device memory of pid(s) %s: counted as 0", unknown,
                         extra=self.context)
         totals = {g.uuid: g.memory_total for g in inventory.gpus}
-        notes = frameworks.notes([frameworks.Held(pid, uuid, n, totals.get(uuid, 0))
+        notes = frameworks.notes([frameworks.GpuHolding(pid, uuid, n, totals.get(uuid, 0))
                                   for pid, per_gpu in held.items() for uuid, n in per_gpu.items()])
         self.use = GpuUse(held, tuple(notes))
         return self.use
