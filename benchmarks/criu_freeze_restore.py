@@ -1,4 +1,4 @@
-"""CPU process, N GiB: the stall and the restore of slurmckpt's pipeline vs raw CRIU (run as root, no Slurm).
+"""CPU process, N GiB: the stall and the restore of slurmckpt's rank engine vs raw CRIU (run as root, no Slurm).
 
 Workload: a python process holding N GiB, run as the job user under slurmckpt-init in its own PID namespace.
 `--data random` (incompressible: the worst case for compression) or `mixed` (1/4 random, 1/4 zero pages
@@ -41,7 +41,7 @@ from slurmckpt.node import proctree  # noqa: E402
 from slurmckpt.rank import fit  # noqa: E402
 from slurmckpt.config import Config  # noqa: E402
 from slurmckpt.criu.driver import COMMON, CriuDriver  # noqa: E402
-from slurmckpt.cuda.rank_stage import PipelineGpu  # noqa: E402
+from slurmckpt.cuda.rank_stage import CudaRankGpu  # noqa: E402
 from slurmckpt.identity import TreeName  # noqa: E402
 from slurmckpt.node.task_cgroup import TaskCgroup  # noqa: E402
 from slurmckpt.node.launch import Credentials, env_memfd, init_command, init_home, spawn_tree  # noqa: E402
@@ -243,7 +243,7 @@ def run_slurmckpt(cfg: Config, creds: Credentials, args, rep: int) -> dict:
     wrapper = subprocess.Popen(["sleep", "infinity"], stdin=devnull, stdout=devnull, stderr=devnull)
     ctx = RankContext(store, RankName("0", 0), freezer,
                       CriuDriver(cfg.criu_path, cfg.criu_extra_args, cfg.capture_timeout_s),
-                      PipelineGpu(cfg.gpu_lock_timeout_ms), creds, policy, Iptables(), wrapper.pid)
+                      CudaRankGpu(cfg.gpu_lock_timeout_ms), creds, policy, Iptables(), wrapper.pid)
     pipe = RankRunner()
     try:
         return _capture_and_restore(args, rep, tag, ready, store, freezer, ctx, pipe, devnull, cfg)

@@ -3,7 +3,7 @@ process in its own PID namespace), on the same process in the same run:
 
   freeze  = GPU lock + GPU checkpoint + criu dump            restore = criu restore + GPU restore + unlock
   hand    = raw cuCheckpointProcess* calls (ctypes, written here)
-  ours    = slurmckpt.cuda (GpuStage.for_tree: /proc scan, refusal checks, lock_all, checkpoint_all;
+  ours    = slurmckpt.cuda (TreeGpuStage.for_tree: /proc scan, refusal checks, lock_all, checkpoint_all;
             adopt_restored, remap pairs, restore_all, unlock_all)
   restore-to-running = from `criu restore` until the process writes again after unlock
   cold    = new python: import torch, torch.load(map_location="cuda") of the same state, one tick
@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.remap import build_pairs, visible_gpus  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 from slurmckpt.errors import GpuError  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def cycle(kind: str, w: harness.Workload, images: Path, hand: HandWired, driver,
     if kind == "hand":
         hand.thaw_gpu(pid)
     else:
-        restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+        restored = TreeGpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
         restored.restore_all(build_pairs(restored.gpus, visible_gpus(driver.devices(),
                                                                      record["cuda_visible_devices"])))
         restored.unlock_all()
@@ -128,7 +128,7 @@ def bench_size(gib: float, order: list[str], work: Path, hand: HandWired, driver
             time.sleep(0.1)
             t = time.monotonic()
             try:
-                GpuStage.for_tree(w.tree())
+                TreeGpuStage.for_tree(w.tree())
                 verdict = "NOT refused"
             except GpuError as e:
                 verdict = f"{type(e).__name__}: {e}"

@@ -4,8 +4,8 @@ processes"), on the GPU machine, as root.
 
 N processes (tests/gpu/workload_hold.py) each hold --gib of device memory on GPU 0. For each N in --procs, one
 cycle = lock all -> checkpoint all (the stall's GPU part: the driver copies device memory into each process's
-host memory) -> restore all -> unlock all, through slurmckpt's own GpuStage with the real driver, once with its
-calls one after another ("serial") and once at once ("concurrent", what the pipeline does), paired
+host memory) -> restore all -> unlock all, through slurmckpt's own TreeGpuStage with the real driver, once with its
+calls one after another ("serial") and once at once ("concurrent", what a capture does), paired
 A/B/A/B (--order). Floors beside each ratio: one process's checkpoint of the same size (the driver's own
 copy of one process's memory), and the bytes over the link's pinned device->host rate (measured at the
 start with torch, --no-link to skip). Prints one line per timing and a summary with min/median/max; --out
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from slurmckpt.cuda.driver import ProcessState, load_driver  # noqa: E402
-from slurmckpt.cuda.stage import GpuProcess, GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import GpuProcess, TreeGpuStage  # noqa: E402
 
 
 def start(n: int, gib: float, work: Path) -> list[tuple[subprocess.Popen, Path]]:
@@ -47,7 +47,8 @@ def start(n: int, gib: float, work: Path) -> list[tuple[subprocess.Popen, Path]]
 
 
 def cycle(driver, pids: list[int], concurrent: bool) -> dict[str, float]:
-    stage = GpuStage(driver, [GpuProcess(pid, pid, ProcessState.RUNNING) for pid in pids], concurrent=concurrent)
+    stage = TreeGpuStage(driver, [GpuProcess(pid, pid, ProcessState.RUNNING) for pid in pids],
+                         concurrent=concurrent)
     t = {}
     t0 = time.monotonic()
     stage.lock_all(10_000)

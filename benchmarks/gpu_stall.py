@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.remap import build_pairs, visible_gpus  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 from slurmckpt.rank import host_copy  # noqa: E402
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -46,10 +46,10 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")]
 
 
-def gpu_capture(tree: list[int]) -> tuple[GpuStage, dict[int, list[tuple[int, int]]], float]:
+def gpu_capture(tree: list[int]) -> tuple[TreeGpuStage, dict[int, list[tuple[int, int]]], float]:
     before = host_copy.anonymous_ranges(tree)
     t = time.monotonic()
-    stage = GpuStage.for_tree(tree, context={"rank": 0})
+    stage = TreeGpuStage.for_tree(tree, context={"rank": 0})
     stage.lock_all(2000)
     stage.checkpoint_all()
     c = time.monotonic() - t
@@ -114,7 +114,7 @@ def final_and_restore(kind: str, w: harness.Workload, images: Path, threads: int
     w.adopt(pid)
     copy_s = host_copy.copy_in(entries, images, harness.proctree.descendants(pid), threads) if entries else 0.0
     t = time.monotonic()
-    restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+    restored = TreeGpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
     restored.restore_all(build_pairs(restored.gpus, visible_gpus(driver.devices(), record["cuda_visible_devices"])))
     restored.unlock_all()
     r = time.monotonic() - t

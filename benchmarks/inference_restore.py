@@ -4,7 +4,7 @@ real cold start, both reading from the disk (the page cache is emptied before ea
   cold     spawn a fresh server (imports, from_pretrained of fp16 safetensors to cuda, warm-up, listen) ->
            a client's first `GEN` answered; the server's own SERVING time and its phases beside it
   restore  one server, started once, warmed and having answered, in the host PID namespace: GPU lock +
-           checkpoint (slurmckpt.cuda GpuStage), criu dump to local disk (the process ends), sync, caches
+           checkpoint (slurmckpt.cuda TreeGpuStage), criu dump to local disk (the process ends), sync, caches
            dropped -> criu restore + GPU restore + unlock -> a client's first `GEN` answered
   floors   the driver's GPU restore alone (restore_all), the disk's read of the image bytes, and for cold the
            disk's read of the weights file (each read back once with the page cache emptied)
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.remap import build_pairs, visible_gpus  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 SERVER = REPO / "tests" / "gpu" / "inference_server.py"
 SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
@@ -206,7 +206,7 @@ class Bench:
         pid, _ = harness.restore(images)
         t4 = time.monotonic()
         w.adopt(pid)
-        restored = GpuStage.adopt_restored(self.driver, record, harness.proctree.descendants(pid))
+        restored = TreeGpuStage.adopt_restored(self.driver, record, harness.proctree.descendants(pid))
         pairs = build_pairs(restored.gpus, visible_gpus(self.driver.devices(), record["cuda_visible_devices"]))
         t5 = time.monotonic()
         restored.restore_all(pairs)

@@ -91,7 +91,7 @@ class Channel:
             cls = getattr(errors, str(reply.get("error_type", "SlurmckptError")), errors.SlurmckptError)
             if not (isinstance(cls, type) and issubclass(cls, errors.SlurmckptError)):
                 cls = errors.SlurmckptError
-            stage = reply.get("stage")          # the pipeline stage that failed, for a capture phase
+            stage = reply.get("stage")          # the rank's stage that failed, for a capture phase
             raise cls(str(reply.get("error", "agent error")), op=op,
                       stage=stage if isinstance(stage, str) and stage else None)
         return reply

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
 from slurmckpt.node import proctree  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 CARRY = REPO / ".carry" / "criu"
 CRIU = os.environ.get("SLURMCKPT_CRIU") or str(CARRY / "criu")
@@ -228,8 +228,8 @@ def report_failure(w: "Workload", e: Exception) -> int:
 
 def gpu_checkpoint(tree: list[int]) -> dict:
     """slurmckpt's GPU capture of a tree as the agent runs it (lock every process, then checkpoint them);
-    returns the record that GpuStage.adopt_restored needs after the criu restore."""
-    stage = GpuStage.for_tree(tree, context={"rank": 0})
+    returns the record that TreeGpuStage.adopt_restored needs after the criu restore."""
+    stage = TreeGpuStage.for_tree(tree, context={"rank": 0})
     stage.lock_all(2000)
     stage.checkpoint_all()
     return stage.record()

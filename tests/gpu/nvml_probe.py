@@ -1,7 +1,7 @@
 """Device probe (root, GPU): what the unit tests' fake NVML and the capture's sizing assume, on the real GPU.
 
 1. `slurmckpt doctor`'s GPU lines (cuda/inventory.doctor_checks) from the real pynvml.
-2. A process holding --gib GiB (workload_hold.py): NVML's bytes for it (PipelineGpu.footprint) against what
+2. A process holding --gib GiB (workload_hold.py): NVML's bytes for it (CudaRankGpu.footprint) against what
    the driver's checkpoint really copies into its host memory (RssAnon before/after cuCheckpointProcessCheckpoint),
    the measured checkpoint/restore seconds against coordinator/budget.py's estimate, the host copy freed again
    after the GPU restore (node/host_memory.py's put-back relies on it), and the data intact.
@@ -29,7 +29,7 @@ from slurmckpt.coordinator.budget import Estimate, RankSize  # noqa: E402
 from slurmckpt.cuda import frameworks  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.inventory import doctor_checks  # noqa: E402
-from slurmckpt.cuda.rank_stage import PipelineGpu  # noqa: E402
+from slurmckpt.cuda.rank_stage import CudaRankGpu  # noqa: E402
 from slurmckpt.rank.fit import measure  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -75,7 +75,7 @@ def main() -> int:
     hold = start([sys.executable, str(HERE / "workload_hold.py"), "--gib", str(a.gib), "--ctl", str(work / "ctl")],
                  work / "hold.out")
     try:
-        gpu = PipelineGpu(5000)
+        gpu = CudaRankGpu(5000)
         fp = measure([hold.pid], gpu, work)
         nvml_bytes = fp.gpu_bytes
         say("footprint", {**fp.reply(), "refusals": fp.refusals(), "notes": list(fp.gpu.notes)})
@@ -114,7 +114,7 @@ def main() -> int:
     for name, env in (("default", {}), ("on-demand", {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})):
         p = start([sys.executable, "-c", JAX_HOLD], work / f"jax-{name}.out", env)
         try:
-            use = PipelineGpu(5000).footprint([p.pid])
+            use = CudaRankGpu(5000).footprint([p.pid])
             say(f"jax-{name}", {"framework": frameworks.framework_of(p.pid), "held": use.held, "notes": use.notes})
             check(frameworks.framework_of(p.pid) == "jax", f"JAX ({name}) recognised from its maps")
             check(bool(use.notes) == (name == "default"), f"JAX ({name}): a note exactly when it preallocates")

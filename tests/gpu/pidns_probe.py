@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +26,7 @@ def main() -> int:
     try:
         print("READY:", w.wait_for(r"^READY.*$", timeout=60).group(0), "host pid", w.pid, flush=True)
         for cycle in (1, 2):           # the second capture is of the restored tree (criu made its namespaces)
-            stage = GpuStage.for_tree(w.tree())
+            stage = TreeGpuStage.for_tree(w.tree())
             stage.lock_all(2000)
             stage.checkpoint_all()
             record = stage.record()
@@ -36,7 +36,7 @@ def main() -> int:
             pid, secs = harness.restore(work / f"img{cycle}")
             w.adopt(pid)
             print(f"[{cycle}] criu restore: {secs:.2f} s, new host pid {pid}", flush=True)
-            restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+            restored = TreeGpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
             restored.restore_all(None)
             restored.unlock_all()
             print(f"[{cycle}] heartbeats (GPU counter) in 2.5 s after restore:", harness.heartbeats(w), flush=True)

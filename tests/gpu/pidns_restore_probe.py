@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 
 DUMP2_EXTRA = os.environ.get("PNR_DUMP2", "").split()        # criu options tried for the second capture
@@ -93,7 +93,7 @@ def main() -> int:
         print("READY:", w.wait_for(r"^READY.*$", timeout=60).group(0), "host pid", w.pid,
               "own /proc at restore:", mount_proc, flush=True)
         old = w.pid
-        stage = GpuStage.for_tree(w.tree())
+        stage = TreeGpuStage.for_tree(w.tree())
         stage.lock_all(2000)
         stage.checkpoint_all()
         record = stage.record()
@@ -129,7 +129,7 @@ def main() -> int:
                 return 1
             for item in record["processes"]:
                 item["ns_pid"] = item["pid"] if generation == 1 else old   # host pid at capture 1, then ns pid
-            restored = GpuStage.adopt_restored(driver, record, [host])
+            restored = TreeGpuStage.adopt_restored(driver, record, [host])
             t = time.monotonic()
             restored.restore_all(None)
             restored.unlock_all()
@@ -138,7 +138,7 @@ def main() -> int:
                   flush=True)
             if generation == 2:
                 break
-            stage = GpuStage.for_tree([host])
+            stage = TreeGpuStage.for_tree([host])
             stage.lock_all(2000)
             stage.checkpoint_all()
             record = stage.record()

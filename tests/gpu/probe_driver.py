@@ -22,7 +22,7 @@ import harness  # noqa: E402
 from slurmckpt.cuda.driver import GpuDriverError, load_driver  # noqa: E402
 from slurmckpt.cuda.procscan import _map_paths, find_cuda_pids, unsupported_reasons  # noqa: E402
 from slurmckpt.node.procfs import fd_links  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -168,13 +168,13 @@ def main() -> int:
         finally:
             m.kill()
 
-    # a GpuStage refusal on a real process: NCCL loaded with 2 ranks per node and no NCCL_*_DISABLE
+    # a TreeGpuStage refusal on a real process: NCCL loaded with 2 ranks per node and no NCCL_*_DISABLE
     n = harness.Workload([sys.executable, str(HERE / "workload_hold.py"), "--gib", "0.1", "--ctl", str(ctl)],
                          work / "nccl.log", env={"LOCAL_WORLD_SIZE": "2"})
     try:
         n.wait_for(r"^READY")
         try:
-            GpuStage.for_tree([n.pid])
+            TreeGpuStage.for_tree([n.pid])
             say("stage refusal (LOCAL_WORLD_SIZE=2, no NCCL env)", "NOT refused")
         except Exception as e:   # noqa: BLE001
             say("stage refusal (LOCAL_WORLD_SIZE=2, no NCCL env)", f"{type(e).__name__}: {e}")

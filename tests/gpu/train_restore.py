@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from slurmckpt.cuda.driver import load_driver  # noqa: E402
 from slurmckpt.cuda.remap import build_pairs, visible_gpus  # noqa: E402
-from slurmckpt.cuda.stage import GpuStage  # noqa: E402
+from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 
 STEPS = 300
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
@@ -51,7 +51,7 @@ def main() -> int:
     try:
         w.wait_for(r"^step 40 ")
         # periodic capture: consistent cut (one rank) -> GPU checkpoint -> criu dump --leave-running -> resume
-        stage = GpuStage.for_tree(w.tree(), context={"rank": 0})
+        stage = TreeGpuStage.for_tree(w.tree(), context={"rank": 0})
         t0 = time.monotonic()
         stage.lock_all(2000)         # one rank: its cut is its own lock (the coordinator's rounds: barrier/rounds.py)
         cut_s = time.monotonic() - t0
@@ -72,7 +72,7 @@ def main() -> int:
         for cycle in range(a.cycles):
             target = 110 + 90 * cycle
             w.wait_for(rf"^step {target} ")
-            stage = GpuStage.for_tree(w.tree(), context={"rank": 0})
+            stage = TreeGpuStage.for_tree(w.tree(), context={"rank": 0})
             stage.lock_all(2000)
             stage.checkpoint_all()
             record = stage.record()
@@ -86,7 +86,7 @@ def main() -> int:
             pid, restore_s = harness.restore(images)
             w.adopt(pid)
             t4 = time.monotonic()
-            restored = GpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
+            restored = TreeGpuStage.adopt_restored(driver, record, harness.proctree.descendants(pid))
             pairs = build_pairs(restored.gpus, visible_gpus(driver.devices(), record["cuda_visible_devices"]))
             restored.restore_all(pairs)
             restored.unlock_all()

@@ -151,8 +151,8 @@ class InProcess:
         return handle
 
 
-def pipeline(store: JobStore, staging: Staging, tree: Tree, files: dict[str, bytes], step: str = "batch",
-             quotas: Quotas = Quotas()) -> RankRunner:
+def rank_runner(store: JobStore, staging: Staging, tree: Tree, files: dict[str, bytes], step: str = "batch",
+                quotas: Quotas = Quotas()) -> RankRunner:
     """A rank runner holding the context the agent would build for `tree` (rank/context.py)."""
     creds = Credentials(os.getuid(), os.getgid(), (), ())
     policy = StorePolicy(staging, Zstd(1, 1), Priority(), quotas, spawn=InProcess(store, staging))

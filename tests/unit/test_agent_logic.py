@@ -217,7 +217,7 @@ def test_a_restore_is_refused_before_anything_is_touched(tmp_path):
 
 # ---- the SIZE phase --------------------------------------------------------------------------------------
 def sizing_agent(tmp_path: Path, chan: FakeChannel, size, others: int = 0) -> tuple[Agent, int]:
-    """An agent whose pipeline measures with `size` (a function of the epoch), whose tree has `others` more
+    """An agent whose rank runner measures with `size` (a function of the epoch), whose tree has `others` more
     trees of the job on the node, and whose watchdog pipe is read back by the test."""
     from slurmckpt.config import Config
     from slurmckpt.store.fresh_start import FailureReporter

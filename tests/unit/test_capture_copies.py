@@ -18,7 +18,7 @@ from slurmckpt.errors import CaptureError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from smallfs import tmpfs
-from store_harness import Tree, capture, images, pipeline, read_back, settled
+from store_harness import Tree, capture, images, rank_runner, read_back, settled
 
 TIB = 1 << 40
 
@@ -98,7 +98,7 @@ def test_a_sparse_output_file_is_snapshotted_by_its_data_and_restored_with_its_h
     try:
         store = JobStore(tmp_path / "images", "c", 7)
         staging = Staging(stack.enter_context(tmpfs(tmp_path / "staging", 32 << 20)) / "s")
-        p = pipeline(store, staging, tree, images(1))
+        p = rank_runner(store, staging, tree, images(1))
         capture(p, 1)
         rank = store.read_rank_manifest(1, "batch", 0)
         assert [(o.fd, o.size) for o in rank.capture.outputs] == [(1, TIB)]
@@ -130,7 +130,7 @@ def test_a_held_dev_shm_file_counts_against_the_quota_and_is_named(tmp_path: Pat
     tree = tree_with(tmp_path / "out", shm_file)
     try:
         store, staging = JobStore(tmp_path / "images", "c", 8), Staging(tmp_path / "staging")
-        p = pipeline(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
+        p = rank_runner(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
         with pytest.raises(CaptureError, match=rf"over quota_job .*; it copies {shm_file} \(2\.0 MiB\)"):
             p.prepare(1)
         assert p.ctx.cgroup.state() == "THAWED" and p.failed_stage == "space"
@@ -150,7 +150,7 @@ def test_what_grows_after_prepare_counted_it_is_refused_before_it_is_copied(tmp_
     tree = tree_with(tmp_path / "out", shm_file)
     try:
         store, staging = JobStore(tmp_path / "images", "c", 9), Staging(tmp_path / "staging")
-        p = pipeline(store, staging, tree, images(1))
+        p = rank_runner(store, staging, tree, images(1))
         capture(p, 1)
         p.prepare(2)
         shm_file.write_bytes(os.urandom(1 << 20))          # filled by the user between the count and the copy
@@ -172,7 +172,7 @@ def test_a_deleted_file_the_tree_holds_is_counted_too(tmp_path: Path, shm_file: 
     shm_file.unlink()
     try:
         store, staging = JobStore(tmp_path / "images", "c", 10), Staging(tmp_path / "staging")
-        p = pipeline(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
+        p = rank_runner(store, staging, tree, images(1), quotas=space.Quotas(job=1 << 20))
         with pytest.raises(CaptureError, match=rf"over quota_job .*; it copies {shm_file} \(deleted\)"):
             p.prepare(1)
     finally:

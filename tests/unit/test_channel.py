@@ -158,7 +158,7 @@ def test_a_retryable_lock_error_keeps_its_type_across_the_channel(pair):
 
 
 @pytest.mark.parametrize("stage, expect", [("gpu-checkpoint", "gpu-checkpoint"), ("", None), (7, None)])
-def test_the_failed_pipeline_stage_crosses_the_channel_as_context(pair, stage, expect):
+def test_the_failed_rank_stage_crosses_the_channel_as_context(pair, stage, expect):
     """The coordinator's abort message names the stage a rank failed in: the agent's reply carries it, and
     only a non-empty string counts."""
     a, b = pair

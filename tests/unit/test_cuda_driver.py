@@ -150,7 +150,7 @@ def test_errors_carry_pid_op_and_result_name():
         d.lock(77, 100)
     assert (e.value.pid, e.value.op, e.value.code, e.value.result) == (77, "cuCheckpointProcessLock", 600,
                                                                        "CUDA_ERROR_NOT_READY")
-    assert e.value.timed_out        # GpuStage turns this one into LockContended (test_cuda_stage.py)
+    assert e.value.timed_out        # TreeGpuStage turns this one into LockContended (test_cuda_stage.py)
     assert "pid=77" in str(e.value) and "CUDA_ERROR_NOT_READY" in str(e.value)
     with pytest.raises(GpuDriverError) as e:
         d.checkpoint(77)

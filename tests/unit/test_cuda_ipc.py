@@ -15,8 +15,8 @@ from slurmckpt.cuda.driver import ProcessState
 from slurmckpt.cuda.release import ipc_jobs, release, release_text
 from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.procscan import unsupported_reasons
-from slurmckpt.cuda.rank_stage import PipelineGpu
-from slurmckpt.cuda.stage import GpuStage, GpuUnsupportedError
+from slurmckpt.cuda.rank_stage import CudaRankGpu
+from slurmckpt.cuda.stage import TreeGpuStage, GpuUnsupportedError
 from slurmckpt.node import procfs
 from tests.unit.test_cuda_stage import FakeProc
 
@@ -55,7 +55,7 @@ def test_the_check_stage_names_it_without_loading_libcuda_or_nvml(proc):
 
     def must_not_load():
         raise AssertionError("libcuda or NVML loaded by the check stage")
-    gpu = PipelineGpu(driver_factory=must_not_load, inventory_factory=must_not_load, release_of=lambda: R580)
+    gpu = CudaRankGpu(driver_factory=must_not_load, inventory_factory=must_not_load, release_of=lambda: R580)
     [reason] = gpu.refusals([71, 72])
     assert "pid 71 (learner) and pid 72 (actor)" in reason and "CUDA IPC" in reason
 
@@ -142,8 +142,8 @@ def job_pair(proc):
 
 
 def test_an_ipc_job_is_locked_whole_then_checkpointed_and_restored_one_by_one_in_order(proc, job_pair):
-    stage = GpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
-    assert isinstance(stage, GpuStage) and stage.ipc_job and stage.record()["ipc_job"] is True
+    stage = TreeGpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
+    assert isinstance(stage, TreeGpuStage) and stage.ipc_job and stage.record()["ipc_job"] is True
     stage.lock_all(100)
     stage.checkpoint_all()
     stage.restore_all()
@@ -156,7 +156,7 @@ def test_an_ipc_job_is_locked_whole_then_checkpointed_and_restored_one_by_one_in
 
 def test_the_fake_driver_refuses_an_ipc_job_checkpointed_at_once(proc, job_pair):
     """What the stage must not do (and did before it knew of jobs): both members in the driver at once."""
-    stage = GpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
+    stage = TreeGpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
     stage.ipc_job = False
     stage.lock_all(100)
     with pytest.raises(AssertionError, match="in the driver at once"):
@@ -164,11 +164,11 @@ def test_the_fake_driver_refuses_an_ipc_job_checkpointed_at_once(proc, job_pair)
 
 
 def test_an_ipc_job_restored_after_a_requeue_goes_in_the_order_it_was_captured(proc, job_pair):
-    stage = GpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
+    stage = TreeGpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
     stage.lock_all(100)
     stage.checkpoint_all()
     record = stage.record()
-    restored = GpuStage.adopt_restored(job_pair, record, [71, 72], run_alone=job_pair.run_alone)
+    restored = TreeGpuStage.adopt_restored(job_pair, record, [71, 72], run_alone=job_pair.run_alone)
     assert restored.ipc_job
     job_pair.stopped = {71, 72}
     restored.restore_all(None)
@@ -180,7 +180,7 @@ def test_an_ipc_job_restored_after_a_requeue_goes_in_the_order_it_was_captured(p
 def test_a_driver_that_does_not_take_ipc_jobs_is_refused_before_any_lock(proc, job_pair):
     job_pair.release = R580
     with pytest.raises(GpuUnsupportedError, match=re.escape("which this driver does not checkpoint")):
-        GpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
+        TreeGpuStage.for_tree([71, 72], driver_factory=lambda: job_pair, release_of=lambda: R610)
     assert job_pair.calls == []
 
 
@@ -193,7 +193,7 @@ def test_driver_580_refuses_the_checkpoint_of_an_ipc_pair_and_the_stage_rolls_ba
     for pid in (81, 82):
         driver.add_process(pid)
     driver.share_ipc([81, 82])
-    stage = GpuStage.for_tree([81, 82], driver_factory=lambda: driver, release_of=lambda: R580)
+    stage = TreeGpuStage.for_tree([81, 82], driver_factory=lambda: driver, release_of=lambda: R580)
     stage.lock_all(100)
     with pytest.raises(Exception, match="CUDA_ERROR_NOT_SUPPORTED"):
         stage.checkpoint_all()

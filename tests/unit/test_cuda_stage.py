@@ -15,8 +15,9 @@ from slurmckpt.cuda.remap import GpuRemapError
 from slurmckpt.errors import LockContended
 from slurmckpt.cuda.procscan import (condition, find_cuda_pids, frozen_reason, inherited_device_majors, ns_pid,
                                      unsupported_reasons)
-from slurmckpt.cuda.rank_stage import PipelineGpu
-from slurmckpt.cuda.stage import GpuRollbackError, GpuStage, GpuStateError, GpuUnsupportedError, NullGpuStage
+from slurmckpt.cuda.rank_stage import CudaRankGpu
+from slurmckpt.cuda.stage import (GpuRollbackError, GpuStateError, GpuUnsupportedError, NullTreeGpuStage,
+                                  TreeGpuStage)
 
 CUDA_MAPS = ["/dev/nvidiactl", "/dev/nvidia0", "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"]
 
@@ -72,7 +73,7 @@ def driver() -> FakeGpuDriver:
 
 
 def stage_of(proc: FakeProc, driver: FakeGpuDriver, pids: list[int], **kw):
-    return GpuStage.for_tree(pids, driver_factory=lambda: driver, **kw)
+    return TreeGpuStage.for_tree(pids, driver_factory=lambda: driver, **kw)
 
 
 # ---- finding CUDA processes and refusing unsupported ones ----
@@ -83,7 +84,7 @@ def test_a_jax_process_is_captured_like_any_other(proc, driver):
     proc.add(40, maps=["/venv/lib/python3.12/site-packages/jaxlib/xla_extension.so"])
     driver.add_process(40)
     stage = stage_of(proc, driver, [40])
-    assert isinstance(stage, GpuStage) and stage.processes[0].restore_tid == 40 + RESTORE_TID_OFFSET
+    assert isinstance(stage, TreeGpuStage) and stage.processes[0].restore_tid == 40 + RESTORE_TID_OFFSET
     stage.lock_all(100)
     assert driver.state(40) is ProcessState.LOCKED
 
@@ -114,7 +115,7 @@ def test_a_process_forked_from_a_cuda_process_is_dumped_with_its_device_maps_as_
         driver.add_process(pid, cuda=cuda)
     stage = stage_of(proc, driver, [30, 31, 32])
     assert [p.pid for p in stage.processes] == [30]
-    assert isinstance(stage_of(proc, driver, [30, 32]), GpuStage)
+    assert isinstance(stage_of(proc, driver, [30, 32]), TreeGpuStage)
     (proc.root / "devices").write_text(DEVICES)
     assert inherited_device_majors([31, 32]) == [195, 234, 508, 509, 510]
     assert inherited_device_majors([]) == []
@@ -140,8 +141,8 @@ def test_gpu_less_tree_gets_the_null_stage_without_loading_the_driver(proc):
 
     def must_not_load():
         raise AssertionError("libcuda loaded for a GPU-less tree")
-    stage = GpuStage.for_tree([20], driver_factory=must_not_load)
-    assert isinstance(stage, NullGpuStage) and not stage.active
+    stage = TreeGpuStage.for_tree([20], driver_factory=must_not_load)
+    assert isinstance(stage, NullTreeGpuStage) and not stage.active
     stage.lock_all(100)
     stage.checkpoint_all()
     stage.restore_all()
@@ -232,7 +233,7 @@ def test_a_frozen_process_is_refused_before_any_driver_call(proc, driver, tmp_pa
     driver.add_process(34)
     assert why in frozen_reason(34, str(cg))
     with pytest.raises(GpuStateError, match="lock and checkpoint GPUs before freezing"):
-        GpuStage.for_tree([34], driver_factory=lambda: driver, cgroup_root=str(cg))
+        TreeGpuStage.for_tree([34], driver_factory=lambda: driver, cgroup_root=str(cg))
     assert driver.calls == []
 
 
@@ -241,7 +242,7 @@ def test_a_process_frozen_after_the_lock_is_not_touched(proc, driver, tmp_path):
     (cg / "job").mkdir(parents=True)
     proc.add(35)
     driver.add_process(35)
-    stage = GpuStage.for_tree([35], driver_factory=lambda: driver, cgroup_root=str(cg))
+    stage = TreeGpuStage.for_tree([35], driver_factory=lambda: driver, cgroup_root=str(cg))
     stage.lock_all(100)
     (cg / "job" / "cgroup.events").write_text("populated 1\nfrozen 1\n")     # frozen before the checkpoint
     with pytest.raises(GpuRollbackError) as e:
@@ -368,7 +369,7 @@ def test_adopt_restored_maps_namespace_pids_and_restores_the_checkpointed_proces
         proc.add(new, nspid=(new, ns))
         driver.add_process(new, gpus=[driver.devices()[1].uuid], state=ProcessState.CHECKPOINTED)
     driver.stopped = {91, 92, 93}                      # criu restored them stopped
-    restored = GpuStage.adopt_restored(driver, record, [93, 91, 92], run_alone=driver.run_alone)
+    restored = TreeGpuStage.adopt_restored(driver, record, [93, 91, 92], run_alone=driver.run_alone)
     assert restored.pids == [91, 92, 93]
     restored.restore_all([(driver.devices()[1].uuid, driver.devices()[0].uuid)])
     restored.unlock_all()
@@ -376,7 +377,7 @@ def test_adopt_restored_maps_namespace_pids_and_restores_the_checkpointed_proces
     assert sorted(done[:3]) == [("restore", 91), ("restore", 92), ("restore", 93)]      # at once
     assert done[3:] == [("unlock", 91), ("unlock", 92), ("unlock", 93)]                  # then in order
     assert set(driver.ran_alone) == {91 + RESTORE_TID_OFFSET, 92 + RESTORE_TID_OFFSET, 93 + RESTORE_TID_OFFSET}
-    driver.stopped.clear()                             # let go (PipelineGpu.restore)
+    driver.stopped.clear()                             # let go (CudaRankGpu.restore)
     assert states(driver, (91, 92, 93)) == [ProcessState.RUNNING] * 3
 
 
@@ -385,9 +386,9 @@ def test_adopt_refuses_a_process_that_is_not_checkpointed(proc, driver):
     driver.add_process(70)
     record = {"processes": [{"pid": 5, "ns_pid": 1, "initial": "RUNNING"}], "gpus": []}
     with pytest.raises(GpuStateError, match="is RUNNING, expected CHECKPOINTED"):
-        GpuStage.adopt_restored(driver, record, [70], run_alone=driver.run_alone)
+        TreeGpuStage.adopt_restored(driver, record, [70], run_alone=driver.run_alone)
     with pytest.raises(GpuStateError, match="no process with namespace pid 1"):
-        GpuStage.adopt_restored(driver, record, [], run_alone=driver.run_alone)
+        TreeGpuStage.adopt_restored(driver, record, [], run_alone=driver.run_alone)
 
 
 def test_a_restored_process_whose_gpu_state_cannot_be_read_is_described(proc, driver):
@@ -396,7 +397,7 @@ def test_a_restored_process_whose_gpu_state_cannot_be_read_is_described(proc, dr
     record = {"processes": [{"pid": 5, "ns_pid": 3, "initial": "RUNNING"}], "gpus": []}
     proc.add(71, nspid=(71, 3))                    # alive, but unknown to the driver
     with pytest.raises(GpuStateError) as e:
-        GpuStage.adopt_restored(driver, record, [71], run_alone=driver.run_alone)
+        TreeGpuStage.adopt_restored(driver, record, [71], run_alone=driver.run_alone)
     assert "restored process 71 has no GPU restore thread (CUDA_ERROR_OPERATING_SYSTEM)" in str(e.value)
     assert "process 71 (python3) state S, threads Sx1, 4 /dev/nvidia* fds" in str(e.value)
     assert condition(72) == "process 72 is gone"
@@ -407,17 +408,17 @@ def test_ns_pid_reads_the_innermost_namespace(proc):
     assert ns_pid(80) == 1
 
 
-# ---- the pipeline's interface ----
+# ---- the rank tables' interface (CudaRankGpu) ----
 
-def _pipeline(proc, driver, let_go=None):
-    return PipelineGpu(100, driver_factory=lambda: driver, context={"rank": 0}, run_alone=driver.run_alone,
+def _rank_gpu(proc, driver, let_go=None):
+    return CudaRankGpu(100, driver_factory=lambda: driver, context={"rank": 0}, run_alone=driver.run_alone,
                        let_go=let_go if let_go is not None else (lambda pids: None))
 
 
-def test_pipeline_capture_resume_and_abort(proc, driver):
+def test_rank_gpu_capture_resume_and_abort(proc, driver):
     proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"})
     driver.add_process(101)
-    gpu = _pipeline(proc, driver)
+    gpu = _rank_gpu(proc, driver)
     gpu.lock([100, 101])
     rec = gpu.checkpoint()
     assert rec["processes"][0]["pid"] == 101 and driver.state(101) is ProcessState.CHECKPOINTED
@@ -432,16 +433,16 @@ def test_pipeline_capture_resume_and_abort(proc, driver):
     assert driver.state(101) is ProcessState.RUNNING
 
 
-def test_pipeline_restore_remaps_onto_the_new_allocation(proc, driver):
+def test_rank_gpu_restore_remaps_onto_the_new_allocation(proc, driver):
     proc.add(110, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(110, 1))
     driver.add_process(110, gpus=[driver.devices()[0].uuid])
-    gpu = _pipeline(proc, driver)
+    gpu = _rank_gpu(proc, driver)
     gpu.lock([110])
     rec = gpu.checkpoint()
     driver.remove_process(110)
     proc.add(120, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(120, 1))   # old env, restored by CRIU
     driver.add_process(120, gpus=[driver.devices()[0].uuid], state=ProcessState.CHECKPOINTED)
-    again = _pipeline(proc, driver)
+    again = _rank_gpu(proc, driver)
     again.visible_devices = "1"                        # the requeued task got the other GPU
     again.restore(rec, [120])
     assert driver.restore_pairs[120] == [(driver.devices()[0].uuid, driver.devices()[1].uuid)]
@@ -449,13 +450,13 @@ def test_pipeline_restore_remaps_onto_the_new_allocation(proc, driver):
     again.restore(None, [120])                         # a GPU-less checkpoint: nothing to do
 
 
-def test_pipeline_restore_refuses_incompatible_gpus(proc, driver):
+def test_rank_gpu_restore_refuses_incompatible_gpus(proc, driver):
     proc.add(130, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(130, 1))
     driver.add_process(130, state=ProcessState.CHECKPOINTED)
     rec = {"processes": [{"pid": 9, "ns_pid": 1, "initial": "RUNNING"}],
            "gpus": [fake_gpus(1, name="NVIDIA H100 80GB HBM3")[0].to_dict()], "cuda_visible_devices": "0"}
     with pytest.raises(GpuRemapError, match="H100"):
-        _pipeline(proc, driver).restore(rec, [130])
+        _rank_gpu(proc, driver).restore(rec, [130])
     assert driver.state(130) is ProcessState.CHECKPOINTED and ("restore", 130) not in driver.calls
 
 
@@ -546,7 +547,7 @@ def _captured_and_left_stopped(proc, driver, let_go, tree=(101,)):
     """pid 101's GPU state checkpointed, then criu left the tree `tree` stopped (a periodic dump)."""
     proc.add(101, env={"CUDA_VISIBLE_DEVICES": "0"}, nspid=(101, 1))
     driver.add_process(101)
-    gpu = _pipeline(proc, driver, let_go)
+    gpu = _rank_gpu(proc, driver, let_go)
     gpu.lock([100, 101])
     gpu.checkpoint()
     assert gpu.stops_for_resume()
@@ -598,7 +599,7 @@ def test_a_restored_tree_runs_again_only_after_its_gpu_state_is_back(proc, drive
     rec = {"processes": [{"pid": 9, "ns_pid": 1, "initial": "RUNNING"}],
            "gpus": [driver.devices()[0].to_dict()], "cuda_visible_devices": "0"}
     let_go: list[list[int]] = []
-    _pipeline(proc, driver, let_go.append).restore(rec, [150, 151])
+    _rank_gpu(proc, driver, let_go.append).restore(rec, [150, 151])
     assert driver.ran_alone == [150 + RESTORE_TID_OFFSET] * 3     # state, restore, unlock
     assert let_go == [[150, 151]]
 

@@ -16,7 +16,7 @@ from slurmckpt.store import fresh_start, handover, lease
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.record import Capture
-from store_harness import InProcess, Tree, images, pipeline, read_back, settled
+from store_harness import InProcess, Tree, images, rank_runner, read_back, settled
 
 RANKS = {"batch.0": {"kind": "image", "node": "n1"}}
 
@@ -35,7 +35,7 @@ class Job:
         self.store, self.staging = JobStore(tmp_path / "images", "c", 7), Staging(tmp_path / "staging")
         self.go = threading.Event()
         self.spawn = InProcess(self.store, self.staging, hold=self.go)
-        self.p = pipeline(self.store, self.staging, tree, images(1))
+        self.p = rank_runner(self.store, self.staging, tree, images(1))
         self.p.ctx = self.p.ctx.__class__(**{**self.p.ctx.__dict__,
                                             "policy": self.p.ctx.policy.__class__(
                                                 **{**self.p.ctx.policy.__dict__, "spawn": self.spawn})})

@@ -167,17 +167,17 @@ def test_the_agent_caps_what_it_sends_to_slurmctld(tmp_path: Path) -> None:
 def test_recorded_phase_names_the_failed_stage_keeps_the_error_and_knows_the_epoch_kind(tmp_path: Path) -> None:
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = fake_runner("stale")
+    runner = fake_runner("stale")
     r.epoch_began(7, None, "sigterm")
     r.epoch_is_final(7, True)
     with pytest.raises(CaptureError, match="unix stream socket"):
-        with r.recorded(7, "prepare", pipeline):
-            assert pipeline.failed_stage == ""          # a stage of an earlier epoch is not this one's
-            pipeline.stage_failed("check")
+        with r.recorded(7, "prepare", runner):
+            assert runner.failed_stage == ""          # a stage of an earlier epoch is not this one's
+            runner.stage_failed("check")
             raise CaptureError("unix stream socket /tmp/s is connected to ? in a process outside this task")
     f = failures(store)[0]
     assert (f.epoch, f.stage, f.final, f.trigger, f.rank, f.node) == (7, "check", True, "sigterm", "batch.0", "node1")
-    with r.recorded(8, "resume", pipeline):
+    with r.recorded(8, "resume", runner):
         pass
     assert [x.epoch for x in failures(store)] == [7]
 
@@ -188,11 +188,11 @@ def test_a_lock_round_the_coordinator_retries_is_not_recorded_its_verdict_is(tmp
     from slurmckpt.errors import ExchangeInFlight
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = fake_runner()
+    runner = fake_runner()
     r.epoch_began(9, True, "sigterm")
     with pytest.raises(ExchangeInFlight):
-        with r.recorded(9, "prepare", pipeline):
-            pipeline.stage_failed("pmi-idle")
+        with r.recorded(9, "prepare", runner):
+            runner.stage_failed("pmi-idle")
             raise ExchangeInFlight("thread 5 of pid 5 waits in read() for slurmstepd's answer")
     assert failures(store) == [] and notes.sent == []
     r.capture_failed(9, "pmi-idle", "thread 5 of pid 5 waits in read()", True, "sigterm", seen_by="coordinator")
@@ -205,16 +205,16 @@ def test_a_periodic_capture_that_found_the_task_ended_is_not_recorded_a_final_on
     from slurmckpt.errors import TaskEnded
     store, notes = _store(tmp_path), Notes()
     r = _reporter(store, notes)
-    pipeline = fake_runner()
+    runner = fake_runner()
     for epoch, final in ((3, False), (4, None)):
         r.epoch_began(epoch, final, "interval")
         with pytest.raises(TaskEnded):
-            with r.recorded(epoch, "size", pipeline):
+            with r.recorded(epoch, "size", runner):
                 raise TaskEnded("no running task tree to capture")
     assert failures(store) == [] and notes.sent == []
     r.epoch_began(5, True, "sigterm")
     with pytest.raises(TaskEnded):
-        with r.recorded(5, "prepare", pipeline):
+        with r.recorded(5, "prepare", runner):
             raise TaskEnded("no running task tree to capture")
     assert [(f.epoch, f.final) for f in failures(store)] == [(5, True)]
 

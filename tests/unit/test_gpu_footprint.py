@@ -15,7 +15,7 @@ from slurmckpt.cuda.fake import FakeGpuDriver, fake_gpus
 from slurmckpt.cuda.fake_nvml import FakeNvml, FakeNvmlGpu
 from slurmckpt.cuda.inventory import NvmlInventory, NvmlUnavailable
 from slurmckpt.cuda.remap import GpuRemapError
-from slurmckpt.cuda.rank_stage import PipelineGpu
+from slurmckpt.cuda.rank_stage import CudaRankGpu
 from slurmckpt.cuda.stage import GpuUnsupportedError
 from slurmckpt.rank.fit import Footprint, measure, tree_memory
 from slurmckpt.cuda.interface import GpuUse, NullGpu
@@ -78,12 +78,12 @@ def nvml_with(*uses: tuple[int, str, int], **gpu) -> FakeNvml:
     return nvml
 
 
-def pipeline_gpu(nvml: FakeNvml | None, driver: FakeGpuDriver | None = None) -> PipelineGpu:
+def rank_gpu(nvml: FakeNvml | None, driver: FakeGpuDriver | None = None) -> CudaRankGpu:
     def inventory():
         if nvml is None:
             raise NvmlUnavailable("pynvml is not installed")
         return NvmlInventory(nvml)
-    return PipelineGpu(100, driver_factory=lambda: driver or FakeGpuDriver(GPUS, sleep=lambda s: None),
+    return CudaRankGpu(100, driver_factory=lambda: driver or FakeGpuDriver(GPUS, sleep=lambda s: None),
                        inventory_factory=inventory, context={"rank": 0})
 
 
@@ -152,7 +152,7 @@ def test_measure_takes_gpu_bytes_from_nvml_and_room_from_the_cuda_process_cgroup
     node.process(10, anon_kb=1024)                                        # the shell: no GPU
     node.process(11, maps=CUDA_MAPS, anon_kb=4 * 1024 * 1024, cgroup="0::/job_7/step_0/user/task_0")
     node.limit("job_7", {"memory.max": str(64 * GIB), "memory.current": str(5 * GIB)})
-    gpu = pipeline_gpu(nvml_with((11, A, 30 * GIB), (999, A, 50 * GIB)))   # 999: another job's process
+    gpu = rank_gpu(nvml_with((11, A, 30 * GIB), (999, A, 50 * GIB)))   # 999: another job's process
     fp = measure([10, 11], gpu, tmp_path)
     assert fp.gpu.held == {11: {A: 30 * GIB}} and fp.gpu_bytes == 30 * GIB
     assert fp.host_bytes == 4 * GIB + (1 << 20) + 2 * (1 << 20)
@@ -163,7 +163,7 @@ def test_measure_takes_gpu_bytes_from_nvml_and_room_from_the_cuda_process_cgroup
 
 def test_a_tree_without_nvidia_devices_never_touches_nvml(node, tmp_path):
     node.process(10, anon_kb=1024)
-    fp = measure([10], pipeline_gpu(None), tmp_path)           # NVML "missing": not asked
+    fp = measure([10], rank_gpu(None), tmp_path)           # NVML "missing": not asked
     assert fp.gpu_bytes == 0 and fp.levels == () and fp.refusals() == []
     assert measure([10], NullGpu(), tmp_path).gpu == GpuUse()
 
@@ -171,14 +171,14 @@ def test_a_tree_without_nvidia_devices_never_touches_nvml(node, tmp_path):
 def test_a_gpu_tree_without_pynvml_is_refused_with_what_to_install(node, tmp_path):
     node.process(11, maps=CUDA_MAPS)
     with pytest.raises(NvmlUnavailable, match="pynvml is not installed"):
-        measure([11], pipeline_gpu(None), tmp_path)
+        measure([11], rank_gpu(None), tmp_path)
 
 
 def test_mig_seen_by_nvml_is_refused_before_anything_is_locked(node, tmp_path):
     node.process(11, maps=CUDA_MAPS)
     driver = FakeGpuDriver(GPUS, sleep=lambda s: None)
     with pytest.raises(GpuUnsupportedError, match="in MIG mode"):
-        measure([11], pipeline_gpu(nvml_with((11, A, GIB), mig=1), driver), tmp_path)
+        measure([11], rank_gpu(nvml_with((11, A, GIB), mig=1), driver), tmp_path)
     assert driver.calls == []
 
 
@@ -187,7 +187,7 @@ def test_jax_default_preallocation_gets_a_note_naming_the_variable(node, tmp_pat
     node.process(11, maps=JAX_MAPS)
     node.process(12, maps=JAX_MAPS, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     total = GPUS[0].total_memory
-    use = pipeline_gpu(nvml_with((11, A, int(total * 0.75)), (12, B, int(total * 0.75)))).footprint([11, 12])
+    use = rank_gpu(nvml_with((11, A, int(total * 0.75)), (12, B, int(total * 0.75)))).footprint([11, 12])
     assert len(use.notes) == 1
     assert use.notes[0].startswith(f"pid 11 (JAX) holds 105.3 GiB (75% of the GPU's memory) on {A}: JAX's "
                                    "preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION=0.75)")
@@ -207,7 +207,7 @@ def test_jax_default_preallocation_gets_a_note_naming_the_variable(node, tmp_pat
 def test_preallocation_notes_by_framework_and_setting(node, maps, env, share, expect):
     node.process(11, maps=maps, env=env)
     total = GPUS[0].total_memory
-    note = frameworks.preallocation_note(frameworks.Held(11, A, int(total * share), total),
+    note = frameworks.preallocation_note(frameworks.GpuHolding(11, A, int(total * share), total),
                                          frameworks.framework_of(11), procfs.environ(11))
     assert (note is None) if expect is None else (expect in note)
 
@@ -227,7 +227,7 @@ def record(device_bytes: dict[str, int]) -> dict:
 
 def test_restore_refuses_gpus_without_room_for_the_checkpoint_naming_the_shortfall():
     nvml = nvml_with((500, B, 120 * GIB))               # someone else's process on the second GPU
-    gpu = pipeline_gpu(nvml)
+    gpu = rank_gpu(nvml)
     gpu.check_restore(record({A: 100 * GIB, B: 10 * GIB}))       # 20 GiB free on B: fits
     with pytest.raises(GpuRemapError, match=r"GPU 1 \(.*\) has 19.8 GiB free \(120.6 GiB in use by other "
                                             r"processes\), the checkpoint holds 30.0 GiB on it: 10.2 GiB short"):
@@ -237,25 +237,25 @@ def test_restore_refuses_gpus_without_room_for_the_checkpoint_naming_the_shortfa
 def test_restore_refuses_mig_and_prohibited_targets():
     from slurmckpt.cuda.fake_nvml import NVML_COMPUTEMODE_PROHIBITED
     with pytest.raises(GpuRemapError, match="is in MIG mode"):
-        pipeline_gpu(nvml_with(mig=1)).check_restore(record({}))
+        rank_gpu(nvml_with(mig=1)).check_restore(record({}))
     with pytest.raises(GpuRemapError, match="prohibits compute"):
-        pipeline_gpu(nvml_with(compute_mode=NVML_COMPUTEMODE_PROHIBITED)).check_restore(record({}))
+        rank_gpu(nvml_with(compute_mode=NVML_COMPUTEMODE_PROHIBITED)).check_restore(record({}))
 
 
 def test_restore_without_nvml_checks_chip_and_count_through_the_driver():
-    gpu = pipeline_gpu(None)
+    gpu = rank_gpu(None)
     gpu.check_restore(record({A: 200 * GIB}))                       # no NVML: the bytes cannot be checked
     other = FakeGpuDriver(fake_gpus(2, name="NVIDIA A100-SXM4-80GB"), sleep=lambda s: None)
     with pytest.raises(GpuRemapError, match="chip 'NVIDIA A100-SXM4-80GB'"):
-        pipeline_gpu(None, other).check_restore(record({}))
-    pipeline_gpu(None).check_restore(None)                          # no GPU state: nothing to check
+        rank_gpu(None, other).check_restore(record({}))
+    rank_gpu(None).check_restore(None)                          # no GPU state: nothing to check
 
 
 def test_a_checkpoint_records_what_each_gpu_held_for_the_restores_check(node):
     node.process(11, maps=CUDA_MAPS)
     driver = FakeGpuDriver(GPUS, sleep=lambda s: None)
     driver.add_process(11, gpus=[A, B])
-    gpu = pipeline_gpu(nvml_with((11, A, 30 * GIB), (11, B, 2 * GIB), (12, B, 5 * GIB)), driver)
+    gpu = rank_gpu(nvml_with((11, A, 30 * GIB), (11, B, 2 * GIB), (12, B, 5 * GIB)), driver)
     gpu.footprint([11])
     gpu.lock([11])
     rec = gpu.checkpoint()

@@ -19,7 +19,7 @@ from slurmckpt.rank import leftovers
 from slurmckpt.store.job_end import JobEnd
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
-from store_harness import Tree, capture, images, pipeline
+from store_harness import Tree, capture, images, rank_runner
 
 UID = 60021
 
@@ -41,7 +41,7 @@ def stored(tmp_path: Path, tree: Tree, job: int = 50, uid: int = UID) -> JobStor
     store = JobStore(tmp_path / "images", "c", job)
     store.ensure()
     claim(store, JobInstance("c", job, uid, uid, "2026-01-01T00:00:00", 0))
-    capture(pipeline(store, Staging(tmp_path / "staging"), tree, images(job)), 1)
+    capture(rank_runner(store, Staging(tmp_path / "staging"), tree, images(job)), 1)
     return store
 
 

@@ -14,7 +14,7 @@ from slurmckpt.store import lease
 from slurmckpt.store import persist
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
-from store_harness import Tree, images, pipeline, read_back
+from store_harness import Tree, images, rank_runner, read_back
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_a_long_persist_keeps_its_epoch_leased(tmp_path: Path, tree, monkeypatch
     monkeypatch.setattr(lease, "clock", lambda: now[0])
     monkeypatch.setattr(lease, "RENEW_EVERY_S", 0.01)
     store, staging = JobStore(tmp_path / "images", "c", 8), Staging(tmp_path / "staging")
-    p = pipeline(store, staging, tree, images(3))
+    p = rank_runner(store, staging, tree, images(3))
     epoch = store.allocate_epoch(1, lease_s=60, owner="coordinator")
     real, collected = persist._store_file, []
 
@@ -59,7 +59,7 @@ def test_prepare_extends_the_lease_to_the_epochs_bytes(tmp_path: Path, tree, mon
     monkeypatch.setattr(fit, "tree_memory", lambda pids: 100 << 30)
     monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 50)
     store, staging = JobStore(tmp_path / "images", "c", 9), Staging(tmp_path / "staging")
-    p = pipeline(store, staging, tree, images(4))
+    p = rank_runner(store, staging, tree, images(4))
     epoch = store.allocate_epoch(1, lease_s=p.ctx.policy.lease_s, owner="coordinator")
     allocated = lease.expiry(store.epoch_dir(epoch))
     p.prepare(epoch)

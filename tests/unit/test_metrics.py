@@ -189,8 +189,8 @@ def test_a_state_the_agents_cannot_read_back_starts_afresh_instead_of_stopping_t
 
 
 def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
-    """The stage and trigger sets are written out here (metrics.py imports no pipeline): each stage of the
-    pipeline's tables, each phase the agent runs and each stage the coordinator names, and each trigger the
+    """The stage and trigger sets are written out here (metrics.py imports no rank module): each stage of the
+    rank's tables, each phase the agent runs and each stage the coordinator names, and each trigger the
     wrapper, the coordinator and the schedule start an epoch with, is one of them."""
     import re
     from slurmckpt.agent.epochs import PHASE_OPS

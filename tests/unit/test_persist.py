@@ -1,5 +1,5 @@
 """Persist and restore of a rank's images: compression where it saves space, checksums over the stored bytes
-checked while unpacking, the persisting thread's priority, and the pipeline's staging life cycle."""
+checked while unpacking, the persisting thread's priority, and the rank's staging life cycle."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ from dataclasses import replace
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from slurmckpt.store.record import Capture
-from store_harness import Tree, capture, images, pipeline, read_back, settled
+from store_harness import Tree, capture, images, rank_runner, read_back, settled
 
 
 @pytest.fixture
@@ -166,12 +166,12 @@ def test_codec_settings_are_checked_with_the_key_named():
     assert compression.from_settings("off", 99, 0) is PLAIN
 
 
-# ---- the pipeline's staging life cycle ---------------------------------------------------------------------
+# ---- the rank's staging life cycle ---------------------------------------------------------------------
 def test_a_periodic_capture_dumps_to_staging_and_persists_after_the_thaw(tmp_path, monkeypatch):
     tree = Tree()
     try:
         store, staging = JobStore(tmp_path / "images", "c", 5), Staging(tmp_path / "staging")
-        p = pipeline(store, staging, tree, images(1))
+        p = rank_runner(store, staging, tree, images(1))
         thawed_before_persist = []
 
         def spy(*a, **kw):
@@ -194,10 +194,10 @@ def test_a_periodic_capture_dumps_to_staging_and_persists_after_the_thaw(tmp_pat
 
 @pytest.fixture
 def committed(tmp_path):
-    """A rank pipeline (stand-in CRIU and freezer, real store and staging) with epoch 1 committed."""
+    """A rank runner (stand-in CRIU and freezer, real store and staging) with epoch 1 committed."""
     tree = Tree()
     store, staging = JobStore(tmp_path / "images", "c", 5), Staging(tmp_path / "staging")
-    p = pipeline(store, staging, tree, images(2))
+    p = rank_runner(store, staging, tree, images(2))
     capture(p, 1)
     yield store, staging, p
     tree.close()

@@ -9,7 +9,7 @@ import pytest
 from slurmckpt.errors import StorageError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
-from store_harness import Tree, images, pipeline, read_back
+from store_harness import Tree, images, rank_runner, read_back
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_a_late_commit_of_an_older_run_is_refused_and_prunes_nothing(tmp_path: P
     Run 0's agents still live and finish an epoch they had allocated: its commit must not become the newest
     checkpoint, nor prune run 1's (keep_epochs 2) through keep-N."""
     store, staging = JobStore(tmp_path / "images", "c", 7), Staging(tmp_path / "staging")
-    old, new = pipeline(store, staging, tree, images(1)), pipeline(store, staging, tree, images(2))
+    old, new = rank_runner(store, staging, tree, images(1)), rank_runner(store, staging, tree, images(2))
     assert store.enter_run(0) == 0
     take(old, store.allocate_epoch(1, 600, "run 0", run=0), run=0)
     late = store.allocate_epoch(1, 600, "run 0", run=0)          # allocated before the node was lost

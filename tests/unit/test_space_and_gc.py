@@ -28,7 +28,7 @@ from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JOB_MANIFEST, PREVIOUS, JobStore
 from cgroupfs import fake_rmdir
 from fake_slurm import FakeSlurm, Ran, squeue_states
-from store_harness import Tree, capture, images, pipeline, read_back, settled
+from store_harness import Tree, capture, images, rank_runner, read_back, settled
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def bound(store: JobStore, uid: int) -> JobStore:
 def test_quota_job_refuses_before_anything_is_frozen_and_names_the_key(tmp_path, tree):
     store = bound(JobStore(tmp_path / "images", "c", 5), 1001)
     staging = Staging(tmp_path / "staging")
-    p = pipeline(store, staging, tree, images(1, kib=256))
+    p = rank_runner(store, staging, tree, images(1, kib=256))
     capture(p, 1)
     # room for what is stored now and half of a second image like the first
     p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, p.ctx.policy.priority,
@@ -64,14 +64,14 @@ def test_quota_user_counts_every_job_of_the_user_and_no_other(tmp_path, tree, mo
     monkeypatch.setattr(fit, "tree_memory", lambda pids: 300 << 10)      # the new job's tree
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
-    me = os.getuid()                      # the pipeline's credentials: the job's user
+    me = os.getuid()                      # the rank's credentials: the job's user
     mine, theirs = bound(JobStore(root, "c", 5), me), bound(JobStore(root, "c", 6), 1002)
-    capture(pipeline(theirs, staging, tree, images(2, kib=512)), 1)        # another user's: not counted
-    p = pipeline(mine, staging, tree, images(1, kib=256))
+    capture(rank_runner(theirs, staging, tree, images(2, kib=512)), 1)        # another user's: not counted
+    p = rank_runner(mine, staging, tree, images(1, kib=256))
     capture(p, 1)
     quota = space.Quotas(user=space.job_usage(mine) + (100 << 10))
     other_job = bound(JobStore(root, "c", 7), me)
-    q = pipeline(other_job, staging, tree, images(3, kib=256), quotas=quota)
+    q = rank_runner(other_job, staging, tree, images(3, kib=256), quotas=quota)
     with pytest.raises(CaptureError, match=r"uid \d+'s images would take .* over quota_user"):
         q.prepare(1)
     assert space.user_usage(mine, me) == space.job_usage(mine) + space.job_usage(other_job)
@@ -92,7 +92,7 @@ def test_reservations_of_ranks_checking_at_once_count_against_the_quota(tmp_path
 def test_staging_cap_refuses_with_the_key_named(tmp_path, tree):
     store = JobStore(tmp_path / "images", "c", 5)
     staging = Staging(tmp_path / "staging", cap=100 << 10)
-    p = pipeline(store, staging, tree, images(1))
+    p = rank_runner(store, staging, tree, images(1))
     p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, p.ctx.policy.priority, p.ctx.policy.quotas))
     with pytest.raises(CaptureError, match=r"staging area .* over staging_max"):
         p.prepare(1)
@@ -125,7 +125,7 @@ def test_staging_must_be_roots_and_private(tmp_path):
 # ---- the manifest and keep-N -------------------------------------------------------------------------------
 def test_an_unreadable_manifest_falls_back_to_the_previous_one(tmp_path, tree):
     store = JobStore(tmp_path / "images", "c", 5)
-    p = pipeline(store, Staging(tmp_path / "staging"), tree, images(1))
+    p = rank_runner(store, Staging(tmp_path / "staging"), tree, images(1))
     capture(p, 1, keep=3)
     capture(p, 2, keep=3)
     assert json.loads((store.job_dir / PREVIOUS).read_text())["epochs"][-1]["epoch"] == 1
@@ -139,8 +139,8 @@ def test_an_unreadable_manifest_falls_back_to_the_previous_one(tmp_path, tree):
 def test_keep_n_is_per_rank_so_steps_with_own_coordinators_keep_their_newest(tmp_path, tree):
     store = JobStore(tmp_path / "images", "c", 5)
     staging = Staging(tmp_path / "staging")
-    one = pipeline(store, staging, tree, images(1), step="1")
-    two = pipeline(store, staging, tree, images(2), step="2")
+    one = rank_runner(store, staging, tree, images(1), step="1")
+    two = rank_runner(store, staging, tree, images(2), step="2")
     capture(two, store.allocate_epoch(1, 60, "step 2"))
     for _ in range(4):
         capture(one, store.allocate_epoch(1, 60, "step 1"))
@@ -156,8 +156,8 @@ def test_finished_jobs_are_removed_by_slurms_word_and_nothing_else(tmp_path, tre
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
     for job in (10, 11, 12, 13, 14):
-        capture(pipeline(JobStore(root, "c", job), staging, tree, images(job)), 1)
-    capture(pipeline(JobStore(root, "other", 10), staging, tree, images(1)), 1)
+        capture(rank_runner(JobStore(root, "c", job), staging, tree, images(job)), 1)
+    capture(rank_runner(JobStore(root, "other", 10), staging, tree, images(1)), 1)
     states = {10: "COMPLETED", 11: "PENDING", 12: "CANCELLED", 13: "REQUEUE_HOLD"}      # 14: unknown
     dry = reclaim.collect_finished(root, "c", states, keep_finished=False, dry_run=True)
     assert sorted((r.kind, Path(r.path).name) for r in dry) == [("finished-job", "10"), ("finished-job", "12"),
@@ -208,7 +208,7 @@ def test_gc_command_removes_finished_jobs_and_says_what_it_did(tmp_path, tree, m
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
     for job in (20, 21):
-        capture(pipeline(JobStore(root, "c", job), staging, tree, images(job)), 1)
+        capture(rank_runner(JobStore(root, "c", job), staging, tree, images(job)), 1)
     FakeSlurm(scontrol="ClusterName = c\n", squeue=squeue_states({20: "COMPLETED", 21: "RUNNING"})).install(monkeypatch)
     assert settled(staging) == []
     monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
@@ -271,7 +271,7 @@ def test_gc_skips_the_run_when_slurmctld_does_not_answer(tmp_path, tree, monkeyp
     squeue fails, or answers without the job, gc removes nothing at all, says so and exits 1."""
     root = tmp_path / "images"
     staging = Staging(tmp_path / "staging")
-    capture(pipeline(JobStore(root, "c", 40), staging, tree, images(40)), 1)
+    capture(rank_runner(JobStore(root, "c", 40), staging, tree, images(40)), 1)
     fake = FakeSlurm(scontrol="ClusterName = c\n", squeue=squeue, sacct="40|PREEMPTED\n").install(monkeypatch)
     monkeypatch.setattr(Config, "load", classmethod(lambda c, *a, **k: Config.from_mapping(
         {"storage_root": str(root), "staging_dir": str(staging.root), "freezer_root": str(tmp_path / "cgroups")})))

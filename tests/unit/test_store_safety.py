@@ -20,7 +20,7 @@ from slurmckpt.errors import SlurmckptError, StorageError
 from slurmckpt.store.staging import Staging
 from slurmckpt.store.jobstore import JobStore
 from smallfs import PAGE, free, leave_free, tmpfs
-from store_harness import Tree, capture, images, leftovers, pipeline, read_back, settled
+from store_harness import Tree, capture, images, leftovers, rank_runner, read_back, settled
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_enospc_at_every_write_of_a_capture_keeps_the_previous_commit(fs, tmp_pa
     store_fs, staging_fs, tree = fs
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
     first = images(1)
-    p = pipeline(store, staging, tree, first)
+    p = rank_runner(store, staging, tree, first)
     capture(p, 1)
     p.ctx.criu.files = images(2)
     monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))   # grew after the check
@@ -98,7 +98,7 @@ def _what(message: str) -> str:
 def test_enospc_in_staging_refuses_the_dump_and_keeps_the_previous_commit(fs, tmp_path, monkeypatch):
     store_fs, staging_fs, tree = fs
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
-    p = pipeline(store, staging, tree, images(1))
+    p = rank_runner(store, staging, tree, images(1))
     capture(p, 1)
     monkeypatch.setattr(space, "expected", lambda memory, previous, copies=(): space.Need(0, 0))
     p.ctx.criu.files = images(2, kib=256)
@@ -134,7 +134,7 @@ def _run_child(store: JobStore, staging: Staging, tree: Tree, epoch: int, kill_a
                 return _real(*a, **kw)
             setattr(os, name, counted)
         try:
-            p = pipeline(store, staging, tree, images(epoch))
+            p = rank_runner(store, staging, tree, images(epoch))
             p.ctx = replace(p.ctx, policy=p.ctx.policy.__class__(staging, p.ctx.policy.codec, None, p.ctx.policy.quotas))  # persist in-thread
             capture(p, epoch)
             os.write(w, str(calls[0]).encode())
@@ -156,7 +156,7 @@ def test_kill_9_at_every_step_of_a_capture_and_commit(fs, tmp_path):
     store_fs, staging_fs, tree = fs
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
     for epoch in (1, 2):               # each attempt then also prunes the oldest of two epochs
-        capture(pipeline(store, staging, tree, images(epoch)), epoch)
+        capture(rank_runner(store, staging, tree, images(epoch)), epoch)
     total = _run_child(store, staging, tree, 3, kill_at=0)
     assert total > 30 and committed_epochs(store) == [3, 2]
     newest, seen = 3, {"committed": 0, "not": 0}
@@ -186,7 +186,7 @@ def test_kill_9_at_every_step_of_a_capture_and_commit(fs, tmp_path):
 # ---- concurrent commits --------------------------------------------------------------------------------------
 def _committer(root: Path, staging_root: Path, step: str, rounds: int, tree: Tree) -> None:
     store, staging = JobStore(root, "c", 9), Staging(staging_root)
-    p = pipeline(store, staging, tree, images(int(step)), step=step)
+    p = rank_runner(store, staging, tree, images(int(step)), step=step)
     for _ in range(rounds):
         epoch = store.allocate_epoch(1, lease_s=600, owner=f"step {step}")
         p.ctx.criu.files = images(epoch)
@@ -262,7 +262,7 @@ def test_store_refused_free_space_is_named(fs, tmp_path):
     """A capture that cannot fit is refused in PREPARE, before anything is frozen, naming the store."""
     store_fs, staging_fs, tree = fs
     store, staging = JobStore(store_fs, "c", 7), Staging(staging_fs / "s")
-    p = pipeline(store, staging, tree, images(1, kib=1024))
+    p = rank_runner(store, staging, tree, images(1, kib=1024))
     capture(p, 1)
     filler = leave_free(store_fs, 256 << 10)
     try:

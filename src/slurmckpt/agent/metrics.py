@@ -37,7 +37,7 @@ OTHER = "other"             # a label value outside the metric's set
 MAX_LABEL_VALUES = 32       # values of a label the site names (past it: "other")
 MAX_GAUGE_ENTRIES = 65536   # agents of a node that a gauge keeps (they are live processes)
 MAX_STATE_BYTES = 8 << 20   # far above what the bounds above make: a larger state file is not ours
-# The pipeline's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
+# The rank's stages and the coordinator's phases (rank/capture.py, coordinator/server.py; a unit test keeps
 # them in step), and the triggers of captures (coordinator/protocol.py)
 STAGES = ("check", "pmi-precheck", "space", "memory", "gpu-lock", "gpu-checkpoint", "freeze", "pmi-idle",
           "drain-output", "record", "host-copy", "dump", "snapshot-output", "handover", "persist", "window", "size",
@@ -67,7 +67,7 @@ METRICS = (
     Metric("slurmckpt_commits_total", "counter", "Checkpoint epochs committed by agents on this node (one per "
            "job and epoch), by trigger.", "trigger", (*TRIGGERS, OTHER)),
     Metric("slurmckpt_capture_failures_total", "counter", "Capture failures recorded by agents on this node, by "
-           "the pipeline stage or coordinator phase that failed.", "stage", (*STAGES, OTHER)),
+           "the rank stage or coordinator phase that failed.", "stage", (*STAGES, OTHER)),
     Metric("slurmckpt_captured_bytes_total", "counter", "Bytes of checkpoint images written by ranks on this "
            "node."),
     Metric("slurmckpt_stall_seconds", "histogram", "How long a periodic capture stopped a rank's tree: from "

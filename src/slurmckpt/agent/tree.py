@@ -17,7 +17,7 @@ from slurmckpt.agent.plan import TaskPlan
 from slurmckpt.coordinator import budget
 from slurmckpt.criu.driver import CriuDriver
 from slurmckpt.cuda import nccl
-from slurmckpt.cuda.rank_stage import PipelineGpu
+from slurmckpt.cuda.rank_stage import CudaRankGpu
 from slurmckpt.errors import PermissionDenied, ProtocolError, SlurmckptError, StorageError
 from slurmckpt.identity import RankName
 from slurmckpt.node import host_memory, packet_filter, procfs, watchdog
@@ -39,7 +39,7 @@ log = logging.getLogger("slurmckpt.agent")
 
 class TaskTree:
     def __init__(self, facts: TaskFacts, plan: TaskPlan, peer: Peer, cgroup: TaskCgroup, watchdog_fd: int,
-                 criu: CriuDriver, gpu: PipelineGpu, packets: packet_filter.PacketFilter, limits: Limits,
+                 criu: CriuDriver, gpu: CudaRankGpu, packets: packet_filter.PacketFilter, limits: Limits,
                  store_policy: StorePolicy, ledger: Path | None = None) -> None:
         self.facts, self.plan, self.peer = facts, plan, peer
         self.wrapper_pid = peer.pid
@@ -66,7 +66,7 @@ class TaskTree:
         lock = packet_filter.method(config.network_lock)      # iptables, or nftables where it is missing
         # the drivers of every tree this task runs (rank/context.py: the agent builds each tree's context)
         criu = CriuDriver(config.criu_path, config.criu_extra_args, config.capture_timeout_s, network_lock=lock)
-        gpu = PipelineGpu(config.gpu_lock_timeout_ms,
+        gpu = CudaRankGpu(config.gpu_lock_timeout_ms,
                           context={"job": ident.job, "step": ident.step, "rank": ident.rank})
         limits = Limits(config.stall(), config.ghost_limit_max, ledger, config.host_copy_threads, config.tcp_hold_max)
         tree = cls(facts, plan, peer, cgroup, watchdog_fd, criu, gpu, packet_filter.for_method(lock), limits,

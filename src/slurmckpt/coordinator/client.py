@@ -91,7 +91,7 @@ class RankClient:
                     # a retryable failure is one lock round of several: only the coordinator's verdict is news
                     log.log(logging.INFO if is_retryable(e) else logging.ERROR, "%s of epoch %d failed: %s",
                             kind, epoch, e)
-                    stage = getattr(e, "context", {}).get("stage") or kind    # the pipeline stage, if known
+                    stage = getattr(e, "context", {}).get("stage") or kind    # the rank's stage, if known
                     self.send({"type": "failed", "epoch": epoch, "phase": kind, "stage": str(stage)[:64],
                                "error": str(e), "error_kind": error_kind(e)})
         except (EOFError, OSError, ProtocolError) as e:

@@ -61,6 +61,16 @@ class PhaseReplies:
         return [p for p, r in zip(parts, self.replies) if r is None]
 
 
+@dataclass(frozen=True)
+class Expected:
+    """The reply a rank owes the current phase, and where it counts."""
+    epoch: int
+    reply: str                 # the reply's type ("sized", "captured", ...)
+    command: str               # the phase's command (a failure names it, or the rank's stage)
+    barrier: PhaseReplies
+    index: int                 # the rank's place in the barrier
+
+
 @dataclass
 class RankConn:
     name: str
@@ -68,7 +78,7 @@ class RankConn:
     interval: int              # seconds; 0 none; duration.AUTO: the interval the coordinator chooses
     transport: asyncio.Transport
     sealer: Sealer
-    waiting: tuple[int, str, str, PhaseReplies, int] | None = None   # (epoch, reply, command, barrier, index)
+    waiting: Expected | None = None
     gpus: bool = False         # the task has GPUs (its hello): epochs of such a job start with SIZE
 
     def send(self, message: dict[str, Any]) -> None:
@@ -79,31 +89,31 @@ class RankConn:
         self.transport.write(self.sealer.seal_prefix(prefix))
 
     def expect(self, epoch: int, reply: str, command: str, barrier: PhaseReplies, index: int) -> None:
-        self.waiting = (epoch, reply, command, barrier, index)
+        self.waiting = Expected(epoch, reply, command, barrier, index)
 
     def deliver(self, msg: dict[str, Any]) -> None:
         """A reply to the current phase counts towards its barrier; anything stale is ignored."""
         if self.waiting is None:
             return
-        epoch, reply, command, barrier, index = self.waiting
-        if barrier.future.done() or msg.get("epoch") != epoch:
+        w = self.waiting
+        if w.barrier.future.done() or msg.get("epoch") != w.epoch:
             return
-        if msg["type"] == "failed" and msg.get("phase") == command:
+        if msg["type"] == "failed" and msg.get("phase") == w.command:
             kind = msg.get("error_kind", "fatal")
-            if kind == "retryable" and command != "prepare":      # a lock is in PREPARE only
+            if kind == "retryable" and w.command != "prepare":      # a lock is in PREPARE only
                 kind = "fatal"
-            barrier.fail(index, EpochFailed(self.name, str(msg.get("stage", command)), str(msg.get("error")),
-                                            self.node, kind))
-        elif msg["type"] == reply:
-            barrier.arrive(index, msg)
+            w.barrier.fail(w.index, EpochFailed(self.name, str(msg.get("stage", w.command)), str(msg.get("error")),
+                                                self.node, kind))
+        elif msg["type"] == w.reply:
+            w.barrier.arrive(w.index, msg)
         else:
             return
         self.waiting = None
 
     def vanish(self) -> None:
         if self.waiting:
-            self.waiting[3].fail(self.waiting[4], EpochFailed(self.name, self.waiting[2], "rank disconnected",
-                                                              self.node))
+            w = self.waiting
+            w.barrier.fail(w.index, EpochFailed(self.name, w.command, "rank disconnected", self.node))
         self.waiting = None
 
 

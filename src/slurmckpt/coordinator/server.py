@@ -313,7 +313,7 @@ class Coordinator:
     @staticmethod
     def _disarm(parts: list[RankConn], barrier: PhaseReplies) -> None:
         for p in parts:
-            if p.waiting and p.waiting[3] is barrier:
+            if p.waiting and p.waiting.barrier is barrier:
                 p.waiting = None
 
     async def _phase(self, parts: list[RankConn], command: str, reply: str, epoch: int,

@@ -73,7 +73,7 @@ class GpuDriverError(GpuError):
 
     @property
     def timed_out(self) -> bool:
-        """The lock waited its timeout for work in flight; GpuStage raises LockContended for it."""
+        """The lock waited its timeout for work in flight; TreeGpuStage raises LockContended for it."""
         return self.code == CUDA_ERROR_NOT_READY
 
 

@@ -36,7 +36,8 @@ LIBRARIES = (("jax", ("xla_extension", "jaxlib", "libjax_common", "xla_cuda_plug
 
 
 @dataclass(frozen=True)
-class Held:
+class GpuHolding:
+    """What one process holds on one GPU (NVML's bytes), for the allocator notes below."""
     pid: int
     uuid: str
     bytes: int
@@ -56,7 +57,7 @@ def framework_of(pid: int) -> str | None:
     return None
 
 
-def preallocation_note(held: Held, framework: str | None, env: Mapping[str, str]) -> str | None:
+def preallocation_note(held: GpuHolding, framework: str | None, env: Mapping[str, str]) -> str | None:
     """A line for the job's stderr when `held` looks like a framework's preallocation, else None."""
     if held.bytes < SMALL or framework is None or not held.total:
         return None
@@ -80,7 +81,7 @@ def preallocation_note(held: Held, framework: str | None, env: Mapping[str, str]
     return None
 
 
-def notes(held: list[Held]) -> list[str]:
+def notes(held: list[GpuHolding]) -> list[str]:
     """The notes for every process and GPU in `held` (framework read once per process)."""
     out, frameworks, envs = [], {}, {}
     for h in held:

@@ -1,5 +1,5 @@
-"""The GPU step of a rank's pipeline, behind one small interface. GPU-less trees get NullGpu and never load
-libcuda or NVML; trees with CUDA processes get the CUDA driver stage (slurmckpt.cuda)."""
+"""The GPU step of a rank's capture and restore, behind one small interface (RankGpu). GPU-less trees get
+NullGpu and never load libcuda or NVML; trees with CUDA processes get the CUDA one (cuda/rank_stage.CudaRankGpu)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ def holds_gpu_state(record: dict[str, Any] | None) -> bool:
     return bool(record and record.get("processes"))
 
 
-class GpuStage(Protocol):
+class RankGpu(Protocol):
     def refusals(self, pids: list[int]) -> list[str]: ...  # check: what the driver cannot capture (no libcuda)
     def footprint(self, pids: list[int]) -> GpuUse: ...   # SIZE: bytes per process; refuses what cannot be
     def lock(self, pids: list[int]) -> None: ...          # PREPARE: lock every CUDA process (timeout)

@@ -1,4 +1,4 @@
-"""The rank's GPU stage as the rank's tables use it (cuda/interface.GpuStage): the CUDA stage of the tree's
+"""The rank's GPU stage as the rank's tables use it (cuda/interface.RankGpu): the CUDA stage of the tree's
 CUDA processes (stage.py) or the null one of a tree without CUDA state, sizing through NVML before anything
 is locked, and the restore's remap onto the GPUs visible now."""
 from __future__ import annotations
@@ -14,14 +14,15 @@ from slurmckpt.cuda.procscan import find_cuda_pids, process_environ, unsupported
 from slurmckpt.cuda.remap import build_pairs, check_free, visible_gpus
 from slurmckpt.errors import GpuError
 from slurmckpt.cuda.interface import GpuUse, holds_gpu_state
-from slurmckpt.cuda.stage import GpuRollbackError, GpuStage, GpuUnsupportedError, NullGpuStage
+from slurmckpt.cuda.stage import GpuRollbackError, GpuUnsupportedError, NullTreeGpuStage, TreeGpuStage
 from slurmckpt.node import stopped
 
 log = logging.getLogger("slurmckpt.cuda")
 
 
-class PipelineGpu:
-    """slurmckpt.cuda.interface.GpuStage (the pipeline's interface) on top of GpuStage: one object per rank's agent.
+class CudaRankGpu:
+    """slurmckpt.cuda.interface.RankGpu (the rank tables' interface) on top of TreeGpuStage: one object per
+    rank's agent.
     footprint(pids) sizes the tree's GPU state through NVML (cuda/inventory.py) before anything is locked;
     lock(pids) picks the CUDA stage or the null one; restore(record, pids) remaps onto the GPUs visible now:
     `visible_devices` is the new task's GPU list in CUDA_VISIBLE_DEVICES form (the agent takes it from Slurm's
@@ -45,7 +46,7 @@ class PipelineGpu:
         self.lock_timeout_ms, self.driver_factory = lock_timeout_ms, driver_factory
         self.inventory_factory = inventory_factory
         self.nccl_env_required, self.context = nccl_env_required, dict(context or {})
-        self.stage: GpuStage | NullGpuStage = NullGpuStage()
+        self.stage: TreeGpuStage | NullTreeGpuStage = NullTreeGpuStage()
         self.use: GpuUse | None = None            # the last footprint (this epoch's, if it was sized)
         self.visible_devices: str | None = None
         self.device_order: str | None = None      # set with visible_devices (the agent: Slurm's index order)
@@ -53,7 +54,7 @@ class PipelineGpu:
     def refusals(self, pids: list[int]) -> list[str]:
         """The check stage's view (/proc, sysfs; no libcuda, no NVML): what in the tree's CUDA processes the
         driver here cannot checkpoint (MPS, MIG, managed memory, CUDA IPC, NCCL's intra-node transports),
-        each naming the cause and the processes. The GPU lock looks again (GpuStage.for_tree)."""
+        each naming the cause and the processes. The GPU lock looks again (TreeGpuStage.for_tree)."""
         candidates = find_cuda_pids(pids)
         return unsupported_reasons(candidates, self.nccl_env_required, self.release_of()) if candidates else []
 
@@ -75,16 +76,16 @@ class PipelineGpu:
             log.warning("NVML does not tell the device memory of pid(s) %s: counted as 0", unknown,
                         extra=self.context)
         totals = {g.uuid: g.memory_total for g in inventory.gpus}
-        notes = frameworks.notes([frameworks.Held(pid, uuid, n, totals.get(uuid, 0))
+        notes = frameworks.notes([frameworks.GpuHolding(pid, uuid, n, totals.get(uuid, 0))
                                   for pid, per_gpu in held.items() for uuid, n in per_gpu.items()])
         self.use = GpuUse(held, tuple(notes))
         return self.use
 
     def lock(self, pids: list[int]) -> None:
-        self.stage = GpuStage.for_tree(pids, driver_factory=self.driver_factory,
+        self.stage = TreeGpuStage.for_tree(pids, driver_factory=self.driver_factory,
                                        nccl_env_required=self.nccl_env_required, context=self.context,
                                        release_of=self.release_of)
-        if isinstance(self.stage, GpuStage):
+        if isinstance(self.stage, TreeGpuStage):
             self.stage.run_alone, self.stage.let_go = self.run_alone, self.let_go
         self.stage.lock_all(self.lock_timeout_ms)
 
@@ -94,16 +95,16 @@ class PipelineGpu:
 
     def stops_for_resume(self) -> bool:
         """criu is to leave the tree stopped after a periodic dump: it holds CUDA processes."""
-        return isinstance(self.stage, GpuStage) and all(p.restore_tid for p in self.stage.processes)
+        return isinstance(self.stage, TreeGpuStage) and all(p.restore_tid for p in self.stage.processes)
 
     def left_stopped(self, pids: list[int]) -> None:
         """criu left `pids` stopped: driver calls now run each process's restore thread alone."""
-        if isinstance(self.stage, GpuStage):
+        if isinstance(self.stage, TreeGpuStage):
             self.stage.stopped = True
         self.to_let_go = list(pids)
 
     def _let_go(self) -> None:
-        if isinstance(self.stage, GpuStage):
+        if isinstance(self.stage, TreeGpuStage):
             self.stage.stopped = False
         pids, self.to_let_go = self.to_let_go, []
         self.let_go(pids)
@@ -161,7 +162,7 @@ class PipelineGpu:
             return
         assert record is not None
         driver = self.driver_factory()
-        stage = GpuStage.adopt_restored(driver, record, pids, self.context, run_alone=self.run_alone)
+        stage = TreeGpuStage.adopt_restored(driver, record, pids, self.context, run_alone=self.run_alone)
         env = process_environ(stage.pids[0]) if stage.pids else {}
         cvd = self.visible_devices if self.visible_devices is not None else stage.cuda_visible_devices
         now = visible_gpus(driver.devices(), cvd, self.device_order or env.get("CUDA_DEVICE_ORDER"))

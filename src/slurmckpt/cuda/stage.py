@@ -1,4 +1,4 @@
-"""The GPU step of the capture pipeline, for one rank's process tree.
+"""The GPU step of one rank's process tree: TreeGpuStage, the driver's calls on the tree's CUDA processes.
 
 Capture (periodic):  lock_all -> checkpoint_all -> [CRIU dump --leave-running] -> restore_all -> unlock_all
 Capture (final):     lock_all -> checkpoint_all -> [CRIU dump, the tree exits]
@@ -10,7 +10,7 @@ Every failure rolls back what this stage did (restore what it checkpointed, unlo
 rollback that itself fails raises GpuRollbackError naming the processes left behind. Locks and unlocks go one
 process after another; checkpoints and restores run at once (threads: the driver copies several processes'
 memory faster together), except in a cuda-checkpoint job (CUDA IPC, ipc_peers.py): one after another, in one
-order. A tree with no process touching /dev/nvidia* gets a NullGpuStage: libcuda is never loaded for it.
+order. A tree with no process touching /dev/nvidia* gets a NullTreeGpuStage: libcuda is never loaded for it.
 What a GPU job must do to be checkpointable, and what is refused before anything is locked: procscan.py.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class GpuProcess:
 
 
 @dataclass
-class GpuStage:
+class TreeGpuStage:
     driver: GpuDriver
     processes: list[GpuProcess]
     gpus: list[GpuInfo] = field(default_factory=list)
@@ -108,12 +108,12 @@ class GpuStage:
     def for_tree(cls, pids: Sequence[int], *, driver_factory: Callable[[], GpuDriver] = load_driver,
                  nccl_env_required: bool = True, cgroup_root: str = "/sys/fs/cgroup",
                  context: dict[str, Any] | None = None,
-                 release_of: Callable[[], tuple[int, ...] | None] = release) -> GpuStage | NullGpuStage:
+                 release_of: Callable[[], tuple[int, ...] | None] = release) -> TreeGpuStage | NullTreeGpuStage:
         """Capture side, on the running (not yet frozen) tree. Refuses (GpuUnsupportedError, GpuStateError)
         before anything is locked."""
         candidates = find_cuda_pids(pids)
         if not candidates:
-            return NullGpuStage()
+            return NullTreeGpuStage()
         driver_release = release_of()
         reasons = unsupported_reasons(candidates, nccl_env_required, driver_release)
         if reasons:
@@ -140,7 +140,7 @@ class GpuStage:
                                     pid=pid, **(context or {}))
             procs.append(GpuProcess(pid, ns_pid(pid), state, restore_tid=driver.restore_thread(pid)))
         if not procs:
-            return NullGpuStage()
+            return NullTreeGpuStage()
         env = process_environ(procs[0].pid)
         cvd = env.get("CUDA_VISIBLE_DEVICES")
         gpus = visible_gpus(driver.devices(), cvd, env.get("CUDA_DEVICE_ORDER"))
@@ -149,7 +149,7 @@ class GpuStage:
     @classmethod
     def adopt_restored(cls, driver: GpuDriver, record: dict[str, Any], tree_pids: Sequence[int],
                        context: dict[str, Any] | None = None, cgroup_root: str = "/sys/fs/cgroup",
-                       run_alone: Callable[[int], ContextManager[None]] = running_alone) -> GpuStage:
+                       run_alone: Callable[[int], ContextManager[None]] = running_alone) -> TreeGpuStage:
         """Restore side: the processes of `record` (capture order), found among the CRIU-restored tree, which
         criu left stopped, by their PID-namespace pid (host pids change). Each must be CHECKPOINTED."""
         by_ns = {ns_pid(p): p for p in tree_pids}
@@ -383,7 +383,7 @@ class _Failed(Exception):
         self.pid, self.error = pid, error
 
 
-class NullGpuStage:
+class NullTreeGpuStage:
     """The GPU step of a tree without CUDA state: every step is a no-op, libcuda is never loaded."""
     active = False
     processes: list[GpuProcess] = []

@@ -40,7 +40,7 @@ from slurmckpt.rank.sharing import ipc, netlock, shm_files
 from slurmckpt.slurm import pmi
 from slurmckpt.store.record import Files, GhostFile, HandedSocket, ScriptFd, Sockets, StdioFd, Tree, WrittenFile
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank")
 
 
 def _freeze(ctx: RankContext, st: CaptureState) -> None:

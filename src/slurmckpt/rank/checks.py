@@ -19,7 +19,7 @@ from slurmckpt.identity import TreeName
 if TYPE_CHECKING:
     from slurmckpt.rank.context import CaptureState, RankContext
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank")
 
 
 def check_restorable(ctx: RankContext, st: CaptureState) -> None:

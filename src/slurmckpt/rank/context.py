@@ -16,7 +16,7 @@ from slurmckpt.store.record import Draft, RankRecord
 
 if TYPE_CHECKING:
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
-    from slurmckpt.cuda.interface import GpuStage
+    from slurmckpt.cuda.interface import RankGpu
     from slurmckpt.node.detach import Detached
     from slurmckpt.node.launch import Credentials
     from slurmckpt.node.packet_filter import PacketFilter
@@ -58,7 +58,7 @@ class RankContext:
     name: RankName                     # the step may be one a relayed srun took over (agent, plan)
     cgroup: TaskCgroup                 # the tree's, where Slurm placed it (node/task_cgroup.py)
     criu: CheckpointEngine
-    gpu: GpuStage
+    gpu: RankGpu
     creds: Credentials                 # the task's, read from its wrapper
     policy: StorePolicy                # staging, compression, persist priority, quotas (images.py)
     packets: PacketFilter              # holds TCP between ranks while one end is restored

@@ -22,7 +22,7 @@ from slurmckpt.rank.context import EpochState, Phase
 if TYPE_CHECKING:
     from slurmckpt.rank.context import RankContext
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank")
 
 S = TypeVar("S", bound=EpochState)
 

@@ -25,7 +25,7 @@ from typing import Any
 from slurmckpt.node import procfs
 from slurmckpt.node import host_memory
 from slurmckpt.store.durable import free_bytes      # the one free-space read (space.py reserves by it too)
-from slurmckpt.cuda.interface import GpuStage, GpuUse
+from slurmckpt.cuda.interface import GpuUse, RankGpu
 from slurmckpt.node.host_memory import Headroom
 from slurmckpt.sizes import size_text
 
@@ -111,7 +111,7 @@ class Footprint:
         return out
 
 
-def measure(pids: list[int], gpu: GpuStage, store_dir: Path | None, raise_allowed: bool = False) -> Footprint:
+def measure(pids: list[int], gpu: RankGpu, store_dir: Path | None, raise_allowed: bool = False) -> Footprint:
     """Measure the tree `pids` (its GPU side through `gpu`, which refuses MIG/MPS in NVML's view); the memory
     cgroups are those of its first CUDA process, with this process (the agent) as the images' writer."""
     use = gpu.footprint(pids)

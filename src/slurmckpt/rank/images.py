@@ -1,4 +1,4 @@
-"""Where one rank's images live during a capture and a restore: the pipeline's storage stages
+"""Where one rank's images live during a capture and a restore: the rank's storage stages
 (docs/storage.md). In order:
 
     space (PREPARE, before any lock or freeze)   GC this job's dead epochs; check and reserve room in the

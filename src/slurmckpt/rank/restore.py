@@ -37,7 +37,7 @@ from slurmckpt.rank.sharing import crossnode, ipc, netlock, rendezvous, shm_file
 from slurmckpt.slurm import pmi
 from slurmckpt.store.record import Capture, Files, WrittenFile
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank")
 
 
 def run(ctx: RankContext, st: RestoreState) -> None:

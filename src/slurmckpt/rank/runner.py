@@ -17,7 +17,7 @@ from slurmckpt.rank.engine import Failure, Table, Unsettled, rollback, run_table
 from slurmckpt.rank.fit import Footprint, measure as measure_footprint
 from slurmckpt.store.record import RankRecord
 
-log = logging.getLogger("slurmckpt.pipeline")
+log = logging.getLogger("slurmckpt.rank")
 
 
 class RankRunner:

@@ -38,9 +38,10 @@ MAX_ANNOTATIONS = 8       # AdminComment updates one agent makes at most (slurmc
 Annotate = Callable[[int, str], str]      # (job id, text) -> the field set (store/job_comment.py JobComment.note)
 
 
-class Pipeline(Protocol):
+class StageTracker(Protocol):
+    """What a rank's runner knows of its last failure (rank/runner.py RankRunner)."""
     @property
-    def failed_stage(self) -> str: ...          # the stage that raised last (rank/runner.py RankRunner)
+    def failed_stage(self) -> str: ...          # the stage that raised last
 
     def stage_failed(self, stage: str) -> None: ...
 
@@ -62,7 +63,7 @@ class CaptureFailure:
     node: str
     final: bool | None     # None: not known (the phase did not say)
     trigger: str           # interval, sigterm, walltime, manual, ...
-    stage: str             # the pipeline stage or coordinator phase that failed
+    stage: str             # the rank's stage or the coordinator's phase that failed
     reason: str
     seen_by: str           # "agent" (the rank's own) or "coordinator" (relayed by the hosting wrapper)
 
@@ -153,10 +154,10 @@ class FailureReporter:
             self.epoch = (epoch, final, self.epoch[2])
 
     @contextmanager
-    def recorded(self, epoch: int, phase: str, pipeline: Pipeline) -> Iterator[None]:
+    def recorded(self, epoch: int, phase: str, runner: StageTracker) -> Iterator[None]:
         """A capture phase run here that fails is recorded before the coordinator hears of it; a retryable
         one (a lock round the coordinator tries again) is not: its final verdict is recorded if it stands."""
-        pipeline.stage_failed("")            # a stage of an earlier phase is not this one's
+        runner.stage_failed("")            # a stage of an earlier phase is not this one's
         try:
             yield
         except Exception as e:
@@ -167,7 +168,7 @@ class FailureReporter:
             if isinstance(e, TaskEnded) and final is not True:   # a periodic capture raced the task's end
                 log.info("%s of epoch %d: %s", phase, epoch, e)
                 raise
-            self.capture_failed(epoch, pipeline.failed_stage or phase, reason_of(e), final, trigger)
+            self.capture_failed(epoch, runner.failed_stage or phase, reason_of(e), final, trigger)
             raise
 
     def capture_failed(self, epoch: int, stage: str, reason: str, final: bool | None, trigger: str,

@@ -1,4 +1,4 @@
-"""The rank pipeline's stage order and rollback, with a fake task cgroup / CRIU engine / GPU stage."""
+"""The rank engine's stage order and rollback, with a fake task cgroup / CRIU engine / GPU stage."""
 from __future__ import annotations
 
 import os
@@ -441,7 +441,7 @@ def test_deleted_files_above_the_cap_are_refused_before_anything_is_frozen(tmp_p
 
 def test_a_restore_whose_gpu_state_fails_leaves_no_process_behind(tmp_path: Path) -> None:
     """CRIU brought the tree back, then the GPU restore failed: the restored processes are killed, the task
-    cgroup is empty again and the pipeline holds no tree, so the wrapper's fallback (an older epoch or a fresh
+    cgroup is empty again and the runner holds no tree, so the wrapper's fallback (an older epoch or a fresh
     start) can start one; the error is the typed failure the fallback acts on."""
     import subprocess
 

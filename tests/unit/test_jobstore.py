@@ -10,7 +10,7 @@ import time
 import pytest
 
 from slurmckpt.store import reclaim
-from slurmckpt.store import jobstore as storage
+from slurmckpt.store import jobstore
 from slurmckpt.errors import StorageError
 from slurmckpt.store.jobstore import JOB_MANIFEST, RANK_MANIFEST, JobStore, list_jobs
 from slurmckpt.store.record import Capture
@@ -43,7 +43,7 @@ def test_rank_manifest_lists_files_with_checksums(store):
     m = capture(store, 1, files={"a.img": b"x" * 100, "b.img": b""}).to_json()
     assert set(m["files"]) == {"a.img", "b.img"}             # logs and rank.json itself excluded
     assert m["files"]["a.img"]["size"] == 100
-    assert m["files"]["a.img"]["xxh3"] == storage.file_checksum(store.rank_dir(1, "0", 0) / "a.img")
+    assert m["files"]["a.img"]["xxh3"] == jobstore.file_checksum(store.rank_dir(1, "0", 0) / "a.img")
     assert m["files"]["a.img"]["xxh3"] != m["files"]["b.img"]["xxh3"]
     on_disk = json.loads((store.rank_dir(1, "0", 0) / RANK_MANIFEST).read_text())
     assert on_disk["files"] == m["files"] and on_disk["kind"] == "image" and on_disk["epoch"] == 1
@@ -96,7 +96,7 @@ def test_job_manifest_replaced_atomically(store, monkeypatch):
 
     def boom(fd):
         raise OSError(5, "EIO")
-    monkeypatch.setattr(storage.os, "fsync", boom)
+    monkeypatch.setattr(jobstore.os, "fsync", boom)
     with pytest.raises(StorageError, match="writing manifest.json"):
         store.commit(2, {"0.0": {"kind": "image"}}, "interval", keep=2)
     monkeypatch.undo()
