@@ -27,7 +27,7 @@ PACKAGES_criu_runtime=(libprotobuf-c1 libnl-3-200 libnet1 libgnutls30 libnftable
 PACKAGES_test=(pyflakes3 gromacs openmpi-bin libopenmpi-dev mpich libmpich-dev python3-numpy)
 # The test cluster's image store on a shared file system (scripts/glusterfs.sh).
 PACKAGES_storage=(glusterfs-server glusterfs-client)
-# Operations: the Lua Slurm's cli_filter/lua runs (tests/unit/test_cli_filter_lua.py runs etc/cli_filter.lua
+# Operations: the Lua Slurm's cli_filter/lua runs (tests/unit/slurm/test_cli_filter_lua.py runs etc/cli_filter.lua
 # with it), node_exporter reading slurmckpt's metrics file, groff for the man pages, and what the Debian
 # package depends on (scripts/build-deb.sh; tests/integration/test_package.py installs it).
 PACKAGES_ops=(lua5.1 prometheus-node-exporter groff-base python3-click python3-yaml python3-xxhash python3-psutil python3-zstandard)

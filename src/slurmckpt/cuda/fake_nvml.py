@@ -1,6 +1,6 @@
 """A stand-in for the pynvml module without a GPU: the functions and constants inventory.NvmlInventory uses,
 with pynvml's names, return shapes (structs with .total/.used/.free, .busId as bytes, process objects with
-.pid/.usedGpuMemory) and errors (NVMLError carrying .value). tests/unit/test_gpu_inventory.py checks every
+.pid/.usedGpuMemory) and errors (NVMLError carrying .value). tests/unit/cuda/test_gpu_inventory.py checks every
 name here against the real pynvml, so the fake cannot drift from it unnoticed.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ which files, when and where written) to make the `RankRecord` that rank.json hol
 and the tools read rank.json only through `RankRecord.from_json`.
 
 Why in store/: the store writes and reads rank.json (seal, verify, unpack), and rank/, agent/ and cli/ stand
-on the store; store/ may import nothing above it (tests/unit/test_layout.py). The module itself imports only
+on the store; store/ may import nothing above it (tests/unit/project/test_layout.py). The module itself imports only
 slurmckpt.errors. The coordinator does not read it (coordinator/budget.py takes the timings it is given).
 
 On disk the layout is flat, one key per field, as every release wrote it; format 1 is that layout ("version":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VENV_BIN = "/opt/slurmckpt/venv/bin/slurmckpt"
 
 

@@ -197,7 +197,7 @@ def test_the_fixed_label_sets_name_every_stage_phase_and_trigger_there_is():
     from slurmckpt.rank.capture import FINAL_CAPTURE, PERSIST, PREPARE
     from slurmckpt.agent.metrics import STAGES
     from slurmckpt.coordinator.protocol import TRIGGERS
-    src = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
+    src = Path(__file__).resolve().parents[3] / "src" / "slurmckpt"
     named = set(re.findall(r'stage="([a-z-]+)"', (src / "coordinator" / "server.py").read_text()))
     assert named and {*PREPARE.names, *FINAL_CAPTURE.names, *PERSIST.names} | set(PHASE_OPS) | named <= set(STAGES)
     started = set(re.findall(r'(?:self\.trigger|self\.epoch)\("([a-z-]+)"', (src / "task" / "wrapper.py").read_text()

@@ -177,7 +177,7 @@ def test_staging_areas_of_dead_agents_are_orphans(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.path[:0] = sys.argv[1:2]; from slurmckpt.store.staging "
                               "import Staging; from pathlib import Path; s = Staging(Path(sys.argv[2])); "
                               "s.make(s.area('c', 6, 'restore', 2, '0', 0))",
-                              str(Path(__file__).resolve().parents[2] / "src"), str(staging.root)])
+                              str(Path(__file__).resolve().parents[3] / "src"), str(staging.root)])
     assert child.wait() == 0
     orphans = reclaim.collect_staging(staging, dry_run=True)
     assert [Path(r.path).parent.name for r in orphans] == ["c.6"]

@@ -11,7 +11,7 @@ from fake_slurm import FakeSlurm, Ran
 from slurmckpt.errors import SlurmError
 from slurmckpt.slurm.control import CliSlurm, JobEnded
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "slurmckpt"
+SRC = Path(__file__).resolve().parents[3] / "src" / "slurmckpt"
 TOOLS = ("scontrol", "squeue", "sacct", "scancel", "sbatch", "sinfo", "srun", "sstat")
 
 

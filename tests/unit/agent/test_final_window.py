@@ -271,7 +271,7 @@ def test_slurmd_gives_at_least_five_seconds_whatever_killwait_says():
         "35 s (GraceTime 30 s of QOS x + KillWait 2 s, and slurmd waits at least 5 s)"
 
 
-# ---- through the agent's loop (fakes of tests/unit/test_agent_logic.py) --------------------------------------
+# ---- through the agent's loop (fakes of tests/unit/agent/test_agent_logic.py) --------------------------------------
 def test_the_agent_refuses_a_final_capture_that_cannot_fit_in_size_and_records_it(tmp_path):
     """The agent's SIZE of a final epoch after Slurm's SIGTERM: the refusal is replied with stage `window`
     (the coordinator aborts before anyone freezes), recorded as the final capture's failure (the AdminComment,

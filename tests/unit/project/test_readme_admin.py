@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.support.readme import admin_blocks, commands
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_sections_commands_are_the_projects():

@@ -14,7 +14,7 @@ from slurmckpt.rank.sharing import netlock
 from slurmckpt.store.record import (FORMAT, Capture, Draft, Files, HandedSocket, OutputSnapshot, RankRecord, ScriptFd,
                                     Sockets, StdioFd, Tree)
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 # rank.json of a real final capture (tests/integration/test_kill_window.py on the 26.05 cluster): the batch
 # step of job 10, epoch 4, its script open at offset 66, stdout and stderr on one regular file
 FINAL = FIXTURES / "rank-v1-final-batch.json"

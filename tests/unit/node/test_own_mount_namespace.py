@@ -10,7 +10,7 @@ from pathlib import Path
 from slurmckpt.node import launch
 from slurmckpt.node import proctree
 from slurmckpt.criu.driver import CriuDriver, InheritedFd
-from tests.unit.smallfs import require_root
+from smallfs import require_root
 
 
 def target(link: str, mnt_id: int, ino: int = 0x2a, fd: int = 1) -> proctree.FdTarget:

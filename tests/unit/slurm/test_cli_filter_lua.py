@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LUA = "lua5.1"
 pytestmark = pytest.mark.system      # Lua 5.1 comes with the node's set-up (scripts/setup.sh packages)
 

@@ -15,7 +15,7 @@ from slurmckpt.cuda.driver import (CudaDriver, CUcheckpointGpuPair, CUcheckpoint
                                    GpuDriverError, GpuDriverUnavailable, ProcessState)
 from slurmckpt.errors import GpuError
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 H200 = "GPU-00a1b2c3-0000-4000-8000-00000000ff00"     # zero bytes inside: c_char arrays would cut them
 
 

@@ -12,7 +12,7 @@ from slurmckpt.config import Config
 from slurmckpt.errors import ProtocolError
 from slurmckpt.node import launch
 from slurmckpt.task import defaults as task_defaults
-from tests.unit.test_job_instance import _agent, _me
+from test_job_instance import _agent, _me
 
 
 @pytest.mark.parametrize("env, wanted, complains", [

@@ -18,7 +18,7 @@ from slurmckpt.identity import TreeName
 from slurmckpt.node import host_memory, watchdog
 from slurmckpt.node.task_cgroup import TaskCgroup
 from slurmckpt.rank.fit import Footprint
-from tests.unit.test_gpu_footprint import A, GIB, Node
+from test_gpu_footprint import A, GIB, Node
 
 JOB = "/system.slice/n1_slurmstepd.scope/job_7"
 TASK = f"0::{JOB}/step_0/user/task_0"

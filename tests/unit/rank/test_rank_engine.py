@@ -100,7 +100,7 @@ def test_the_named_tables_hold_their_stages_in_order_and_name_their_phases() -> 
 def test_the_failed_stage_has_one_writer() -> None:
     """`failed_stage` is set in one place, `EpochState.stage_failed`: the engine, the runner (SIZE, the final
     window through it), RESUME's persist and the failure recorder's reset all call it."""
-    src = Path(__file__).resolve().parents[2] / "src"
+    src = Path(__file__).resolve().parents[3] / "src"
     writers = []
     for path in sorted((src / "slurmckpt").rglob("*.py")):
         tree = ast.parse(path.read_text())

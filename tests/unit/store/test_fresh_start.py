@@ -346,7 +346,7 @@ def test_a_restore_of_an_older_epoch_after_a_failed_capture_says_what_is_lost(tm
                                             "restoring the older checkpoint epoch 2")
 
 
-# ---- the wrapper's side (fakes of tests/unit/test_wrapper_logic.py) ----------------------------------------------
+# ---- the wrapper's side (fakes of tests/unit/task/test_wrapper_logic.py) ----------------------------------------------
 import test_wrapper_logic as wrapper_fakes  # noqa: E402
 
 image, restores = wrapper_fakes.image, wrapper_fakes.restores

@@ -124,7 +124,7 @@ def test_the_field_is_one_printable_line_cut_in_the_note_never_in_the_checkpoint
 # ---- the summary ----------------------------------------------------------------------------------------------
 @pytest.mark.system
 def test_the_summary_is_roots_readable_by_the_jobs_user_and_rebuilt_from_the_store(tmp_path: Path):
-    """Root's file, 0440 by an ACL naming the job's uid (tests/unit/test_summary.py tries it as the users)."""
+    """Root's file, 0440 by an ACL naming the job's uid (tests/unit/store/test_summary.py tries it as the users)."""
     store = _store(tmp_path)
     _commit_epoch(store, 3, 4096)
     summary.update_run(store, {"restart_count": 1, "interval_s": 600})

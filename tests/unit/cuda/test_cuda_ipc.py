@@ -18,7 +18,7 @@ from slurmckpt.cuda.procscan import unsupported_reasons
 from slurmckpt.cuda.rank_stage import CudaRankGpu
 from slurmckpt.cuda.stage import TreeGpuStage, GpuUnsupportedError
 from slurmckpt.node import procfs
-from tests.unit.test_cuda_stage import FakeProc
+from test_cuda_stage import FakeProc
 
 R580, R610 = (580, 159, 4), (610, 57, 4)
 JOB = {"CUDA_CHECKPOINT_JOB_FILE": "/proc/self/fd/5"}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 PKG = SRC / "slurmckpt"
 LEAVES = {"slurmckpt", "slurmckpt.errors", "slurmckpt.validate", "slurmckpt.duration", "slurmckpt.sizes",
           "slurmckpt.identity", "slurmckpt.rates"}
@@ -267,3 +267,14 @@ def test_the_top_level_holds_at_most_a_dozen_modules():
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(SRC)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def test_the_unit_tests_are_grouped_like_the_source():
+    """tests/unit/<package>/ for each package of src/slurmckpt (its tests only), project/ for the project's own
+    checks, fixtures/ for captured files; the top-level modules' tests and the shared fakes at the top."""
+    unit = Path(__file__).resolve().parents[1]
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    groups = {p.name for p in unit.iterdir() if p.is_dir() and p.name not in ("fixtures", "__pycache__")}
+    assert groups <= packages | {"project"}, sorted(groups - packages - {"project"})
+    top_tests = {p.stem[len("test_"):] for p in unit.glob("test_*.py")}
+    assert top_tests <= {p.stem for p in PKG.glob("*.py")}, sorted(top_tests - {p.stem for p in PKG.glob("*.py")})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIXED_TMP = re.compile(r"(?<![\w./-])/tmp/[\w.${-]")     # /tmp/<name>; /var/tmp/... and bare /tmp are not
 
 

@@ -121,7 +121,7 @@ def test_nccl_at_work_over_legacy_ipc_in_a_job_is_refused_only_where_the_driver_
     it through from driver 610 on; on 580 it names NCCL and what is missing."""
     from slurmckpt.cuda.procscan import unsupported_reasons
     from slurmckpt.node import procfs
-    from tests.unit.test_cuda_stage import FakeProc
+    from test_cuda_stage import FakeProc
     env = {"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0",
            "CUDA_CHECKPOINT_JOB_FILE": "/proc/self/fd/5"}
     with procfs.rooted(tmp_path / "proc"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted((Path(__file__).resolve().parents[3] / "benchmarks").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])

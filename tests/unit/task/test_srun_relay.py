@@ -28,7 +28,7 @@ from slurmckpt.node.launch import relay_dir
 from slurmckpt.task.srun_relay import STEP_TOKEN, SrunRelay, request_of
 from slurmckpt.task.srun_standin import REAL_SRUN, RELAY, connect, exec_real, install
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 class Relay:
