@@ -254,7 +254,7 @@ def test_files_mapped_shared_with_another_rank_are_fingerprinted_and_checked(pro
         shm.unlink(missing_ok=True)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="drops to another uid")
+@pytest.mark.system      # drops to another uid
 def test_shared_file_check_is_no_existence_oracle_for_unreadable_directories(tmp_path: Path) -> None:
     """The path of a file mapped shared is the user's: swapped for one inside a directory only root may
     read, the check must answer as it would for the user (who cannot tell whether the file exists), never
