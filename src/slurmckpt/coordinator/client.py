@@ -15,7 +15,7 @@ log = logging.getLogger("slurmckpt.coordinator.client")
 # command -> reply type when it succeeded
 HANDSHAKE_S = 15
 REPLIES = {"size": "sized", "prepare": "ready", "capture": "captured", "resume": "done", "finish": "done",
-           "abort": "done"}
+           "abort": "done", "pass-sigterm": "done"}
 
 
 class RankClient:

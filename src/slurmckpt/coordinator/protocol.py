@@ -17,7 +17,9 @@ VERSION = 2         # 2: the SIZE phase (size -> sized) before PREPARE
 MAX_LINE = 64 * 1024
 
 # Message types. Coordinator -> rank: commands; rank -> coordinator: replies and events.
-COMMANDS = {"size", "prepare", "capture", "resume", "finish", "abort", "welcome", "ack"}
+COMMANDS = {"size", "prepare", "capture", "resume", "finish", "abort", "pass-sigterm", "welcome", "ack"}
+# pass-sigterm: the job's final capture at Slurm's SIGTERM failed; each rank that got the signal passes it on
+# to its program (as without slurmckpt) instead of holding it until KillWait's SIGKILL
 EVENTS = {"hello", "sized", "ready", "captured", "failed", "done", "exited", "trigger", "started", "withdrawn"}
 # What starts an epoch (a `trigger` event's reason, carried on to the ranks' agents and their commit's
 # reason): the interval (coordinator/host.py), the wall-time (task/schedule.py), Slurm's SIGTERM,

@@ -41,6 +41,7 @@ from slurmckpt.identity import RankName
 log = logging.getLogger("slurmckpt.coordinator")
 
 FINAL_QUIET_S = 120.0      # after a final epoch, further final triggers are the same job ending
+PASS_ON_WAIT_S = 5.0       # how long the ranks' word that they passed the SIGTERM on is waited for
 
 
 class Committer(Protocol):
@@ -183,11 +184,30 @@ class Coordinator:
             return {"status": "skipped", "reason": reason, "why": "a final capture was just attempted"}
         self._wanted.add(final)
         try:
-            return await self._run_epoch(reason, final, time.monotonic())
+            result = await self._run_epoch(reason, final, time.monotonic())
         finally:
             self._wanted.discard(final)
             if final:
                 self._final_tried = time.monotonic()
+        # no final capture at Slurm's SIGTERM: it failed, or none may be taken (a rank withdrew the restored cut)
+        if final and reason == "sigterm" and (result.get("status") == "aborted" or self.withdrawn):
+            await self._pass_sigterm_on(int(result.get("epoch", self.next_epoch)))
+        return result
+
+    async def _pass_sigterm_on(self, epoch: int) -> None:
+        """The final capture at Slurm's SIGTERM failed: every rank is told, so that each passes the signal on
+        to its program (task/wrapper.py) instead of holding it until KillWait's SIGKILL; the host's wrapper
+        also learns it from the result. Whatever a rank answers, or not within a few seconds, changes nothing."""
+        live = list(self.ranks.values())
+        if not live:
+            return
+        barrier = self._send(live, "pass-sigterm", "done", epoch, collect=True)
+        try:
+            await asyncio.wait_for(asyncio.shield(barrier.future), PASS_ON_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("epoch %d: not every rank confirmed passing Slurm's SIGTERM on", epoch)
+        finally:
+            self._disarm(live, barrier)
 
     async def _run_epoch(self, reason: str, final: bool, triggered: float) -> dict[str, Any]:
         """`triggered`: when the trigger reached this coordinator (a final epoch's ranks judge what is left of

@@ -24,11 +24,12 @@ class EpochHandling:
     schedule of a wrapper that supervises the job, and the automatic interval not yet recorded."""
 
     def __init__(self, config: Config, call: Callable[..., dict[str, Any]], say: Callable[[str], None],
-                 job_id: int, pass_sigterm_on: Callable[[], None]) -> None:
-        """`call`: the agent's operations; `pass_sigterm_on`: Slurm's SIGTERM to the tree, when a final
-        capture failed (task/wrapper.py)."""
+                 job_id: int, pass_sigterm_on: Callable[[], None], final_failed: Callable[[], None]) -> None:
+        """`call`: the agent's operations; `pass_sigterm_on`: Slurm's SIGTERM to the tree, when the final
+        capture this wrapper's coordinator ran failed; `final_failed`: the coordinator's word that the job's
+        final capture at Slurm's SIGTERM failed (task/wrapper.py)."""
         self.config, self.call, self._say, self.job_id = config, call, say, job_id
-        self.pass_sigterm_on = pass_sigterm_on
+        self.pass_sigterm_on, self.final_failed = pass_sigterm_on, final_failed
         self.final_committed = threading.Event()
         self.final_capture = threading.Event()          # criu ends the tree itself in a final capture
         self.capture_timeout_s = config.capture_timeout_s    # the coordinator's, for the current epoch
@@ -116,6 +117,9 @@ class EpochHandling:
             self._say(f"requeue failed: {e}")
 
     def on_command(self, kind: str, epoch: int, message: dict[str, Any]) -> dict[str, Any]:
+        if kind == "pass-sigterm":        # nothing for the agent: the wrapper's own signal handling
+            self.final_failed()
+            return {}
         if kind == "finish":
             self.final_committed.set()
         elif kind == "capture" and message.get("final", True):

@@ -61,9 +61,14 @@ class Wrapper:
         # the wrapper passed Slurm's SIGTERM on to the tree (no capture was possible): its end that follows
         # is no completion of the program
         self.passed_sigterm_on = False
+        # Slurm's SIGTERM reached this task; the coordinator said the job's final capture failed (either may
+        # come first): both, and the SIGTERM goes on to the program
+        self.sigterm_lock = threading.Lock()
+        self.got_sigterm = self.final_failed = False
         self.tree_procs: str | None = None     # the tree's cgroup.procs: ends the tree if the agent is gone
         self.pending: list[int] = []
-        self.epochs = EpochHandling(self.config, self.call, self._say, env.job_id, self._pass_sigterm_on)
+        self.epochs = EpochHandling(self.config, self.call, self._say, env.job_id, self._pass_sigterm_on,
+                                    self._final_capture_failed)
         self.member = Membership(env, self.config, self.call, self.epochs.on_command, lambda text: say(env, text))
         # srun --mpi=pmi2: the task's socket to slurmstepd goes into the tree only through pmi.Handover
         pmi_fd = pmi.task_socket(dict(os.environ)) if env.step != "batch" else None
@@ -212,7 +217,11 @@ class Wrapper:
             self._signal_tree(signal.SIGTERM)     # no capture possible here: end like a plain Slurm task
             self.trigger("sigterm", True)          # (the job's final epoch aborts: previous commit stays)
         elif sig == signal.SIGTERM:
-            if not self.epochs.final_committed.is_set():
+            with self.sigterm_lock:
+                self.got_sigterm, failed = True, self.final_failed
+            if failed:       # the job's final capture failed before this task's SIGTERM was handled
+                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+            elif not self.epochs.final_committed.is_set():
                 say(self.env, "SIGTERM from Slurm (preemption, requeue or time limit): capturing the job")
                 self.trigger("sigterm", True)
         elif sig == CHECKPOINT_SIGNAL:
@@ -256,12 +265,24 @@ class Wrapper:
             except OSError:
                 pass
 
+    def _final_capture_failed(self) -> None:
+        """The coordinator's word: the job's final capture at Slurm's SIGTERM failed. A task that got the
+        signal passes it on now; one that did not yet, when it comes (_on_signal)."""
+        with self.sigterm_lock:
+            self.final_failed, got = True, self.got_sigterm
+        if got:
+            self._say("the job's final capture failed: passing Slurm's SIGTERM on to the program")
+            threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+
     def _pass_sigterm_on(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to every process of the tree. The namespace init ends when its root child (the batch
+        """SIGTERM to every process of the tree, once. The namespace init ends when its root child (the batch
         script, the task's program) does, and the kernel then kills the whole namespace: so the other
         processes get it first and up to `grace_s` to act on it (their own handlers), the root child and
         the init after. Slurm's SIGKILL after KillWait bounds it all."""
-        self.passed_sigterm_on = True
+        with self.sigterm_lock:
+            if self.passed_sigterm_on:
+                return
+            self.passed_sigterm_on = True
         pids = self._tree_pids()
         root = self.task.root_pid
         top = {root, *proctree.children_map().get(root, [])} if root else set()

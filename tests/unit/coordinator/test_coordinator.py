@@ -176,6 +176,30 @@ def test_final_triggers_right_after_an_aborted_final_are_skipped(job):
     assert job.epoch("interval")["status"] == "aborted"        # periodic epochs are not affected
 
 
+@pytest.mark.parametrize("how", ["prepare", "membership"])
+def test_a_failed_final_capture_at_slurms_sigterm_tells_every_rank_to_pass_it_on(job, how):
+    """Only the coordinator's host sees an epoch's result: the other ranks are told, so that none holds
+    Slurm's SIGTERM until KillWait's SIGKILL (task/wrapper.py), whether the capture failed in a phase or was
+    refused with nothing frozen (a rank of a step missing). Not for a final capture slurmckpt started itself
+    (walltime, manual-requeue: the job runs on) nor a periodic one."""
+    ok = job.rank("0.0")
+    bad = job.rank("0.1", fail="prepare" if how == "prepare" else None)
+    if how == "membership":
+        c = RankClient("127.0.0.1", job.port, job.token, "5.0", "n", 0, lambda k, e, m=None: {}, tasks=2)
+        threading.Thread(target=c.serve_forever, daemon=True).start()
+        wait_for(lambda: "5.0" in job.coord.ranks)
+    for reason, final in (("interval", False), ("walltime", True)):
+        assert job.epoch(reason, final)["status"] == "aborted"
+    assert "pass-sigterm" not in ok.commands() + bad.commands()
+    job.coord._final_tried = -1e9                    # past the quiet time after the walltime attempt
+    res = job.epoch("sigterm", final=True)
+    assert res["status"] == "aborted" and res["stage"] == how
+    for r in (ok, bad):
+        assert ("pass-sigterm", res["epoch"]) in r.got
+    if how == "membership":
+        c.close()
+
+
 def test_epoch_without_ranks_aborts(job):
     res = job.epoch()
     assert res["status"] == "aborted" and not job.committer.calls

@@ -192,7 +192,8 @@ def test_debug_stall_after_parses():
 
 
 def test_withdrawn_epoch_stops_every_later_capture(hosted):
-    """A rank that could not restore says so: the ranks now run at no common cut, nothing may commit."""
+    """A rank that could not restore says so: the ranks now run at no common cut, nothing may commit; at
+    Slurm's SIGTERM every rank is told to pass it on (no final capture will be taken)."""
     sup, wrapper, token, port = hosted
     commands: list = []
     client = rank(port, token, commands)
@@ -202,7 +203,7 @@ def test_withdrawn_epoch_stops_every_later_capture(hosted):
         sup.trigger("sigterm" if final else "manual", final)
         result = wrapper.results.get(timeout=TIMEOUT)
         assert result["status"] == "skipped" and "could not restore epoch 4" in result["why"]
-    assert commands == [] and wrapper.commits == []
+    assert [k for k, _ in commands] == ["pass-sigterm"] and wrapper.commits == []
     client.close()
 
 

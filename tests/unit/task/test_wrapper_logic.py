@@ -654,3 +654,39 @@ def test_a_final_capture_handed_over_and_one_not_taken_are_said_as_such(make, sa
                           "error": "final capture skipped: ..."}, "sigterm") == (
         "checkpoint epoch 7 (sigterm) NOT TAKEN (rank batch.0, node n1, stage window): final capture skipped: ...; "
         "the previous checkpoint stays the one restored")
+
+
+# ---- a failed final capture: every rank passes Slurm's SIGTERM on ----------------------------------------
+@pytest.mark.parametrize("order", ["sigterm-first", "word-first"])
+def test_the_coordinators_word_of_a_failed_final_capture_passes_sigterm_on_in_either_order(make, tree, said,
+                                                                                         tmp_path: Path, order):
+    """A rank that is not the coordinator's host never sees the epoch's result: without the coordinator's
+    word it held Slurm's SIGTERM until KillWait's SIGKILL. Its own SIGTERM and the word may come in either
+    order; the agent is not asked anything for the word."""
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text(f"{tree.pid}\n")
+    w = make()
+    w.task.root_pid, w.tree_procs = tree.pid, str(procs)
+    if order == "sigterm-first":
+        w._on_signal(signal.SIGTERM)
+        assert w.member.triggers == [("sigterm", True)] and tree.poll() is None
+        assert w.epochs.on_command("pass-sigterm", 3, {}) == {}
+    else:
+        assert w.epochs.on_command("pass-sigterm", 3, {}) == {}
+        assert tree.poll() is None           # no SIGTERM from Slurm here (yet): nothing to pass on
+        w._on_signal(signal.SIGTERM)
+        assert w.member.triggers == []       # the job's final capture already failed: no new one asked
+    assert tree.wait(5) == -signal.SIGTERM
+    assert "pass-sigterm" not in w.agent.ops() and w.passed_sigterm_on
+
+
+def test_the_sigterm_is_passed_on_once_however_often_it_is_asked(make, tmp_path: Path):
+    w = make()
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    w.tree_procs = str(procs)
+    sent: list[list[int] | None] = []
+    w._signal_tree = lambda sig, pids=None: sent.append(pids)
+    w._pass_sigterm_on(grace_s=0)
+    w._pass_sigterm_on(grace_s=0)
+    assert len(sent) == 2          # one pass: the others, then the root child and init
