@@ -49,7 +49,16 @@ TESTS_2411_ONLY_IDS ?= $(IT)/test_checkpoint_restore.py::test_preemption_capture
   $(IT)/test_store.py::test_capture_over_quota_is_refused_job_runs_on_and_restores_the_previous_commit \
   $(IT)/test_cli_and_gres.py::test_manual_checkpoint_then_inspect_then_requeue_via_cli \
   '$(IT)/test_signals.py::test_requeue_sigterm_never_reaches_a_program_that_handles_it[proctrack/linuxproc]' \
-  $(IT)/test_mpi.py::test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it
+  $(IT)/test_mpi.py::test_a_rank_waiting_in_a_pmi_barrier_is_not_captured_and_the_job_restores_after_it \
+  $(IT)/test_checkpoint_restore.py::test_failed_capture_keeps_job_running_and_previous_checkpoint \
+  $(IT)/test_slurm_view.py::test_memory_limit_holds_for_a_restored_workload \
+  $(IT)/test_cli_and_gres.py::test_gres_gpu_job_has_its_own_proc_and_restores_while_its_old_host_pids_are_taken \
+  $(IT)/test_cli_and_gres.py::test_checkpoint_of_a_job_not_under_slurmckpt_is_refused_and_the_job_lives \
+  $(IT)/test_security_launch.py::test_working_directory_is_entered_as_the_user \
+  $(IT)/test_security_launch.py::test_user_can_touch_neither_the_init_directory_nor_the_freeze_control \
+  $(IT)/test_security_launch.py::test_a_tree_its_user_holds_frozen_dies_with_the_job_on_a_v1_freezer \
+  $(IT)/test_security_launch.py::test_output_fd_the_user_cannot_read_is_never_copied \
+  $(IT)/test_security_launch.py::test_special_file_stdout_is_not_copied
 TESTS_2411 ?= $(TESTS_2411_ONLY) $(TESTS_2411_ONLY_IDS) $(TESTS_BOTH)
 TESTS_BOTH ?= $(IT)/test_launch_form.py \
   $(IT)/test_checkpoint_restore.py::test_bad_interval_values_are_rejected_at_submission \
