@@ -23,6 +23,7 @@ W=${GPU_WORK:-/var/tmp/slurmckpt-gpu}   # where images go (a tmpfs to compare)
 criu() { LD_LIBRARY_PATH=$PWD/.carry/criu "$SLURMCKPT_CRIU" "$@"; }
 for phase in "$@"; do
   name=${phase%%:*}; rest=${phase#bench:}; [[ $name == bench ]] && name=bench-${rest%%:*} && name=${name//,/_}
+  [[ $name == stall && $phase == *:* ]] && name=stall-${phase#stall:} && name=${name//[:,]/_}   # one file each
   log="$OUT/$name.txt"; t0=$SECONDS
   echo "=== $phase" | tee "$log"
   case $name in
@@ -47,9 +48,9 @@ for phase in "$@"; do
               timeout 280 python3 tests/gpu/jax_why_probe.py $W/jaxwhy ${cases//,/ } 2>&1 | tee -a "$log" ;;
     ipc) cases=${phase#ipc}; cases=${cases#:}
          timeout 400 python3 tests/gpu/ipc_probe.py $W/ipc ${cases//,/ } 2>&1 | tee -a "$log" ;;
-    stall) IFS=: read -r _ sizes thp pairs <<< "$phase"
+    stall*) IFS=: read -r _ sizes thp pairs <<< "$phase"
            timeout 580 python3 benchmarks/gpu_stall.py --sizes "${sizes:-1,8}" --thp "${thp:-madvise,always}" \
-             --pairs "${pairs:-2}" --work $W/stall --out "$OUT/stall.json" 2>&1 | tee -a "$log" ;;
+             --pairs "${pairs:-2}" --work $W/stall --out "$OUT/$name.json" 2>&1 | tee -a "$log" ;;
     bench-*)
       IFS=: read -r sizes order cold <<< "$rest"; extra=()
       [[ ,${cold:-}, == *,nocold,* ]] && extra+=(--skip-cold)
