@@ -220,7 +220,7 @@ class Wrapper:
             with self.sigterm_lock:
                 self.got_sigterm, failed = True, self.final_failed
             if failed:       # the job's final capture failed before this task's SIGTERM was handled
-                threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+                self._pass_on_after_failed_final()
             elif not self.epochs.final_committed.is_set():
                 say(self.env, "SIGTERM from Slurm (preemption, requeue or time limit): capturing the job")
                 self.trigger("sigterm", True)
@@ -271,8 +271,12 @@ class Wrapper:
         with self.sigterm_lock:
             self.final_failed, got = True, self.got_sigterm
         if got:
+            self._pass_on_after_failed_final()
+
+    def _pass_on_after_failed_final(self) -> None:
+        if not self.member.supervisor:     # the host says it with the epoch's result (task/epochs.py)
             self._say("the job's final capture failed: passing Slurm's SIGTERM on to the program")
-            threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
+        threading.Thread(target=self._pass_sigterm_on, daemon=True).start()
 
     def _pass_sigterm_on(self, grace_s: float = 10.0) -> None:
         """SIGTERM to every process of the tree, once. The namespace init ends when its root child (the batch

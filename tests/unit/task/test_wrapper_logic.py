@@ -51,6 +51,7 @@ class FakeMember:
 
     def __init__(self, connected: bool) -> None:
         self.connected = connected
+        self.supervisor = None        # not the coordinator's host
         self.events: list[tuple[str, dict]] = []
         self.triggers: list[tuple[str, bool]] = []
         self.closed: list[int] = []
@@ -678,6 +679,7 @@ def test_the_coordinators_word_of_a_failed_final_capture_passes_sigterm_on_in_ei
         assert w.member.triggers == []       # the job's final capture already failed: no new one asked
     assert tree.wait(5) == -signal.SIGTERM
     assert "pass-sigterm" not in w.agent.ops() and w.passed_sigterm_on
+    assert sum("final capture failed: passing Slurm's SIGTERM on" in line for line in said) == 1
 
 
 def test_the_sigterm_is_passed_on_once_however_often_it_is_asked(make, tmp_path: Path):
@@ -690,3 +692,17 @@ def test_the_sigterm_is_passed_on_once_however_often_it_is_asked(make, tmp_path:
     w._pass_sigterm_on(grace_s=0)
     w._pass_sigterm_on(grace_s=0)
     assert len(sent) == 2          # one pass: the others, then the root child and init
+
+
+def test_the_coordinators_host_says_the_failed_final_capture_once(make, said, tmp_path: Path):
+    """The host's wrapper says it with the epoch's result (epochs.epoch_result); the coordinator's word to it
+    as a rank adds no second line."""
+    w = make()
+    procs = tmp_path / "cgroup.procs"
+    procs.write_text("")
+    w.tree_procs, w.member.supervisor = str(procs), object()
+    w._on_signal(signal.SIGTERM)
+    w.epochs.on_command("pass-sigterm", 3, {})
+    w.epochs.epoch_result({"status": "aborted", "epoch": 3, "stage": "prepare", "error": "x"}, "sigterm", True)
+    time.sleep(0.2)
+    assert sum("passing Slurm's SIGTERM on" in line for line in said) == 1 and w.passed_sigterm_on
