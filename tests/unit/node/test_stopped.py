@@ -16,15 +16,17 @@ import pytest
 from slurmckpt.node import procfs, stopped
 
 # the worker thread counts into a file; the main thread waits in pause() without Python's lock, so the worker
-# alone can run Python code
+# alone can run Python code. Each count overwrites a fixed-width field in place: a file truncated and then
+# written would stay empty for good when the stop came between the two (seen in CI)
 PROGRAM = """
-import ctypes, sys, threading, time
+import ctypes, os, sys, threading, time
 def count():
     open(sys.argv[1] + '.tid', 'w').write(str(threading.get_native_id()))
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
     n = 0
     while True:
         n += 1
-        open(sys.argv[1], 'w').write(str(n))
+        os.pwrite(fd, b'%012d' % n, 0)
         time.sleep(0.005)
 threading.Thread(target=count, daemon=True).start()
 ctypes.CDLL(None).pause()
