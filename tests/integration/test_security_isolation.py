@@ -32,10 +32,11 @@ def _store_of(job: int) -> Path:
 
 def _finished_job_with_images(user: str, tag: str):
     """A job of `user` that committed a checkpoint and completed: its images stay in the store
-    (`keep_finished`, which its end obeys as gc does)."""
+    (`keep_finished`, which its end obeys as gc does). It runs ~30 s, three of its 10 s intervals: at 12 s
+    (60 steps) a slow start on CI left no interval inside it and the job completed without a commit."""
     wd = workdir(user, f"iso-{tag}")
     with site_keys(keep_finished=True):
-        job = submit(user, wd, f"#!/bin/bash\npython3 zdtm.py --steps 60 --sleep 0.2 --tag {tag} --data d.txt\n",
+        job = submit(user, wd, f"#!/bin/bash\npython3 zdtm.py --steps 150 --sleep 0.2 --tag {tag} --data d.txt\n",
                      "--checkpoint-interval=10s")
         job.wait_output(r"committed \(interval\)", timeout=240)
         assert job.wait_done() == "COMPLETED"
