@@ -55,7 +55,18 @@ class Host:
         self.auto_used = False                     # a rank asked for auto: its choices are announced
 
     def send(self, message: dict[str, Any]) -> None:
+        if self.writer.is_closing():      # the wrapper is gone (its step ended): nobody is left to tell
+            return
         self.writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+    async def _next_line(self) -> bytes:
+        """The wrapper's next line; b"" once it is gone, whether its end was read first or a write to it
+        failed first (an epoch's word on its way as the job's step ended: the reader then holds the
+        write's EPIPE, which must not reach the job's output as a traceback)."""
+        try:
+            return await self.reader.readline()
+        except ConnectionError:
+            return b""
 
     async def run(self) -> None:
         start = json.loads(await self.reader.readline())
@@ -72,7 +83,7 @@ class Host:
         self.send({"op": "listening", "port": port})
         watcher = asyncio.ensure_future(self._interval_timer())
         try:
-            while line := await self.reader.readline():
+            while line := await self._next_line():
                 msg = json.loads(line)
                 if msg["op"] == "epoch":
                     self.epoch(str(msg["reason"]), bool(msg["final"]))

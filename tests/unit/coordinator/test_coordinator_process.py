@@ -220,3 +220,31 @@ def test_the_coordinator_process_runs_the_interval_timer_itself(hosted):
     assert (first["status"], second["status"]) == ("committed", "committed"), (first, second)
     assert wrapper.commits == [5, 6]
     assert [c for c in commands if c[0] == "prepare"] == [("prepare", 5), ("prepare", 6)]
+
+
+def test_a_word_to_a_wrapper_that_is_gone_ends_the_host_quietly():
+    """The job's step ends while the host has an epoch's word on its way: the write to the closed link fails
+    (EPIPE) before the link's end is read. The host ends as if it had read the end, without a traceback
+    (its stderr is the job's output), and later words are dropped, not written."""
+    import asyncio
+    import json
+    import socket
+    from slurmckpt.coordinator.host import Host
+
+    async def scenario() -> None:
+        ours, wrappers = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        host = Host(reader, writer)
+        wrappers.sendall(json.dumps({"token": new_token(), "next_epoch": 1, "prepare_timeout_s": 5,
+                                     "capture_timeout_s": 5}).encode() + b"\n")
+        running = asyncio.ensure_future(host.run())
+        wrappers.setblocking(False)
+        while b"listening" not in (await asyncio.get_running_loop().sock_recv(wrappers, 4096)):
+            pass
+        wrappers.close()
+        host.send({"op": "started", "rank": "batch.0", "action": "capture"})     # EPIPE, before the EOF
+        await asyncio.wait_for(running, TIMEOUT)
+        assert writer.is_closing()
+        host.send({"op": "result"})                                             # dropped
+
+    asyncio.run(scenario())
