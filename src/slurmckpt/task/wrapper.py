@@ -35,6 +35,26 @@ log = logging.getLogger("slurmckpt.wrapper")
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
              signal.SIGWINCH, signal.SIGCONT)
+# how long a signal for the task's root is tried again while that process is not yet the job's user's
+PASS_ON_RETRY_S = 2.0
+
+
+def pass_signal(pid: int, sig: int) -> None:
+    """A signal for the task's root. Right after the launch that process may still be the root agent's
+    fork, before setpriv made it the job's user's (milliseconds): the kill is refused (EPERM) then, and
+    tried again; a process gone is nothing to do. Never a traceback in the job's output."""
+    deadline = time.monotonic() + PASS_ON_RETRY_S
+    while True:
+        try:
+            os.kill(pid, sig)
+            return
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            if time.monotonic() >= deadline:
+                log.warning("signal %d not passed on: pid %d is not the job's user's", sig, pid)
+                return
+            time.sleep(0.01)
 
 
 def say(env: TaskEnv, message: str) -> None:
@@ -229,10 +249,8 @@ class Wrapper:
         elif sig == REQUEUE_SIGNAL:
             self.trigger("manual-requeue", True)
         elif self.task.root_pid:
-            try:
-                os.kill(self.task.root_pid, sig)
-            except ProcessLookupError:
-                pass
+            pass_signal(self.task.root_pid, sig)
+
 
     def _wait_for_requeue(self, why: str = "captured for requeue; waiting for Slurm to requeue the job") -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would

@@ -706,3 +706,33 @@ def test_the_coordinators_host_says_the_failed_final_capture_once(make, said, tm
     w.epochs.epoch_result({"status": "aborted", "epoch": 3, "stage": "prepare", "error": "x"}, "sigterm", True)
     time.sleep(0.2)
     assert sum("passing Slurm's SIGTERM on" in line for line in said) == 1 and w.passed_sigterm_on
+
+
+def test_a_signal_for_a_root_not_yet_the_users_is_tried_again_and_never_raises(monkeypatch) -> None:
+    """Right after the launch the task's root is still the root agent's fork (EPERM for the user's wrapper):
+    a signal then (scancel's SIGCONT, a user's SIGINT) is tried again until it goes; one that never can is
+    logged, and a process gone is nothing to do. Seen in CI as a traceback in the job's output."""
+    sent: list[tuple[int, int]] = []
+    refusals = iter([PermissionError(1, "not yet"), PermissionError(1, "not yet")])
+
+    def kill(pid: int, sig: int) -> None:
+        refusal = next(refusals, None)
+        if refusal:
+            raise refusal
+        sent.append((pid, sig))
+    monkeypatch.setattr(wrapper.os, "kill", kill)
+    wrapper.pass_signal(4242, signal.SIGCONT)
+    assert sent == [(4242, signal.SIGCONT)]
+
+    def refuse(pid: int, sig: int) -> None:
+        raise PermissionError(1, "another user's")
+    monkeypatch.setattr(wrapper.os, "kill", refuse)
+    monkeypatch.setattr(wrapper, "PASS_ON_RETRY_S", 0.05)
+    started = time.monotonic()
+    wrapper.pass_signal(4242, signal.SIGINT)
+    assert time.monotonic() - started >= 0.05
+
+    def gone(pid: int, sig: int) -> None:
+        raise ProcessLookupError(3, "gone")
+    monkeypatch.setattr(wrapper.os, "kill", gone)
+    wrapper.pass_signal(4242, signal.SIGINT)
