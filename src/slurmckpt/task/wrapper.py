@@ -251,7 +251,6 @@ class Wrapper:
         elif self.task.root_pid:
             pass_signal(self.task.root_pid, sig)
 
-
     def _wait_for_requeue(self, why: str = "captured for requeue; waiting for Slurm to requeue the job") -> int:
         """After a final capture the job must not go on (the batch script would continue, or the job would
         complete): wait until Slurm is ending the job (requeue, or the end of a preemption's GraceTime)."""
