@@ -1,8 +1,9 @@
 """The GPU host copy moved by slurmckpt's threads through our real criu (patch 0008), on the CPU: a process
 whose new anonymous memory stands for a GPU checkpoint's host copy is captured with that memory copied out
-by host_copy.py and skipped by criu, restored stopped, given its memory back, and runs on with exactly what
-it held (docs/gpu.md, "The host copy, copied in parallel"). On the GPU machine the same stages carry the
-driver's real host copy (tests/gpu)."""
+by host_copy.py (before criu's dump, as a final capture does, or beside it, as a periodic one does) and
+skipped by criu, restored stopped, given its memory back, and runs on with exactly what it held (docs/gpu.md,
+"The host copy, copied in parallel"). On the GPU machine the same stages carry the driver's real host copy
+(tests/gpu)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from slurmckpt.config import Config
 from slurmckpt.criu.driver import CriuDriver
@@ -48,7 +52,10 @@ def _wait_line(log: Path, prefix: str, timeout: float = 30) -> str:
     raise AssertionError(f"no {prefix!r} line in {log}: {log.read_text()[-1000:]}")
 
 
-def test_criu_skips_the_pages_slurmckpt_copied_and_the_restore_gets_them_back() -> None:
+@pytest.mark.parametrize("beside", [False, True])
+def test_criu_skips_the_pages_slurmckpt_copied_and_the_restore_gets_them_back(beside: bool) -> None:
+    """`beside`: as a periodic capture does it, the copy runs while criu dumps (criu seizes the process and
+    runs its parasite in it while the copy's threads read its memory)."""
     work = WORK
     subprocess.run(["rm", "-rf", str(work)], check=True)
     (work / "images").mkdir(parents=True)
@@ -63,9 +70,19 @@ def test_criu_skips_the_pages_slurmckpt_copied_and_the_restore_gets_them_back() 
     copies = host_copy.grown(before, host_copy.anonymous_ranges([holder.pid]))
     assert sum(e - s for s, e in copies[holder.pid]) >= 256 * MiB, copies
     os.kill(holder.pid, signal.SIGSTOP)
-    entries, skip, _ = host_copy.copy_out(copies, work / "images", 4)
     criu = CriuDriver(Config.load().criu_path)
-    criu.dump(holder.pid, work / "images", leave_running=False, freezer=None, skip_pages=skip)
+    skip = host_copy.skip_list(copies)
+    with ThreadPoolExecutor(1) as pool:
+        copying = pool.submit(host_copy.copy_out, copies, work / "images", 4)
+        if not beside:
+            copying.result()
+        # beside: the process must outlive the copy, as a periodic capture's tree does (a final one's ends
+        # with criu's dump, after its copy)
+        criu.dump(holder.pid, work / "images", leave_running=beside, freezer=None, skip_pages=skip)
+        entries, copied_skip, _ = copying.result()
+    assert copied_skip == skip
+    if beside:
+        holder.kill()
     holder.wait(timeout=30)
     pages = sum(p.stat().st_size for p in (work / "images").glob("pages-*.img"))
     assert pages < 64 * MiB, f"criu still dumped the skipped pages ({pages} bytes of pages)"

@@ -9,8 +9,9 @@ drives the phases across ranks:
               -> freeze the tree (cgroup freezer) -> no PMI exchange under way (else thaw and retry the
               round, slurm/pmi.py) -> the tree's stdio pipes read empty by slurmstepd (output_pipes.py)
               ... barrier: all READY ...
-    CAPTURE   record fds/files -> the GPU host copy into the images by several threads (host_copy.py)
-              -> criu dump into node-local staging (tree stays frozen) -> output snapshot
+    CAPTURE   record fds/files -> the GPU host copy into the images by several threads (host_copy.py),
+              beside (periodic) or before (final) the criu dump into node-local staging (the tree stays
+              frozen) -> output snapshot
               -> (final only) hand-over: a persister outside the job's cgroups takes the staged images to the
               store after Slurm's SIGKILL (store/handover.py commits the epoch once every rank's are there)
     RESUME    (periodic, every rank dumped) thaw -> GPU restore -> unlock -> memory limits put back
@@ -27,6 +28,7 @@ import logging
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from slurmckpt.cuda.interface import holds_gpu_state
 from slurmckpt.criu import images as criu_images
@@ -177,15 +179,58 @@ def _standin_sockets(ctx: RankContext, pids: list[int]) -> list[HandedSocket]:
 
 
 def _host_copy(ctx: RankContext, st: CaptureState) -> None:
-    """On the frozen tree, before criu: the GPU checkpoint's host copy into the images by several threads;
-    criu then dumps those pages as untouched (host_copy.py)."""
+    """A final capture, on the frozen tree, before criu: the GPU checkpoint's host copy into the images by
+    several threads; criu then dumps those pages as untouched (host_copy.py). It must end before criu's
+    dump begins: criu ends the tree once its dump is done."""
     if not st.record.imaged or not st.host_copies:
         return
-    entries, st.skip_pages, seconds = host_copy.copy_out(st.host_copies, images.area(ctx, st.epoch),
-                                                         ctx.limits.host_copy_threads, step=ctx.step,
-                                                         rank=ctx.rank, epoch=st.epoch)
+    st.skip_pages = host_copy.skip_list(st.host_copies)
+    _copy_host(ctx, st)
+
+
+def _start_host_copy(ctx: RankContext, st: CaptureState) -> None:
+    """A periodic capture: the host copy starts beside criu's dump (the next stage). The two read disjoint
+    memory of the frozen tree (criu skips the copied pages, known before either starts), so the job's stall
+    pays the longer of the two instead of their sum. Each is timed as if alone: a final capture's cost is
+    judged from them (coordinator/budget.py), and there they run one after the other."""
+    if not st.record.imaged or not st.host_copies:
+        st.timings["host-copy"] = 0.0
+        return
+    st.skip_pages = host_copy.skip_list(st.host_copies)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="host-copy")
+    st.host_copying = pool.submit(_copy_host, ctx, st)
+    pool.shutdown(wait=False)       # the thread ends with the copy
+
+
+def _copy_host(ctx: RankContext, st: CaptureState) -> None:
+    start = time.monotonic()
+    entries, _, seconds = host_copy.copy_out(st.host_copies, images.area(ctx, st.epoch),
+                                             ctx.limits.host_copy_threads, step=ctx.step, rank=ctx.rank,
+                                             epoch=st.epoch)
     st.record.host_copy = tuple(entries)
     st.timings["host_copy"] = seconds
+    st.timings["host-copy"] = round(time.monotonic() - start, 4)
+
+
+def _join_host_copy(ctx: RankContext, st: CaptureState) -> None:
+    """Wait for a copy started beside the dump (never raises: the copy's own error is the dump stage's to
+    raise). Its threads never outlive the capture's stages: the rollback discards the images they write."""
+    if st.host_copying is not None:
+        wait([st.host_copying])
+        st.host_copying = None
+
+
+def _dump_beside_host_copy(ctx: RankContext, st: CaptureState) -> None:
+    """criu's dump while the host copy runs, then the copy's end: a failed dump is the error raised, else a
+    failed copy."""
+    copying, start = st.host_copying, time.monotonic()
+    try:
+        _dump(ctx, st)
+    finally:
+        st.timings["dump"] = round(time.monotonic() - start, 4)
+        _join_host_copy(ctx, st)
+    if copying is not None:
+        copying.result()
 
 
 def _dump(ctx: RankContext, st: CaptureState) -> None:
@@ -244,18 +289,24 @@ PREPARE = Table("prepare", (
     Stage("pmi-idle", _pmi_between_exchanges),
     Stage("drain-output", _drain_output),
 ), running=Phase.PREPARING, reached=Phase.PREPARED)
-_CAPTURE: tuple[Stage[CaptureState], ...] = (
+# A periodic capture leaves its images in staging and the tree frozen; they persist after RESUME's thaw. Its
+# host copy runs beside criu's dump.
+PERIODIC_CAPTURE = Table("periodic-capture", (
+    Stage("record", _record, undo=_discard_images),
+    Stage("host-copy", _start_host_copy, undo=_join_host_copy, times_itself=True),
+    Stage("dump", _dump_beside_host_copy, times_itself=True),
+    Stage("snapshot-output", _snapshot_output),
+), running=Phase.CAPTURING, reached=Phase.CAPTURED)
+# A final capture ends inside Slurm's window once its images are complete in staging: a persister of its own
+# takes them to the store after the job ended, outside the job's cgroups (images.hand_over; store/handover.py).
+# Its host copy ends before criu's dump begins (criu ends the tree).
+FINAL_CAPTURE = Table("final-capture", (
     Stage("record", _record, undo=_discard_images),
     Stage("host-copy", _host_copy),
     Stage("dump", _dump),
     Stage("snapshot-output", _snapshot_output),
-)
-# A periodic capture leaves its images in staging and the tree frozen; they persist after RESUME's thaw.
-PERIODIC_CAPTURE = Table("periodic-capture", _CAPTURE, running=Phase.CAPTURING, reached=Phase.CAPTURED)
-# A final capture ends inside Slurm's window once its images are complete in staging: a persister of its own
-# takes them to the store after the job ended, outside the job's cgroups (images.hand_over; store/handover.py).
-FINAL_CAPTURE = Table("final-capture", _CAPTURE + (Stage("handover", images.hand_over, undo=images.stop_persister),),
-                      running=Phase.CAPTURING, reached=Phase.HANDED_OVER)
+    Stage("handover", images.hand_over, undo=images.stop_persister),
+), running=Phase.CAPTURING, reached=Phase.HANDED_OVER)
 # The tree runs on: its stages run whatever the others do (a tree left frozen or locked is worse than an
 # error), and none is undone after (ABORT then drops the epoch's images).
 RESUME = Table("resume", (

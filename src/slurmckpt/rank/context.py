@@ -15,6 +15,7 @@ from slurmckpt.store.space import CopyBudget
 from slurmckpt.store.record import Draft, RankRecord
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
     from slurmckpt.criu.driver import CheckpointEngine, InheritedFd
     from slurmckpt.cuda.interface import RankGpu
     from slurmckpt.node.detach import Detached
@@ -139,6 +140,7 @@ class CaptureState(EpochState):
     # the GPU checkpoint's host copy per process (PREPARE), and what CAPTURE copied of it for criu to skip
     host_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     skip_pages: list[tuple[int, int, int]] = field(default_factory=list)
+    host_copying: Future[None] | None = None              # a periodic capture's copy, beside criu's dump
     memory_raised: list[Any] = field(default_factory=list)    # host_memory.Raise made for this capture
     persister: Detached | None = None                     # a final capture's, once handed over (images.hand_over)
 

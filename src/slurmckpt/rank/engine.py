@@ -3,8 +3,8 @@ RESUME, PERSIST; restore.py: RESTORE).
 
 A `Table[S]` is a named, ordered tuple of `Stage[S](name, run, undo)`, each stage typed on the state it works
 on (context.py: a CaptureState or a RestoreState) and taking the rank's frozen context with it. `run_table`
-sets the epoch's phase the table names, runs the stages in order, times each one and keeps it for the
-rollback; the first failure is named (`failed_stage`) and raised as it is, for the caller to roll back
+sets the epoch's phase the table names, runs the stages in order, times each one (unless it times itself)
+and keeps it for the rollback; the first failure is named (`failed_stage`) and raised as it is, for the caller to roll back
 (`rollback`) after what must come first (runner.py: a tree criu may have left its parasite in is killed before
 the thaw). A settled table (RESUME's tree stages) runs every stage whatever the others do, and so does the
 rollback: a tree left frozen or locked is worse than a logged error. A failure while undoing is added to the
@@ -32,6 +32,9 @@ class Stage(Generic[S]):
     name: str
     run: Callable[[RankContext, S], None]
     undo: Callable[[RankContext, S], None] | None = None
+    # the stage writes its own `st.timings` entries: work it runs beside another stage is timed under the
+    # name it has where it runs alone (capture.py: a periodic capture's host copy beside criu's dump)
+    times_itself: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def run_table(table: Table[S], ctx: RankContext, st: S) -> None:
         except Exception:  # named here; the caller rolls back
             st.stage_failed(stage.name)
             raise
-        st.timings[stage.name] = round(time.monotonic() - start, 4)
+        if not stage.times_itself:
+            st.timings[stage.name] = round(time.monotonic() - start, 4)
         st.done.append(stage)
         _stall(ctx, st, stage.name)
     st.phase = table.reached

@@ -79,7 +79,7 @@ def copy_out(copies: dict[int, list[tuple[int, int]]], images: Path, threads: in
              **context: object) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]], float]:
     """Each process's host copy into images/host-copy-N.K.img, K < `threads`. Returns the rank record's
     entries, criu's --skip-pages list (pid, start, end) and the seconds the copy took."""
-    entries, skip, seconds = [], [], 0.0
+    entries, seconds = [], 0.0
     for i, (pid, ranges) in enumerate(sorted(copies.items())):
         layout = process_memory.spans(ranges)
         total = sum(s.size for s in layout)
@@ -99,8 +99,13 @@ def copy_out(copies: dict[int, list[tuple[int, int]]], images: Path, threads: in
                 os.close(fd)
         entries.append({"nspid": _nspid(pid), "file": names[0], "parts": names, "part_size": part,
                         "ranges": [list(r) for r in ranges]})
-        skip += [(pid, s, e) for s, e in ranges]
-    return entries, skip, seconds
+    return entries, skip_list(copies), seconds
+
+
+def skip_list(copies: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
+    """criu's --skip-pages list (pid, start, end) for these copies: known before the copy runs, so criu's
+    dump can run beside it (rank/capture.py)."""
+    return [(pid, s, e) for pid, ranges in sorted(copies.items()) for s, e in ranges]
 
 
 def _parts(entry: dict[str, Any]) -> tuple[list[str], int]:

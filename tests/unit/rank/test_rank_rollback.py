@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -586,3 +587,78 @@ def test_abort_drops_the_images_only_once_the_epoch_no_longer_holds_the_tree(tmp
     assert p.failed_stage == fails and discarded == undone
     p.abort(1)                                 # the coordinator's ABORT of the epoch
     assert discarded == undone + [1]
+
+
+class SlowCopy:
+    """host_copy.copy_out standing in for the threads' copy: it waits until criu's dump has begun (or not,
+    `alone`), and notes when it starts and ends."""
+
+    def __init__(self, journal: Journal, fail: bool = False) -> None:
+        self.journal, self.fail = journal, fail
+        self.dumping = threading.Event()
+
+    def copy_out(self, copies, images, threads, **context):
+        self.journal.events.append("copy starts")
+        beside = self.dumping.wait(5)
+        self.journal.events.append(f"copy ends ({'beside' if beside else 'alone'})")
+        if self.fail:
+            raise CaptureError("copying the GPU host copy of pid 42: injected", **context)
+        return [{"nspid": 1, "file": "host-copy-0.0.img"}], [], 0.2
+
+
+def _with_host_copy(tmp_path: Path, monkeypatch, copy_fails: bool = False, criu_fail: bool = False):
+    """A runner whose PREPARE found a GPU host copy, whose criu notes when it dumps (and waits a moment for
+    a copy that runs beside it), and whose copy is SlowCopy."""
+    from slurmckpt.rank import capture as capture_module
+    p, j, store = make(tmp_path, criu_fail=criu_fail)
+    slow = SlowCopy(j, copy_fails)
+    monkeypatch.setattr(capture_module.host_copy, "copy_out", slow.copy_out)
+    engine_dump = p.ctx.criu.dump
+
+    def dump(pid, images, **kw):
+        j.events.append(f"dump skips {kw['skip_pages']}")
+        slow.dumping.set()
+        time.sleep(0.2)
+        return engine_dump(pid, images, **kw)
+    monkeypatch.setattr(p.ctx.criu, "dump", dump)
+    p.prepare(1)
+    p.state.host_copies = {42: [(0x1000, 0x3000)], 43: [(0x8000, 0x9000)]}
+    return p, j, store
+
+
+def test_a_periodic_capture_copies_the_host_copy_beside_criu_s_dump_and_times_each_as_if_alone(
+        tmp_path: Path, monkeypatch) -> None:
+    """The copy and criu's dump overlap (each waits to see the other under way), criu is told to skip the
+    copied pages before the copy ends, the record holds the copy, and each is timed under its own stage name:
+    the final capture's cost is judged from those (coordinator/budget.py), and there they run in turn."""
+    p, j, store = _with_host_copy(tmp_path, monkeypatch)
+    out = p.capture(1, final=False)
+    skips = "dump skips [(42, 4096, 12288), (43, 32768, 36864)]"
+    assert "copy ends (beside)" in j.events and j.events.index(skips) < j.events.index("copy ends (beside)")
+    assert p.state.host_copying is None and p.state.record.host_copy[0]["file"] == "host-copy-0.0.img"
+    assert out["timings"]["host_copy"] == 0.2 and out["timings"]["host-copy"] > 0 and out["timings"]["dump"] >= 0.2
+    p.resume(1)
+    assert store.read_rank_manifest(1, "batch", 0).capture.gpu.host_copy[0]["file"] == "host-copy-0.0.img"
+
+
+def test_a_final_capture_copies_the_host_copy_before_criu_dumps_and_ends_the_tree(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    p, j, _ = _with_host_copy(tmp_path, monkeypatch)
+    p.capture(1, final=True)
+    assert j.events.index("copy ends (alone)") < j.events.index(
+        "dump skips [(42, 4096, 12288), (43, 32768, 36864)]")
+
+
+@pytest.mark.parametrize("fails", ["dump", "copy"])
+def test_a_failure_beside_the_copy_waits_for_it_raises_the_first_cause_and_rolls_back(
+        tmp_path: Path, monkeypatch, fails: str) -> None:
+    """criu failing while the copy runs: the copy is waited for (its threads never outlive the images the
+    rollback discards) and criu's error is the one raised; the copy failing: its error, naming the pid.
+    Either way the tree is thawed and the GPUs resumed, and the epoch's images are gone."""
+    p, j, store = _with_host_copy(tmp_path, monkeypatch, copy_fails=fails == "copy", criu_fail=fails == "dump")
+    with pytest.raises(CriuError if fails == "dump" else CaptureError,
+                       match="injected criu failure" if fails == "dump" else "pid 42"):
+        p.capture(1, final=False)
+    assert j.events.index("copy ends (beside)") < j.events.index("thaw")
+    assert j.events[-3:] == ["thaw", "gpu-resume", "gpu-unlock"] and p.state.host_copying is None
+    assert p.failed_stage == "dump" and not store.rank_dir(1, "batch", 0).exists()
