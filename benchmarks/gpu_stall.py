@@ -6,7 +6,8 @@ For each THP mode and size, one process holds N GiB on the GPU (tests/gpu/worklo
 through, per pair, one periodic capture of each kind (as RESUME runs it: the tree left running):
 
   stall      = GPU lock + checkpoint (the driver's device-to-host copy, C) -> [threads: the host copy into
-               the images] -> criu dump --leave-running [--skip-pages] -> GPU restore + unlock (R)
+               the images] -> criu dump --leave-running [--skip-pages] -> GPU restore + unlock (R);
+               beside: the threads' copy runs while criu dumps, as slurmckpt's periodic capture does
   floor      = C + R of the same capture: the driver's own copies, which no capture can avoid
 
 and then, per kind, one final capture restored with the page cache dropped (as on another node):
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +41,7 @@ from slurmckpt.cuda.stage import TreeGpuStage  # noqa: E402
 from slurmckpt.rank import host_copy  # noqa: E402
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+BESIDE = ThreadPoolExecutor(1, thread_name_prefix="host-copy")
 
 
 def thp_mode() -> str:
@@ -60,11 +63,15 @@ def periodic(kind: str, w: harness.Workload, images: Path, threads: int) -> dict
     harness.fresh_dir(images)
     t0 = time.monotonic()
     stage, copies, c = gpu_capture(w.tree())
-    copy_s, skip = 0.0, []
+    copy_s, skip, copying = 0.0, [], None
     if kind == "threads":
         _, skip, copy_s = host_copy.copy_out(copies, images, threads)
+    elif kind == "beside":     # as rank/capture.py's periodic capture: the copy runs while criu dumps
+        skip, copying = host_copy.skip_list(copies), BESIDE.submit(host_copy.copy_out, copies, images, threads)
     dump_s = harness.dump(w.pid, images, leave_running=True, extra=[a for pid, s, e in skip for a in
                                                                       ("--skip-pages", f"{pid}:{s:x}-{e:x}")])
+    if copying is not None:
+        copy_s = copying.result()[2]
     t = time.monotonic()
     stage.restore_all(None)
     stage.unlock_all()
@@ -144,7 +151,7 @@ def bench(gib: float, thp: str, a: argparse.Namespace, driver) -> list[dict]:
     try:
         w.wait_for(r"^READY", timeout=300)
         for _ in range(a.pairs):
-            for kind in ("criu", "threads"):
+            for kind in ("criu", "threads", "beside"):
                 keep(periodic(kind, w, work / "images", a.threads))
         if not a.no_restore:
             for kind in ("criu", "threads"):
@@ -168,7 +175,7 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for thp, gib in sorted({(r["thp"], r["gib"]) for r in rows}, key=lambda k: (k[0], k[1])):
         mine = [r for r in rows if (r["thp"], r["gib"]) == (thp, gib)]
-        for kind in ("criu", "threads"):
+        for kind in ("criu", "threads", "beside"):
             p = [r for r in mine if r["cycle"] == "periodic" and r["kind"] == kind]
             if p:
                 out.append(f"THP {thp:8} {gib:>4g} GiB {kind:7} stall/(C+R)     {stats([r['ratio'] for r in p])}  "
