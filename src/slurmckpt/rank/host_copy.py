@@ -13,7 +13,8 @@ process. At 8-32 GiB per GPU that copy is nearly all of the image, and criu dump
   (`--skip-pages`, our criu patch 0008): its image holds their mappings, not their bytes;
 - RESTORE, once criu has brought the tree back stopped: the files are written back into the restored
   processes (found by their pid inside the tree's PID namespace, which the restore keeps) before the GPU
-  restore reads them.
+  restore reads them. While criu restores, the files are read ahead into the page cache (`read_ahead`), so
+  the disk reads them beside criu's own images instead of after them.
 
 Each part is one more file of the rank's images: persisted, checksummed and unpacked like criu's own.
 `threads` 0 leaves the copy to criu, as before.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,28 @@ def _parts(entry: dict[str, Any]) -> tuple[list[str], int]:
     if "parts" not in entry:
         return [entry["file"]], max(1, sum(int(t) - int(s) for s, t in entry["ranges"]))
     return [str(n) for n in entry["parts"]], int(entry["part_size"])
+
+
+def read_ahead(entries: list[dict[str, Any]], images: Path) -> list[threading.Thread]:
+    """Starts reading every part file into the page cache, a thread each, and returns at once: copy_in then
+    finds their pages there. A part the kernel cannot read ahead (or a file that is missing) is left to
+    copy_in, which reads it and reports what is wrong."""
+    def one(path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError as e:
+            log.debug("reading %s ahead: %s", path, e)
+        finally:
+            os.close(fd)
+    threads = [threading.Thread(target=one, args=(images / name,), name="host-copy-ahead", daemon=True)
+               for e in entries for name in _parts(e)[0]]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def copy_in(entries: list[dict[str, Any]], images: Path, pids: list[int], threads: int,

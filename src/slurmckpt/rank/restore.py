@@ -3,7 +3,8 @@ RestoreState (context.py), the mirror of capture.py
 (docs/architecture.md, "Restore on requeue"):
 
     gpu-check (the target GPUs, before anything is unpacked or touched) -> unpack (verify the images into
-    staging: images.py) -> shared-files (files mapped shared with other ranks unchanged: sharing/ipc.py)
+    staging: images.py) -> host-copy-ahead (the GPU host copy's files start coming into the page cache,
+    beside what follows: host_copy.py) -> shared-files (files mapped shared with other ranks unchanged: sharing/ipc.py)
     -> output (the snapshot written back) -> truncate (files the tree writes cut back) -> shm (/dev/shm
     files written back: sharing/shm_files.py) -> handovers (stdio, batch script, PMI and srun stand-in
     sockets in the old ones' places) -> tcp-hold (TCP to other nodes held: sharing/crossnode.py) -> criu
@@ -178,6 +179,16 @@ def _criu(ctx: RankContext, st: RestoreState) -> None:
         raise
 
 
+def _read_host_copy_ahead(ctx: RankContext, st: RestoreState) -> None:
+    """As soon as the images are there: the saved host copy starts coming into the page cache, so the disk
+    reads it beside criu's own images rather than after them (restore-to-running, docs/gpu.md)."""
+    entries = list(_record(st).gpu.host_copy)
+    if st.replay or not entries:
+        return
+    assert st.images is not None
+    st.host_copy_ahead = host_copy.read_ahead(entries, st.images)
+
+
 def _host_copy_back(ctx: RankContext, st: RestoreState) -> None:
     """The GPU host copy the capture saved itself, back into the restored (stopped) processes before the
     GPU restore reads it (host_copy.py)."""
@@ -228,6 +239,7 @@ def _end_restored_tree(ctx: RankContext, st: RestoreState, timeout_s: float = 10
 RESTORE = Table("restore", (
     Stage("gpu-check", _gpu_check),
     Stage("unpack", _unpack),                      # its staging area goes either way (runner.py)
+    Stage("host-copy-ahead", _read_host_copy_ahead),
     Stage("shared-files", _shared_files),
     Stage("output", _output),
     Stage("truncate", _truncate),                  # a replayed batch step stops after `output`

@@ -129,6 +129,32 @@ def test_the_rank_s_entries_bring_the_copy_back_and_a_one_file_capture_still_res
             p.wait()
 
 
+def test_read_ahead_asks_the_kernel_for_every_part_of_every_entry_and_skips_what_is_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While criu restores, each part file (and the one file of a capture from before the parts) is read
+    into the page cache by a thread of its own; a file that is not there is left for copy_in to report."""
+    advised: list[tuple[str, int, int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        real_fadvise(fd, offset, length, advice)
+    monkeypatch.setattr(host_copy.os, "posix_fadvise", fadvise)
+    for name in ("host-copy-0.0.img", "host-copy-0.1.img", "host-copy-1.img"):
+        (tmp_path / name).write_bytes(b"x" * PAGE)
+    entries = [{"nspid": 5, "file": "host-copy-0.0.img", "parts": ["host-copy-0.0.img", "host-copy-0.1.img"],
+                "part_size": PAGE, "ranges": [[0, 2 * PAGE]]},
+               {"nspid": 6, "file": "host-copy-1.img", "ranges": [[0, PAGE]]},
+               {"nspid": 7, "file": "host-copy-2.0.img", "parts": ["host-copy-2.0.img"], "part_size": PAGE,
+                "ranges": [[0, PAGE]]}]
+    threads = host_copy.read_ahead(entries, tmp_path)
+    assert len(threads) == 4
+    for t in threads:
+        t.join(5)
+    assert sorted(advised) == sorted((str(tmp_path / n), 0, 0, os.POSIX_FADV_WILLNEED)
+                                     for n in ("host-copy-0.0.img", "host-copy-0.1.img", "host-copy-1.img"))
+
+
 def test_a_range_the_process_does_not_have_fails_the_copy_naming_pid_and_address(tmp_path: Path) -> None:
     src, address, _ = _child(4 * MiB, fill=True)
     try:

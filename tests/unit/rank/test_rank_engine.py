@@ -91,7 +91,7 @@ def test_the_named_tables_hold_their_stages_in_order_and_name_their_phases() -> 
     assert (PERIODIC_CAPTURE.reached, FINAL_CAPTURE.reached) == (Phase.CAPTURED, Phase.HANDED_OVER)
     assert RESUME.names == ("thaw", "gpu-restore", "gpu-unlock", "memory") and RESUME.settled
     assert all(s.undo is None for s in RESUME.stages + PERSIST.stages) and PERSIST.names == ("persist",)
-    assert RESTORE.names == ("gpu-check", "unpack", "shared-files", "output", "truncate", "shm", "handovers",
+    assert RESTORE.names == ("gpu-check", "unpack", "host-copy-ahead", "shared-files", "output", "truncate", "shm", "handovers",
                              "tcp-hold", "criu", "host-copy", "tcp-release", "gpu-restore")
     assert [s.name for s in RESTORE.stages if s.undo] == ["tcp-hold", "criu"]
     assert RestoreState(1).phase is Phase.RESTORING and (RESTORE.running, RESTORE.reached) == (
