@@ -12,7 +12,8 @@ through, per pair, one periodic capture of each kind (as RESUME runs it: the tre
 
 and then, per kind, one final capture restored with the page cache dropped (as on another node):
 
-  restore    = criu restore -> [threads: the host copy back in] -> GPU restore + unlock
+  restore    = criu restore -> [threads: the host copy back in] -> GPU restore + unlock; ahead: the threads'
+               host copy read ahead into the page cache while criu restores, as slurmckpt's restore does
   floor      = reading the image's bytes from the disk (the page cache dropped again) + R
 
 Beside them: the disk's write of the image bytes (dd, fdatasync) and its read. Prints one JSON line per
@@ -108,7 +109,7 @@ def final_and_restore(kind: str, w: harness.Workload, images: Path, threads: int
     stage, copies, c = gpu_capture(w.tree())
     record = stage.record()
     entries, skip = [], []
-    if kind == "threads":
+    if kind in ("threads", "ahead"):
         entries, skip, _ = host_copy.copy_out(copies, images, threads)
     harness.dump(w.pid, images, extra=[a for pid, s, e in skip for a in ("--skip-pages", f"{pid}:{s:x}-{e:x}")])
     size = w.log.stat().st_size
@@ -117,6 +118,8 @@ def final_and_restore(kind: str, w: harness.Workload, images: Path, threads: int
     rd = read_floor(images)
     harness.drop_caches()
     t0 = time.monotonic()
+    if kind == "ahead":        # as slurmckpt's restore does: the host copy read ahead beside criu's reads
+        host_copy.read_ahead(entries, images)
     pid, criu_s = harness.restore(images)     # its CUDA calls wait until the GPU restore and unlock
     w.adopt(pid)
     copy_s = host_copy.copy_in(entries, images, harness.proctree.descendants(pid), threads) if entries else 0.0
@@ -154,7 +157,7 @@ def bench(gib: float, thp: str, a: argparse.Namespace, driver) -> list[dict]:
             for kind in ("criu", "threads", "beside"):
                 keep(periodic(kind, w, work / "images", a.threads))
         if not a.no_restore:
-            for kind in ("criu", "threads"):
+            for kind in ("criu", "threads", "ahead"):
                 keep(final_and_restore(kind, w, work / "images", a.threads, driver))
         image = max(r["image_bytes"] for r in rows)
         keep({"cycle": "disk", "write_floor_s": write_floor(work / "floor.bin", image), "bytes": image})
@@ -175,7 +178,7 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for thp, gib in sorted({(r["thp"], r["gib"]) for r in rows}, key=lambda k: (k[0], k[1])):
         mine = [r for r in rows if (r["thp"], r["gib"]) == (thp, gib)]
-        for kind in ("criu", "threads", "beside"):
+        for kind in ("criu", "threads", "beside", "ahead"):
             p = [r for r in mine if r["cycle"] == "periodic" and r["kind"] == kind]
             if p:
                 out.append(f"THP {thp:8} {gib:>4g} GiB {kind:7} stall/(C+R)     {stats([r['ratio'] for r in p])}  "
