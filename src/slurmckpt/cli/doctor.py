@@ -215,7 +215,7 @@ def check_node(r: Report, cfg: Config) -> None:
     agents = running_agents()
     r.add(True, "agents running here", ", ".join(f"{a['task']} (pid {a['pid']})" for a in agents) or "none")
     from slurmckpt.cuda.inventory import doctor_checks
-    for gpu_ok, what, detail in doctor_checks():    # GPU nodes only (docs/gpu.md)
+    for gpu_ok, what, detail in doctor_checks(staging=Path(cfg.staging_dir)):    # GPU nodes only (docs/gpu.md)
         r.add(gpu_ok, what, detail)
 
 

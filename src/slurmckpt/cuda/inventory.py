@@ -207,9 +207,10 @@ def thp_check(path: Path = THP_ENABLED) -> tuple[bool | None, str, str]:
 
 def doctor_checks(device: Path = Path("/dev/nvidiactl"),
                   inventory: Callable[[], GpuInventory] = load_inventory,
-                  thp: Path = THP_ENABLED) -> list[tuple[bool | None, str, str]]:
+                  thp: Path = THP_ENABLED, staging: Path | None = None) -> list[tuple[bool | None, str, str]]:
     """`slurmckpt doctor`'s GPU lines: (ok, what, detail), ok None for a warning. None on a node without the
-    NVIDIA driver."""
+    NVIDIA driver. With `staging` (the config's staging_dir), whether the GPUs' memory fits under the node's
+    writeback limit (node/writeback.py)."""
     if not device.exists():
         return []
     try:
@@ -223,4 +224,7 @@ def doctor_checks(device: Path = Path("/dev/nvidiactl"),
         out.append((not gpu.mig_enabled, f"GPU {gpu.index}", line + (" (MIG GPUs cannot be checkpointed)"
                                                                        if gpu.mig_enabled else "")))
     out.append(thp_check(thp))
+    if staging is not None:
+        from slurmckpt.node import writeback
+        out.append(writeback.check(sum(g.memory_total for g in inv.gpus), staging))
     return out

@@ -296,3 +296,8 @@ def meminfo() -> dict[str, int]:
             if parts and parts[0].isdigit():
                 out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
+
+
+def vm_setting(name: str) -> int:
+    """/proc/sys/vm/<name> as a number (e.g. dirty_ratio, dirty_bytes)."""
+    return int((_root / "sys" / "vm" / name).read_text().split()[0])
