@@ -135,6 +135,24 @@ static int end_cgroup(int dirfd, int *killed)
 	return (left > 0 ? -1 : 0);
 }
 
+/*
+ * rmdir of a tree cgroup just ended. Its killed processes may still be on
+ * their way out, on a busy node longer than end_cgroup() watched them, and the
+ * cgroup stays busy until they are gone (seen: one left behind, for the node's
+ * gc to find), so EBUSY is tried again for up to ROUNDS x ROUND_MS.
+ */
+static int remove_ended(int rootfd, const char *name)
+{
+	int round;
+
+	for (round = 0; unlinkat(rootfd, name, AT_REMOVEDIR) < 0; round++) {
+		if (errno != EBUSY || round >= ROUNDS)
+			return (-1);
+		pause_ms(ROUND_MS);
+	}
+	return (0);
+}
+
 /* <job>.<step>.<rank>.<restart>: the given task's tree, at any start. */
 static bool names_task(const char *name, const char *prefix)
 {
@@ -178,8 +196,8 @@ int tree_end(const char *const roots[], uint32_t job, const char *step, uint32_t
 					   killed, roots[i], e->d_name);
 			}
 			close(fd);
-			/* Emptied: ours to remove (the agent, if still there, finds it gone). */
-			if (unlinkat(rootfd, e->d_name, AT_REMOVEDIR) < 0 && errno != ENOENT && errno != EBUSY)
+			/* Ended: ours to remove (the agent, if still there, finds it gone). */
+			if (remove_ended(rootfd, e->d_name) < 0 && errno != ENOENT)
 				slurm_error("slurmckpt: task_exit: rmdir %s/%s: %m", roots[i], e->d_name);
 		}
 		closedir(d);
