@@ -5,7 +5,6 @@ an `EpochState`, what the engine keeps of any table's run (engine.py) and where 
 A stage reads the context and writes only the state it is typed on."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -164,4 +163,3 @@ class RestoreState(EpochState):
     hold: Hold | None = None                              # TCP to other nodes held until both ends are back
     held: list[Any] = field(default_factory=list)              # TCP between ranks of this node, held likewise
     pid: int | None = None                                # the restored root
-    host_copy_ahead: list[threading.Thread] = field(default_factory=list)    # reading the host copy ahead

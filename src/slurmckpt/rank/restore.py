@@ -186,7 +186,7 @@ def _read_host_copy_ahead(ctx: RankContext, st: RestoreState) -> None:
     if st.replay or not entries:
         return
     assert st.images is not None
-    st.host_copy_ahead = host_copy.read_ahead(entries, st.images)
+    host_copy.read_ahead(entries, st.images)      # its threads end on their own; copy_in never waits for them
 
 
 def _host_copy_back(ctx: RankContext, st: RestoreState) -> None:
